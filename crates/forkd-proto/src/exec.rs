@@ -1,0 +1,171 @@
+//! Running commands in the guest.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// What to run: an argv vector (no shell) or a string for `/bin/sh -c`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Command {
+    /// `argv[0]` is looked up in `PATH`.
+    Argv(Vec<String>),
+    /// Run through `/bin/sh -c`.
+    Shell(String),
+}
+
+impl Command {
+    /// The argv the guest executes.
+    pub fn to_argv(&self) -> Vec<String> {
+        match self {
+            Command::Argv(v) => v.clone(),
+            Command::Shell(s) => vec!["/bin/sh".into(), "-c".into(), s.clone()],
+        }
+    }
+}
+
+/// A command to run, foreground (`/v1/exec`) or background (`/v1/processes`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ExecRequest {
+    /// The program and its arguments.
+    pub command: Command,
+    /// Variables added to (or replacing those of) the agent's default environment.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory; `/` by default.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Kill the command (its whole process group) after this many milliseconds.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// Foreground only: the request body carries stdin. When false stdin is `/dev/null`.
+    #[serde(default)]
+    pub stdin: bool,
+}
+
+impl ExecRequest {
+    /// A request for `command` with no env, cwd, timeout or stdin.
+    pub fn new(command: Command) -> Self {
+        ExecRequest {
+            command,
+            env: BTreeMap::new(),
+            cwd: None,
+            timeout_ms: None,
+            stdin: false,
+        }
+    }
+}
+
+/// How a command ended.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ExitStatus {
+    /// Exit code, when the process exited normally.
+    pub code: Option<i32>,
+    /// Signal number, when a signal ended it.
+    pub signal: Option<i32>,
+    /// True when the agent killed it because `timeout_ms` passed.
+    pub timed_out: bool,
+    /// Wall time from spawn to exit, in milliseconds.
+    pub duration_ms: u64,
+}
+
+impl ExitStatus {
+    /// The exit code a shell would report: the code, or 128 + signal.
+    pub fn shell_code(&self) -> i32 {
+        match (self.code, self.signal) {
+            (Some(c), _) => c,
+            (None, Some(s)) => 128 + s,
+            (None, None) => 255,
+        }
+    }
+
+    /// True for exit code 0 without a timeout.
+    pub fn success(&self) -> bool {
+        self.code == Some(0) && !self.timed_out
+    }
+}
+
+/// Events in an exec response stream, carried in `Json` frames.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum ExecEvent {
+    /// The process was spawned.
+    Started {
+        /// Its pid in the guest.
+        pid: u32,
+    },
+    /// The process ended; no frame follows.
+    Exited(ExitStatus),
+    /// The command could not run (or the agent failed); no frame follows.
+    Error(crate::ErrorDetail),
+}
+
+/// A background process as the agent tracks it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ProcessInfo {
+    /// The agent's id for it (not the pid: pids are reused).
+    pub id: u64,
+    /// Its pid in the guest.
+    pub pid: u32,
+    /// What was run.
+    pub argv: Vec<String>,
+    /// Milliseconds since the Unix epoch (guest clock) when it started.
+    pub started_at_ms: u64,
+    /// Set once it has ended.
+    pub exit: Option<ExitStatus>,
+    /// Output captured so far (the last [`BACKGROUND_OUTPUT_LIMIT`] bytes), lossy UTF-8.
+    #[serde(default)]
+    pub stdout: String,
+    /// Like `stdout`.
+    #[serde(default)]
+    pub stderr: String,
+}
+
+/// How many bytes of a background process's stdout and of its stderr the agent keeps.
+pub const BACKGROUND_OUTPUT_LIMIT: usize = 1 << 20;
+
+/// Body of `POST /v1/processes/{id}/signal`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SignalRequest {
+    /// Signal number (e.g. 15 for SIGTERM), sent to the process group.
+    pub signal: i32,
+}
+
+/// Query of `POST /v1/processes/{id}/wait`.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WaitQuery {
+    /// Give up waiting after this many milliseconds (the process keeps running).
+    pub timeout_ms: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exec_request_round_trips() {
+        let mut r = ExecRequest::new(Command::Shell("echo hi".into()));
+        r.env.insert("A".into(), "b".into());
+        r.timeout_ms = Some(5);
+        let j = serde_json::to_string(&r).unwrap();
+        assert!(j.contains(r#""command":{"shell":"echo hi"}"#), "{j}");
+        assert_eq!(serde_json::from_str::<ExecRequest>(&j).unwrap(), r);
+        let minimal: ExecRequest = serde_json::from_str(r#"{"command":{"argv":["ls"]}}"#).unwrap();
+        assert_eq!(minimal, ExecRequest::new(Command::Argv(vec!["ls".into()])));
+    }
+
+    #[test]
+    fn exit_codes() {
+        let s = ExitStatus {
+            code: None,
+            signal: Some(9),
+            timed_out: true,
+            duration_ms: 1,
+        };
+        assert_eq!(s.shell_code(), 137);
+        assert!(!s.success());
+        let e = ExecEvent::Exited(s);
+        let j = serde_json::to_string(&e).unwrap();
+        assert!(j.starts_with(r#"{"event":"exited""#), "{j}");
+        assert_eq!(serde_json::from_str::<ExecEvent>(&j).unwrap(), e);
+    }
+}

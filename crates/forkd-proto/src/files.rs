@@ -1,0 +1,82 @@
+//! File operations in the guest.
+
+use serde::{Deserialize, Serialize};
+
+/// What kind of thing a path names.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum FileKind {
+    /// A regular file.
+    File,
+    /// A directory.
+    Dir,
+    /// A symbolic link (not followed by stat or list).
+    Symlink,
+    /// A device, socket or fifo.
+    Other,
+}
+
+/// Metadata of one path.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FileStat {
+    /// The absolute path.
+    pub path: String,
+    /// Its last component.
+    pub name: String,
+    /// File, dir, symlink or other.
+    pub kind: FileKind,
+    /// Size in bytes.
+    pub size: u64,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    /// Modification time, milliseconds since the Unix epoch.
+    pub mtime_ms: i64,
+}
+
+/// Query naming one path (`?path=/etc/hostname`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PathQuery {
+    /// An absolute path in the guest.
+    pub path: String,
+}
+
+/// Query of a file write.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WriteQuery {
+    /// An absolute path in the guest; the file is replaced atomically (written next to it,
+    /// then renamed).
+    pub path: String,
+    /// Permission bits of the new file; 0o644 by default.
+    #[serde(default)]
+    pub mode: Option<u32>,
+    /// Create missing parent directories.
+    #[serde(default)]
+    pub parents: bool,
+}
+
+/// Body of `POST /v1/files/mkdir`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct MkdirRequest {
+    /// Directory to create, with its missing parents; an existing directory is fine.
+    pub path: String,
+}
+
+/// Body of `POST /v1/files/remove`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RemoveRequest {
+    /// Path to remove.
+    pub path: String,
+    /// Remove a directory and everything in it. Without it a non-empty directory is
+    /// refused with `directory_not_empty`.
+    #[serde(default)]
+    pub recursive: bool,
+}
+
+/// Body of `POST /v1/files/rename`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RenameRequest {
+    /// Existing path.
+    pub from: String,
+    /// New path (replaced if it is a file).
+    pub to: String,
+}
