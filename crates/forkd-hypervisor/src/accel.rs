@@ -1,0 +1,168 @@
+//! Choosing the accelerator: KVM where the CPU really has hardware virtualisation, TCG
+//! (QEMU's software emulation) everywhere else.
+//!
+//! `/dev/kvm` existing is not enough: some hosts expose a software KVM (kvm_pvm) that
+//! cannot run a Linux guest. So `auto` takes KVM only when `/proc/cpuinfo` reports vmx or
+//! svm *and* `/dev/kvm` opens read-write.
+
+use crate::HypervisorError;
+use std::fmt;
+use std::str::FromStr;
+
+/// The accelerator a VM runs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accel {
+    /// Hardware virtualisation through /dev/kvm.
+    Kvm,
+    /// QEMU's software emulation.
+    Tcg,
+}
+
+impl Accel {
+    /// The value of QEMU's `-accel`.
+    pub fn qemu_name(self) -> &'static str {
+        match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        }
+    }
+}
+
+impl fmt::Display for Accel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.qemu_name())
+    }
+}
+
+/// What the user asked for (`--accel auto|kvm|tcg`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AccelChoice {
+    /// KVM where usable, else TCG.
+    #[default]
+    Auto,
+    /// KVM or fail.
+    Kvm,
+    /// TCG always.
+    Tcg,
+}
+
+impl FromStr for AccelChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(AccelChoice::Auto),
+            "kvm" => Ok(AccelChoice::Kvm),
+            "tcg" => Ok(AccelChoice::Tcg),
+            other => Err(format!(
+                "unknown accelerator {other:?}: use auto, kvm or tcg"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for AccelChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            AccelChoice::Auto => "auto",
+            AccelChoice::Kvm => "kvm",
+            AccelChoice::Tcg => "tcg",
+        })
+    }
+}
+
+/// Whether KVM can run a guest here, and why (not).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvmProbe {
+    /// True when KVM is usable.
+    pub usable: bool,
+    /// One line saying why.
+    pub reason: String,
+}
+
+/// Checks the CPU flags and /dev/kvm.
+pub fn probe_kvm() -> KvmProbe {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    probe_kvm_from(&cpuinfo, || {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/kvm")
+            .map(|_| ())
+    })
+}
+
+fn probe_kvm_from(cpuinfo: &str, open_kvm: impl FnOnce() -> std::io::Result<()>) -> KvmProbe {
+    let has_flag = cpuinfo
+        .lines()
+        .filter(|l| l.starts_with("flags"))
+        .flat_map(|l| l.split_whitespace())
+        .any(|f| f == "vmx" || f == "svm");
+    if !has_flag {
+        return KvmProbe {
+            usable: false,
+            reason: "the CPU reports neither vmx nor svm in /proc/cpuinfo (no hardware \
+                     virtualisation, or it is not passed through to this machine)"
+                .into(),
+        };
+    }
+    match open_kvm() {
+        Ok(()) => KvmProbe {
+            usable: true,
+            reason: "the CPU has hardware virtualisation and /dev/kvm opens".into(),
+        },
+        Err(e) => KvmProbe {
+            usable: false,
+            reason: format!(
+                "the CPU has hardware virtualisation but /dev/kvm cannot be opened: {e}"
+            ),
+        },
+    }
+}
+
+/// Turns the user's choice into the accelerator to use.
+pub fn resolve(choice: AccelChoice) -> Result<Accel, HypervisorError> {
+    match choice {
+        AccelChoice::Tcg => Ok(Accel::Tcg),
+        AccelChoice::Auto => Ok(if probe_kvm().usable {
+            Accel::Kvm
+        } else {
+            Accel::Tcg
+        }),
+        AccelChoice::Kvm => {
+            let p = probe_kvm();
+            if p.usable {
+                Ok(Accel::Kvm)
+            } else {
+                Err(HypervisorError::KvmUnavailable(p.reason))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kvm_needs_the_cpu_flag_and_the_device() {
+        let no_flag = "processor\t: 0\nflags\t\t: fpu sse2 hypervisor\n";
+        let with_flag = "flags\t\t: fpu vmx sse2\n";
+        assert!(!probe_kvm_from(no_flag, || Ok(())).usable);
+        assert!(probe_kvm_from(with_flag, || Ok(())).usable);
+        let p = probe_kvm_from(with_flag, || {
+            Err(std::io::ErrorKind::PermissionDenied.into())
+        });
+        assert!(!p.usable);
+        assert!(p.reason.contains("/dev/kvm"));
+    }
+
+    #[test]
+    fn choices_parse() {
+        assert_eq!("auto".parse::<AccelChoice>(), Ok(AccelChoice::Auto));
+        assert!("hvf"
+            .parse::<AccelChoice>()
+            .unwrap_err()
+            .contains("auto, kvm or tcg"));
+        assert_eq!(resolve(AccelChoice::Tcg).unwrap(), Accel::Tcg);
+    }
+}

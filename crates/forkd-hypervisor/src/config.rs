@@ -1,0 +1,69 @@
+//! What a VM is made of, independent of the backend that runs it.
+
+use crate::Accel;
+use std::path::PathBuf;
+
+/// Where the guest's RAM lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MemoryBackend {
+    /// Anonymous memory owned by the hypervisor process.
+    Anonymous,
+    /// A file mapped as guest RAM. With `shared` the mapping is `MAP_SHARED` (a template:
+    /// once paused, the file *is* the RAM image); without, `MAP_PRIVATE` (a child: pages
+    /// are shared with the file copy-on-write).
+    File {
+        /// The RAM file (on tmpfs or a disk-backed filesystem).
+        path: PathBuf,
+        /// `MAP_SHARED` when true.
+        shared: bool,
+    },
+}
+
+/// Everything a backend needs to start one VM.
+#[derive(Debug, Clone)]
+pub struct VmConfig {
+    /// Sandbox id (used in process names and logs).
+    pub id: String,
+    /// Per-VM runtime directory: sockets and logs go here.
+    pub dir: PathBuf,
+    /// Guest kernel (bzImage).
+    pub kernel: PathBuf,
+    /// Initramfs (newc cpio).
+    pub initramfs: PathBuf,
+    /// Kernel command line.
+    pub cmdline: String,
+    /// The guest's root disk: a qcow2 overlay only this VM writes.
+    pub root_disk: PathBuf,
+    /// Number of vCPUs.
+    pub vcpus: u32,
+    /// Guest RAM in MiB.
+    pub memory_mib: u32,
+    /// Where the RAM lives.
+    pub memory: MemoryBackend,
+    /// KVM or TCG.
+    pub accel: Accel,
+    /// Enable the hypervisor's syscall filter (QEMU `-sandbox on,...`).
+    pub seccomp: bool,
+}
+
+impl VmConfig {
+    /// Unix socket of the guest agent's port.
+    pub fn agent_socket(&self) -> PathBuf {
+        self.dir.join("agent.sock")
+    }
+
+    /// Unix socket of QEMU's QMP monitor.
+    pub fn qmp_socket(&self) -> PathBuf {
+        self.dir.join("qmp.sock")
+    }
+
+    /// The guest's serial console, captured to a file.
+    pub fn console_log(&self) -> PathBuf {
+        self.dir.join("console.log")
+    }
+
+    /// The hypervisor's own stderr.
+    pub fn hypervisor_log(&self) -> PathBuf {
+        self.dir.join("qemu.log")
+    }
+}

@@ -1,0 +1,68 @@
+//! Errors of the hypervisor layer.
+
+use std::path::PathBuf;
+
+/// Something went wrong starting or driving a VM.
+#[derive(Debug, thiserror::Error)]
+pub enum HypervisorError {
+    /// could not start {program}: {source} (install it: apt-get install qemu-system-x86)
+    #[error("could not start {program}: {source} (install it: apt-get install qemu-system-x86)")]
+    Spawn {
+        /// The program that failed to start.
+        program: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// QEMU exited during start-up ({status}): {stderr}
+    #[error("QEMU exited during start-up ({status}): {stderr}")]
+    EarlyExit {
+        /// Exit status.
+        status: String,
+        /// The tail of QEMU's stderr.
+        stderr: String,
+    },
+    /// QEMU's control socket {path} did not answer within {secs} s
+    #[error("QEMU's control socket {} did not answer within {secs} s", path.display())]
+    QmpTimeout {
+        /// The QMP socket.
+        path: PathBuf,
+        /// How long we waited.
+        secs: u64,
+    },
+    /// QMP command {command} failed: {class}: {desc}
+    #[error("QMP command {command} failed: {class}: {desc}")]
+    Qmp {
+        /// The command.
+        command: String,
+        /// QEMU's error class.
+        class: String,
+        /// QEMU's description.
+        desc: String,
+    },
+    /// QMP connection lost ({0}); the VM has probably exited
+    #[error("QMP connection lost ({0}); the VM has probably exited")]
+    QmpClosed(String),
+    /// KVM was requested but cannot be used: {0}
+    #[error("KVM was requested but cannot be used: {0}")]
+    KvmUnavailable(String),
+    /// invalid VM configuration: {0}
+    #[error("invalid VM configuration: {0}")]
+    Config(String),
+    /// {context}: {source}
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+}
+
+impl HypervisorError {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        HypervisorError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! The QEMU command line for a forkd microVM.
+//!
+//! `-M microvm` with ACPI on: Debian's cloud kernel finds virtio-mmio devices only through
+//! ACPI (it is built without `virtio_mmio.device=` support). `-nodefaults` and
+//! `-no-user-config` keep QEMU from adding devices nobody asked for; `-no-reboot` turns a
+//! guest reboot (and a panic, with `panic=-1`) into QEMU exiting.
+
+use crate::{Accel, MemoryBackend, VmConfig};
+use std::ffi::OsString;
+
+/// QEMU's seccomp filter: deny obsolete syscalls, privilege changes, spawning processes and
+/// resource-control calls. Measured to work with TCG.
+pub const SECCOMP: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
+
+/// Id of the guest-RAM memory backend object.
+pub const MEMORY_ID: &str = "mem";
+
+/// Builds the argument vector (without the program name).
+pub fn build(config: &VmConfig) -> Vec<OsString> {
+    let mut args = Args::default();
+    let mut machine = String::from("microvm,acpi=on,pit=on,pic=on,rtc=on");
+    if !matches!(config.memory, MemoryBackend::Anonymous) {
+        machine.push_str(",memory-backend=");
+        machine.push_str(MEMORY_ID);
+    }
+    args.push("-M").push(machine);
+    match config.accel {
+        Accel::Kvm => args.push("-accel").push("kvm").push("-cpu").push("host"),
+        Accel::Tcg => args.push("-accel").push("tcg").push("-cpu").push("max"),
+    };
+    args.push("-m").push(format!("{}M", config.memory_mib));
+    args.push("-smp").push(config.vcpus.to_string());
+    if let MemoryBackend::File { path, shared } = &config.memory {
+        let mut obj = OsString::from(format!(
+            "memory-backend-file,id={MEMORY_ID},size={}M,share={},mem-path=",
+            config.memory_mib,
+            if *shared { "on" } else { "off" }
+        ));
+        obj.push(escape(path.as_os_str()));
+        args.push("-object").push(obj);
+    }
+    args.push("-nodefaults")
+        .push("-no-user-config")
+        .push("-display")
+        .push("none")
+        .push("-no-reboot");
+    args.push("-name")
+        .push(format!("forkd-{},process=forkd-{}", config.id, config.id));
+    let mut serial = OsString::from("file:");
+    serial.push(config.console_log().as_os_str());
+    args.push("-serial").push(serial);
+    args.push("-kernel").push(config.kernel.as_os_str());
+    args.push("-initrd").push(config.initramfs.as_os_str());
+    args.push("-append").push(config.cmdline.as_str());
+
+    let mut drive = OsString::from("id=root,format=qcow2,if=none,cache=unsafe,file=");
+    // cache=unsafe: the overlay is a throwaway per-sandbox layer; its durability is the
+    // snapshot layer's business, and skipping flushes keeps guest fsyncs cheap.
+    drive.push(escape(config.root_disk.as_os_str()));
+    args.push("-drive").push(drive);
+    args.push("-device").push("virtio-blk-device,drive=root");
+
+    args.push("-device")
+        .push("virtio-serial-device,max_ports=2");
+    let mut chardev = OsString::from("socket,id=agent0,server=on,wait=off,path=");
+    chardev.push(escape(config.agent_socket().as_os_str()));
+    args.push("-chardev").push(chardev);
+    args.push("-device").push(format!(
+        "virtserialport,chardev=agent0,name={}",
+        forkd_proto::AGENT_PORT_NAME
+    ));
+
+    let mut qmp = OsString::from("unix:");
+    qmp.push(escape(config.qmp_socket().as_os_str()));
+    qmp.push(",server=on,wait=off");
+    args.push("-qmp").push(qmp);
+    if config.seccomp {
+        args.push("-sandbox").push(SECCOMP);
+    }
+    args.0
+}
+
+/// QEMU option values use `,` as a separator; a literal comma is written twice.
+fn escape(s: &std::ffi::OsStr) -> OsString {
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    let mut out = Vec::with_capacity(s.len());
+    for &b in s.as_bytes() {
+        out.push(b);
+        if b == b',' {
+            out.push(b',');
+        }
+    }
+    OsString::from_vec(out)
+}
+
+#[derive(Default)]
+struct Args(Vec<OsString>);
+
+impl Args {
+    fn push(&mut self, a: impl Into<OsString>) -> &mut Self {
+        self.0.push(a.into());
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn config() -> VmConfig {
+        VmConfig {
+            id: "sb-1".into(),
+            dir: PathBuf::from("/run/x,y"),
+            kernel: "/k".into(),
+            initramfs: "/i".into(),
+            cmdline: "console=ttyS0".into(),
+            root_disk: "/run/x,y/root.qcow2".into(),
+            vcpus: 2,
+            memory_mib: 512,
+            memory: MemoryBackend::Anonymous,
+            accel: Accel::Tcg,
+            seccomp: true,
+        }
+    }
+
+    fn joined(c: &VmConfig) -> String {
+        build(c)
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    #[test]
+    fn microvm_with_acpi_and_the_agent_port() {
+        let s = joined(&config());
+        assert!(s.starts_with("-M microvm,acpi=on"), "{s}");
+        assert!(s.contains("-accel tcg -cpu max -m 512M -smp 2"), "{s}");
+        assert!(s.contains("-nodefaults -no-user-config"), "{s}");
+        assert!(
+            s.contains("virtserialport,chardev=agent0,name=agent"),
+            "{s}"
+        );
+        assert!(s.contains(&format!("-sandbox {SECCOMP}")), "{s}");
+        // Commas in paths are doubled so QEMU does not split on them.
+        assert!(s.contains("file=/run/x,,y/root.qcow2"), "{s}");
+        assert!(!s.contains("memory-backend"), "{s}");
+    }
+
+    #[test]
+    fn file_backed_memory() {
+        let mut c = config();
+        c.accel = Accel::Kvm;
+        c.seccomp = false;
+        c.memory = MemoryBackend::File {
+            path: "/dev/shm/ram".into(),
+            shared: false,
+        };
+        let s = joined(&c);
+        assert!(s.contains("memory-backend=mem"), "{s}");
+        assert!(s.contains("-accel kvm -cpu host"), "{s}");
+        assert!(
+            s.contains("memory-backend-file,id=mem,size=512M,share=off,mem-path=/dev/shm/ram"),
+            "{s}"
+        );
+        assert!(!s.contains("-sandbox"), "{s}");
+    }
+}

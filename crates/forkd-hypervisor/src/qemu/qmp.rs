@@ -1,0 +1,182 @@
+//! A small QMP client: QEMU's JSON control protocol over a unix socket.
+//!
+//! One reader task owns the socket's read half and routes each `{"return"|"error", "id"}`
+//! to the command waiting for it; asynchronous events are kept in a broadcast channel.
+//! Written here rather than taken from a crate: the part forkd needs is a page of code,
+//! and the crates on offer pull in a generated binding of the whole QAPI schema.
+
+use crate::HypervisorError;
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::unix::OwnedWriteHalf;
+use tokio::net::UnixStream;
+use tokio::sync::{broadcast, oneshot};
+
+type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Value, HypervisorError>>>>>;
+
+/// A connected, capability-negotiated QMP session.
+pub struct Qmp {
+    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    pending: Pending,
+    next_id: AtomicU64,
+    events: broadcast::Sender<Value>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Qmp {
+    /// Connects to the QMP socket at `path`, retrying until `timeout` while QEMU creates
+    /// it, and negotiates capabilities. `alive` is polled between retries so that a QEMU
+    /// that died is reported at once instead of after the timeout.
+    pub async fn connect(
+        path: &Path,
+        timeout: Duration,
+        mut alive: impl FnMut() -> Result<(), HypervisorError>,
+    ) -> Result<Qmp, HypervisorError> {
+        let deadline = Instant::now() + timeout;
+        let stream = loop {
+            match UnixStream::connect(path).await {
+                Ok(s) => break s,
+                Err(e) if Instant::now() < deadline => {
+                    tracing::trace!("QMP not up yet: {e}");
+                    alive()?;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                Err(_) => {
+                    alive()?;
+                    return Err(HypervisorError::QmpTimeout {
+                        path: path.to_owned(),
+                        secs: timeout.as_secs(),
+                    });
+                }
+            }
+        };
+        let (read, write) = stream.into_split();
+        let mut lines = BufReader::new(read).lines();
+        let greeting = tokio::time::timeout_at(deadline.into(), lines.next_line())
+            .await
+            .map_err(|_| HypervisorError::QmpTimeout {
+                path: path.to_owned(),
+                secs: timeout.as_secs(),
+            })?
+            .map_err(|e| HypervisorError::QmpClosed(e.to_string()))?
+            .ok_or_else(|| HypervisorError::QmpClosed("no greeting".into()))?;
+        if !greeting.contains("\"QMP\"") {
+            return Err(HypervisorError::QmpClosed(format!(
+                "unexpected greeting: {greeting}"
+            )));
+        }
+        let pending: Pending = Arc::default();
+        let (events, _) = broadcast::channel(64);
+        let reader = tokio::spawn(read_loop(lines, pending.clone(), events.clone()));
+        let qmp = Qmp {
+            writer: tokio::sync::Mutex::new(write),
+            pending,
+            next_id: AtomicU64::new(1),
+            events,
+            reader,
+        };
+        qmp.execute("qmp_capabilities", None).await?;
+        Ok(qmp)
+    }
+
+    /// Runs one command and returns its `return` value.
+    pub async fn execute(
+        &self,
+        command: &str,
+        arguments: Option<Value>,
+    ) -> Result<Value, HypervisorError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut msg = json!({ "execute": command, "id": id });
+        if let Some(args) = arguments {
+            msg["arguments"] = args;
+        }
+        let (tx, rx) = oneshot::channel();
+        lock(&self.pending).insert(id, tx);
+        let mut line = msg.to_string();
+        line.push('\n');
+        let write = async {
+            let mut w = self.writer.lock().await;
+            w.write_all(line.as_bytes()).await
+        };
+        if let Err(e) = write.await {
+            lock(&self.pending).remove(&id);
+            return Err(HypervisorError::QmpClosed(e.to_string()));
+        }
+        match rx.await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(HypervisorError::Qmp { class, desc, .. })) => Err(HypervisorError::Qmp {
+                command: command.to_owned(),
+                class,
+                desc,
+            }),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(HypervisorError::QmpClosed(format!(
+                "connection closed while {command} ran"
+            ))),
+        }
+    }
+
+    /// Subscribes to QMP events (`{"event": NAME, "data": ...}`) from now on.
+    pub fn events(&self) -> broadcast::Receiver<Value> {
+        self.events.subscribe()
+    }
+}
+
+impl Drop for Qmp {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while holding the lock cannot leave the map inconsistent (single inserts
+    // and removes), so a poisoned lock is still usable.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+async fn read_loop(
+    mut lines: tokio::io::Lines<BufReader<tokio::net::unix::OwnedReadHalf>>,
+    pending: Pending,
+    events: broadcast::Sender<Value>,
+) {
+    let reason = loop {
+        let line = match lines.next_line().await {
+            Ok(Some(l)) => l,
+            Ok(None) => break "QEMU closed the QMP socket".to_string(),
+            Err(e) => break e.to_string(),
+        };
+        let Ok(msg) = serde_json::from_str::<Value>(&line) else {
+            tracing::warn!("unparsable QMP line: {line}");
+            continue;
+        };
+        if msg.get("event").is_some() {
+            let _ = events.send(msg);
+            continue;
+        }
+        let Some(id) = msg.get("id").and_then(Value::as_u64) else {
+            continue;
+        };
+        let Some(tx) = lock(&pending).remove(&id) else {
+            continue;
+        };
+        let result = if let Some(ret) = msg.get("return") {
+            Ok(ret.clone())
+        } else {
+            let err = msg.get("error").cloned().unwrap_or(Value::Null);
+            Err(HypervisorError::Qmp {
+                command: String::new(),
+                class: err["class"].as_str().unwrap_or("unknown").to_owned(),
+                desc: err["desc"].as_str().unwrap_or("no description").to_owned(),
+            })
+        };
+        let _ = tx.send(result);
+    };
+    for (_, tx) in lock(&pending).drain() {
+        let _ = tx.send(Err(HypervisorError::QmpClosed(reason.clone())));
+    }
+}
