@@ -1,1 +1,15 @@
-//! placeholder
+//! forkd's sandbox layer: boots a VM through the hypervisor trait, connects to its guest
+//! agent and keeps watch over it until it is torn down.
+//!
+//! - [`agent`]: the host side of the agent protocol (handshake, HTTP/2 client, calls).
+//! - [`sandbox`]: one sandbox's lifecycle: [`sandbox::Sandbox::boot`], calls guarded by the
+//!   liveness watchdog, [`sandbox::Sandbox::destroy`].
+
+pub mod agent;
+pub mod error;
+pub mod ids;
+pub mod sandbox;
+
+pub use agent::AgentClient;
+pub use error::SandboxError;
+pub use sandbox::{Sandbox, SandboxOptions};

@@ -1,1 +1,124 @@
-fn main() {}
+//! The `forkd` command line.
+
+mod bench;
+mod doctor;
+mod image;
+mod run;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use forkd_image::Home;
+use std::path::PathBuf;
+
+/// forkd: microVM sandboxes for AI agents.
+#[derive(Parser)]
+#[command(name = "forkd", version, about, propagate_version = true)]
+struct Cli {
+    /// Data directory (guest assets, sandboxes). Default: /var/lib/forkd as root.
+    #[arg(long, global = true, env = "FORKD_HOME")]
+    home: Option<PathBuf>,
+    /// Log more (-v info, -vv debug); RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Boot a throwaway sandbox, run one command in it, stream its output and exit with
+    /// its exit code. Everything the sandbox made is removed afterwards.
+    Run(run::RunArgs),
+    /// Build or list the guest assets (kernel, initramfs, rootfs images).
+    #[command(subcommand)]
+    Image(image::ImageCommand),
+    /// Check that this host can run forkd, and say how to fix what is missing.
+    Doctor(doctor::DoctorArgs),
+    /// Measure forkd (ratios and medians taken in one run).
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    init_tracing(cli.verbose);
+    let home = cli.home.map(Home::new).unwrap_or_else(Home::from_env);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("forkd: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let result: Result<i32> = runtime.block_on(async move {
+        match cli.command {
+            Command::Run(args) => run::run(&home, args).await,
+            Command::Image(cmd) => image::run(&home, cmd).await.map(|()| 0),
+            Command::Doctor(args) => doctor::run(&home, args),
+            Command::Bench(cmd) => bench::run(&home, cmd).await.map(|()| 0),
+        }
+    });
+    // Shut the runtime down before exiting so that sandboxes' teardown tasks finish.
+    drop(runtime);
+    match result {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("forkd: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}
+
+fn init_tracing(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "info,forkd=info",
+        _ => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+}
+
+/// Arguments shared by every verb that boots a sandbox.
+#[derive(clap::Args, Debug, Clone)]
+pub struct VmArgs {
+    /// Root filesystem image.
+    #[arg(long, default_value = "minimal")]
+    image: forkd_image::RootfsImage,
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    vcpus: u32,
+    /// Guest memory in MiB.
+    #[arg(long = "memory", default_value_t = 512, value_parser = clap::value_parser!(u32).range(64..=65536))]
+    memory_mib: u32,
+    /// Accelerator: auto (KVM only where the CPU has vmx/svm), kvm or tcg.
+    #[arg(long, default_value = "auto")]
+    accel: forkd_hypervisor::AccelChoice,
+    /// Seconds the guest may take to boot until its agent answers.
+    #[arg(long, default_value_t = 120)]
+    boot_timeout: u64,
+    /// Seconds without an answer to a ping after which the guest is declared unresponsive.
+    #[arg(long, default_value_t = 30)]
+    agent_timeout: u64,
+}
+
+impl VmArgs {
+    fn options(&self) -> forkd_core::SandboxOptions {
+        forkd_core::SandboxOptions {
+            vcpus: self.vcpus,
+            memory_mib: self.memory_mib,
+            accel: self.accel,
+            boot_timeout: std::time::Duration::from_secs(self.boot_timeout),
+            agent_timeout: std::time::Duration::from_secs(self.agent_timeout.max(1)),
+            seccomp: true,
+        }
+    }
+}

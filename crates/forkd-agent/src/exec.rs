@@ -1,0 +1,388 @@
+//! `POST /v1/exec`: a foreground command whose stdin, stdout and stderr travel as frames
+//! in the request and response bodies. Also the spawning shared with background
+//! processes.
+
+use crate::children::{Children, Tracked};
+use crate::error::ApiError;
+use crate::server::AppState;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use forkd_proto::exec::{ExecEvent, ExecRequest, ExitStatus};
+use forkd_proto::frame::{self, Decoder, Tag};
+use forkd_proto::ErrorCode;
+use http_body_util::BodyExt;
+use nix::sys::signal::Signal;
+use std::collections::BTreeMap;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, ChildStdin, Command};
+use tokio::sync::mpsc;
+
+/// Output is read and forwarded in chunks of at most this many bytes.
+pub const CHUNK: usize = 64 * 1024;
+
+/// Frames buffered between the output readers and the response body. Small, so a host
+/// that reads slowly stalls the readers (and so the command's pipe) instead of making
+/// the agent buffer without bound.
+const CHANNEL_FRAMES: usize = 16;
+
+/// After the agent killed a command's group, how long to wait for its output pipes to
+/// close: a process that left the group (its own `setsid`) may hold them open forever.
+const KILL_GRACE: Duration = Duration::from_secs(2);
+
+/// Content type of framed bodies (informational; the host does not need it).
+pub const FRAMES_CONTENT_TYPE: &str = "application/x-forkd-frames";
+
+/// A spawned command.
+pub struct Spawned {
+    /// The child process (pipes per the caller's choice).
+    pub child: Child,
+    /// Keeps the pid in the agent's own set until the child is waited for.
+    pub tracked: Tracked,
+    /// What was run.
+    pub argv: Vec<String>,
+    /// When it was spawned.
+    pub started: Instant,
+}
+
+/// Spawns `req` in its own session and process group, with the default environment plus
+/// `req.env`, in `req.cwd` (or `/`). stdout and stderr are pipes.
+pub fn spawn(
+    children: &Arc<Children>,
+    default_env: &BTreeMap<String, String>,
+    req: &ExecRequest,
+    stdin: Stdio,
+) -> Result<Spawned, ApiError> {
+    let argv = req.command.to_argv();
+    let Some(program) = argv.first() else {
+        return Err(ApiError::invalid("the command's argv is empty"));
+    };
+    let cwd = req.cwd.as_deref().unwrap_or("/");
+    // Checked beforehand because a failing chdir in the child surfaces as the same
+    // ENOENT as a missing program, and the two need different answers.
+    match std::fs::metadata(cwd) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(ApiError::new(
+                ErrorCode::NotADirectory,
+                format!("working directory is not a directory: {cwd}"),
+            ))
+        }
+        Err(e) => {
+            let err = ApiError::io(&e, cwd);
+            return Err(ApiError::new(
+                err.code,
+                format!("working directory unusable: {}", err.message),
+            ));
+        }
+    }
+    let mut cmd = Command::new(program);
+    cmd.args(&argv[1..])
+        .env_clear()
+        .envs(default_env)
+        .envs(&req.env)
+        .current_dir(cwd)
+        .stdin(stdin)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        // The agent kills the whole process group itself, when it means to.
+        .kill_on_drop(false);
+    // SAFETY: the closure runs in the forked child before exec; it only calls setsid(2),
+    // which is async-signal-safe, and allocates nothing (errno converts to io::Error
+    // without allocating).
+    unsafe {
+        cmd.pre_exec(|| {
+            nix::unistd::setsid().map_err(std::io::Error::from)?;
+            Ok(())
+        });
+    }
+    let started = Instant::now();
+    let (child, tracked) = children.spawn(&mut cmd).map_err(|e| {
+        ApiError::new(
+            ErrorCode::SpawnFailed,
+            format!("cannot start {program}: {e}"),
+        )
+    })?;
+    Ok(Spawned {
+        child,
+        tracked,
+        argv,
+        started,
+    })
+}
+
+/// Sends `sig` to the process group `pgid` (a child's pid, as every child is a session
+/// leader). A group that is already gone is not an error.
+pub fn kill_group(pgid: u32, sig: Signal) {
+    // pid 0 would mean the agent's own group: never.
+    let Ok(raw) = i32::try_from(pgid) else { return };
+    if raw <= 0 {
+        return;
+    }
+    let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(raw), sig);
+}
+
+/// The wire form of a child's exit status.
+pub fn exit_status(
+    status: std::process::ExitStatus,
+    timed_out: bool,
+    started: Instant,
+) -> ExitStatus {
+    use std::os::unix::process::ExitStatusExt;
+    ExitStatus {
+        code: status.code(),
+        signal: status.signal(),
+        timed_out,
+        duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+    }
+}
+
+/// Reads the first frame of an exec request body: the JSON header.
+async fn read_header(body: &mut Body, dec: &mut Decoder) -> Result<ExecRequest, ApiError> {
+    loop {
+        match dec.next_frame() {
+            Err(e) => return Err(ApiError::invalid(format!("malformed exec request: {e}"))),
+            Ok(Some(f)) if f.tag == Tag::Json => {
+                return serde_json::from_slice(&f.payload)
+                    .map_err(|e| ApiError::invalid(format!("malformed exec request header: {e}")))
+            }
+            Ok(Some(f)) => {
+                return Err(ApiError::invalid(format!(
+                    "the first frame of an exec request must be a JSON ExecRequest, not {:?}",
+                    f.tag
+                )))
+            }
+            Ok(None) => {}
+        }
+        match body.frame().await {
+            None => {
+                return Err(ApiError::invalid(
+                    "exec request body ended before its JSON header",
+                ))
+            }
+            Some(Err(e)) => {
+                return Err(ApiError::invalid(format!(
+                    "reading the exec request failed: {e}"
+                )))
+            }
+            Some(Ok(f)) => {
+                if let Ok(data) = f.into_data() {
+                    dec.push(&data);
+                }
+            }
+        }
+    }
+}
+
+/// `POST /v1/exec`.
+pub async fn exec(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let mut body = req.into_body();
+    let mut dec = Decoder::new();
+    let header = match read_header(&mut body, &mut dec).await {
+        Ok(h) => h,
+        Err(e) => return e.into_response(),
+    };
+    let (tx, rx) = mpsc::channel::<Bytes>(CHANNEL_FRAMES);
+    tokio::spawn(run(state, header, body, dec, tx));
+    let stream = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+    });
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, FRAMES_CONTENT_TYPE)],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+/// Runs one foreground command and streams its events into `tx`.
+async fn run(
+    state: Arc<AppState>,
+    req: ExecRequest,
+    body: Body,
+    dec: Decoder,
+    tx: mpsc::Sender<Bytes>,
+) {
+    let stdin = if req.stdin {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    };
+    let mut sp = match spawn(&state.children, &state.env, &req, stdin) {
+        Ok(sp) => sp,
+        Err(e) => {
+            let _ = tx
+                .send(frame::encode_json(&ExecEvent::Error(e.detail())))
+                .await;
+            return;
+        }
+    };
+    let pgid = sp.tracked.pid();
+    // If the host is already gone there is no one to run this for.
+    if tx
+        .send(frame::encode_json(&ExecEvent::Started { pid: pgid }))
+        .await
+        .is_err()
+    {
+        kill_group(pgid, Signal::SIGKILL);
+        let _ = sp.child.wait().await;
+        return;
+    }
+
+    let stdin_task = sp
+        .child
+        .stdin
+        .take()
+        .map(|w| tokio::spawn(forward_stdin(body, dec, w)));
+    let mut pumps = Pumps::default();
+    if let Some(r) = sp.child.stdout.take() {
+        pumps.spawn(pump(r, Tag::Stdout, tx.clone()));
+    }
+    if let Some(r) = sp.child.stderr.take() {
+        pumps.spawn(pump(r, Tag::Stderr, tx.clone()));
+    }
+
+    let deadline = req
+        .timeout_ms
+        .map(|ms| Instant::now() + Duration::from_millis(ms));
+    let timer = async {
+        match deadline {
+            Some(d) => tokio::time::sleep_until(d.into()).await,
+            None => std::future::pending().await,
+        }
+    };
+
+    enum Outcome {
+        Done(std::io::Result<std::process::ExitStatus>),
+        TimedOut,
+        HostGone,
+    }
+    let outcome = tokio::select! {
+        // The exit is reported only once both pipes hit EOF, so no output is lost.
+        r = async {
+            let status = sp.child.wait().await;
+            pumps.join().await;
+            status
+        } => Outcome::Done(r),
+        () = timer => Outcome::TimedOut,
+        () = tx.closed() => Outcome::HostGone,
+    };
+    if let Some(t) = stdin_task {
+        t.abort();
+    }
+
+    let event = match outcome {
+        Outcome::Done(Ok(status)) => ExecEvent::Exited(exit_status(status, false, sp.started)),
+        Outcome::Done(Err(e)) => ExecEvent::Error(
+            ApiError::new(
+                ErrorCode::Internal,
+                format!("waiting for {} failed: {e}", sp.argv[0]),
+            )
+            .detail(),
+        ),
+        Outcome::TimedOut => {
+            kill_group(pgid, Signal::SIGKILL);
+            let status = sp.child.wait().await;
+            // The group is dead; give what it wrote last a moment to drain.
+            let _ = tokio::time::timeout(KILL_GRACE, pumps.join()).await;
+            match status {
+                Ok(s) => ExecEvent::Exited(exit_status(s, true, sp.started)),
+                Err(e) => ExecEvent::Error(
+                    ApiError::new(
+                        ErrorCode::Internal,
+                        format!("waiting for {} failed: {e}", sp.argv[0]),
+                    )
+                    .detail(),
+                ),
+            }
+        }
+        Outcome::HostGone => {
+            kill_group(pgid, Signal::SIGKILL);
+            let _ = sp.child.wait().await;
+            return;
+        }
+    };
+    drop(pumps);
+    let _ = tx.send(frame::encode_json(&event)).await;
+    drop(sp.tracked);
+}
+
+/// The tasks copying a child's output. Dropping them aborts those still running.
+#[derive(Debug, Default)]
+pub struct Pumps(Vec<Option<tokio::task::JoinHandle<()>>>);
+
+impl Pumps {
+    /// Starts one.
+    pub fn spawn(&mut self, f: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.0.push(Some(tokio::spawn(f)));
+    }
+
+    /// Waits for all to finish. Cancel-safe: a task that finished is not awaited again
+    /// (a JoinHandle must not be polled after it completed).
+    pub async fn join(&mut self) {
+        for slot in &mut self.0 {
+            if let Some(h) = slot {
+                let _ = h.await;
+                *slot = None;
+            }
+        }
+    }
+}
+
+impl Drop for Pumps {
+    fn drop(&mut self) {
+        for h in self.0.iter().flatten() {
+            h.abort();
+        }
+    }
+}
+
+/// Forwards a stream of the command's output as frames of `tag`, in order.
+async fn pump(mut r: impl AsyncRead + Unpin, tag: Tag, tx: mpsc::Sender<Bytes>) {
+    let mut buf = vec![0u8; CHUNK];
+    loop {
+        match r.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                if tx.send(frame::encode(tag, &buf[..n])).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Copies `Stdin` frames from the request body to the child; the end of the body (or a
+/// malformed frame) closes the child's stdin.
+async fn forward_stdin(mut body: Body, mut dec: Decoder, mut w: ChildStdin) {
+    loop {
+        loop {
+            match dec.next_frame() {
+                Ok(Some(f)) if f.tag == Tag::Stdin => {
+                    // A child that closed its stdin is not an error: it just wants no more.
+                    if w.write_all(&f.payload).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(Some(_)) => {} // other tags carry nothing for stdin
+                Ok(None) => break,
+                Err(_) => return,
+            }
+        }
+        match body.frame().await {
+            None | Some(Err(_)) => return,
+            Some(Ok(f)) => {
+                if let Ok(data) = f.into_data() {
+                    dec.push(&data);
+                }
+            }
+        }
+    }
+}

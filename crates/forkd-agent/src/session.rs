@@ -1,0 +1,292 @@
+//! Agent sessions over one byte stream: scan for the host's greeting, answer it, serve
+//! HTTP/2 until the stream ends or breaks, and start over.
+//!
+//! The stream under a session is cut at every snapshot and restore, and a restored guest
+//! may still be inside the HTTP/2 session of the host it was snapshotted with when the new
+//! host's greeting arrives. Two things bring the agent back to scanning then:
+//! - the greeting read as HTTP/2 is a protocol error, which ends the connection; the last
+//!   bytes it read are scanned again, so the greeting is not lost;
+//! - if the greeting landed inside a frame the old session was still reading, no error
+//!   comes; but a host that sent its greeting sends nothing more until it is answered, so
+//!   a greeting at the very end of the input followed by [`HELLO_QUIET`] of silence ends
+//!   the old session too. (Uploaded data that ends in a well-formed greeting and is
+//!   followed by that much silence would trip it: the host would see its session reset.)
+
+use axum::Router;
+use forkd_proto::handshake::{find_hello, hello_keep, ready, HELLO_PREFIX, NONCE_LEN};
+use forkd_proto::io::Rewind;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::service::TowerToHyperService;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::sync::Notify;
+
+/// HTTP/2 flow-control windows: generous, because the channel is a single local stream
+/// and small windows would cost a round trip per few KiB of a large file or output.
+const STREAM_WINDOW: u32 = 4 << 20;
+const CONNECTION_WINDOW: u32 = 16 << 20;
+
+/// How many of the last bytes a session read are kept for a rescan.
+const TAIL_KEEP: usize = 4096;
+
+/// Silence after a greeting that ends the session it arrived in.
+pub const HELLO_QUIET: Duration = Duration::from_millis(200);
+
+/// A byte stream sessions run over.
+pub trait Channel: AsyncRead + AsyncWrite + Unpin + Send {
+    /// Called when a read returned end-of-file while no session is running. Returns once
+    /// reading is worth trying again, or false if the stream is gone for good.
+    fn idle(&mut self) -> impl Future<Output = bool> + Send;
+}
+
+impl Channel for tokio::net::UnixStream {
+    async fn idle(&mut self) -> bool {
+        false
+    }
+}
+
+/// Serves sessions on `io` until it is gone for good (never, for the virtio port).
+pub async fn serve_channel<C: Channel>(mut io: C, router: Router, label: &str) {
+    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    builder
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        // The host watches the session itself; a keep-alive ping would only be noise
+        // (and would fire across every pause of the VM).
+        .keep_alive_interval(None);
+    let mut pending = Vec::new();
+    let mut count: u64 = 0;
+    loop {
+        let Some((nonce, rest)) = scan(&mut io, std::mem::take(&mut pending)).await else {
+            return;
+        };
+        if let Err(e) = answer(&mut io, &nonce).await {
+            eprintln!("forkd-agent: {label}: answering the greeting failed: {e}");
+            if !io.idle().await {
+                return;
+            }
+            continue;
+        }
+        count += 1;
+        let tail = Arc::new(Tail::default());
+        let stream = Recorder {
+            inner: Rewind::new(rest, &mut io),
+            tail: Arc::clone(&tail),
+        };
+        let conn = builder.serve_connection(
+            TokioIo::new(stream),
+            TowerToHyperService::new(router.clone()),
+        );
+        let (why, rescan) = tokio::select! {
+            r = conn => match r {
+                Ok(()) => ("the host closed it".to_string(), false),
+                Err(e) => (error_chain(&e), true),
+            },
+            () = stale_hello(&tail) => ("a new greeting arrived".to_string(), true),
+        };
+        eprintln!("forkd-agent: {label}: session {count} ended: {why}");
+        if rescan {
+            pending = tail.bytes();
+        }
+    }
+}
+
+/// Reads until a greeting shows up; returns its nonce and the bytes after it. `buf`
+/// holds bytes to look at first. Returns `None` once the stream is gone for good.
+async fn scan<C: Channel>(io: &mut C, mut buf: Vec<u8>) -> Option<(String, Vec<u8>)> {
+    let mut chunk = vec![0u8; 4096];
+    loop {
+        if let Some((nonce, end)) = find_hello(&buf) {
+            return Some((nonce, buf.split_off(end)));
+        }
+        // Everything but a possible greeting's start is noise from an older session.
+        let keep = hello_keep(&buf);
+        buf.drain(..buf.len() - keep);
+        match io.read(&mut chunk).await {
+            Ok(0) => {
+                if !io.idle().await {
+                    return None;
+                }
+            }
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                eprintln!("forkd-agent: reading the agent channel failed: {e}");
+                if !io.idle().await {
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+/// An error with its causes: hyper's own message ("http2 error") says little alone.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
+}
+
+async fn answer<C: Channel>(io: &mut C, nonce: &str) -> io::Result<()> {
+    io.write_all(&ready(nonce)).await?;
+    io.flush().await
+}
+
+/// The last bytes a session read, and whether they end with a greeting.
+#[derive(Debug, Default)]
+struct Tail {
+    state: Mutex<TailState>,
+    greeting: Notify,
+}
+
+#[derive(Debug, Default)]
+struct TailState {
+    bytes: Vec<u8>,
+    reads: u64,
+}
+
+impl Tail {
+    fn lock(&self) -> std::sync::MutexGuard<'_, TailState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn record(&self, data: &[u8]) {
+        if data.is_empty() {
+            return;
+        }
+        let ends_with_hello = {
+            let mut st = self.lock();
+            st.reads += 1;
+            st.bytes.extend_from_slice(data);
+            let excess = st.bytes.len().saturating_sub(TAIL_KEEP);
+            st.bytes.drain(..excess);
+            ends_with_hello(&st.bytes)
+        };
+        if ends_with_hello {
+            self.greeting.notify_one();
+        }
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        self.lock().bytes.clone()
+    }
+
+    fn reads(&self) -> u64 {
+        self.lock().reads
+    }
+
+    fn ends_with_hello(&self) -> bool {
+        ends_with_hello(&self.lock().bytes)
+    }
+}
+
+fn ends_with_hello(buf: &[u8]) -> bool {
+    let total = HELLO_PREFIX.len() + NONCE_LEN + 1;
+    let Some(start) = buf.len().checked_sub(total) else {
+        return false;
+    };
+    matches!(find_hello(&buf[start..]), Some((_, end)) if end == total)
+}
+
+/// Resolves when the session's input ended with a greeting and then went quiet.
+async fn stale_hello(tail: &Tail) {
+    loop {
+        tail.greeting.notified().await;
+        let seen = tail.reads();
+        tokio::time::sleep(HELLO_QUIET).await;
+        if tail.reads() == seen && tail.ends_with_hello() {
+            return;
+        }
+    }
+}
+
+/// Passes IO through, remembering the last bytes read into a [`Tail`].
+struct Recorder<T> {
+    inner: T,
+    tail: Arc<Tail>,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Recorder<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = r {
+            self.tail.record(&buf.filled()[before..]);
+        }
+        r
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Recorder<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    /// Only flushes: the channel outlives the session, and the next session needs it
+    /// open in both directions (hyper shuts its IO down when a connection ends).
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use forkd_proto::handshake::hello;
+
+    const N: &str = "0123456789abcdef0123456789abcdef";
+
+    #[test]
+    fn greeting_at_the_end_is_seen() {
+        let mut buf = b"\x00\x00\x04\x08junk".to_vec();
+        assert!(!ends_with_hello(&buf));
+        buf.extend_from_slice(&hello(N));
+        assert!(ends_with_hello(&buf));
+        buf.push(b'x');
+        assert!(!ends_with_hello(&buf));
+    }
+
+    #[test]
+    fn tail_is_bounded() {
+        let t = Tail::default();
+        t.record(&vec![1u8; TAIL_KEEP * 3]);
+        t.record(&hello(N));
+        assert_eq!(t.bytes().len(), TAIL_KEEP);
+        assert!(t.ends_with_hello());
+        assert_eq!(t.reads(), 2);
+    }
+}

@@ -1,0 +1,165 @@
+//! Background processes against the real agent.
+
+mod common;
+
+use common::Agent;
+use forkd_proto::exec::{Command, ExecRequest, ProcessInfo};
+use forkd_proto::{ErrorBody, ErrorCode};
+use hyper::{Method, StatusCode};
+use serde_json::json;
+
+fn shell(s: &str) -> serde_json::Value {
+    serde_json::to_value(ExecRequest::new(Command::Shell(s.into()))).expect("json")
+}
+
+#[tokio::test]
+async fn start_list_wait_signal_and_kill() {
+    let agent = Agent::start().await;
+    let mut c = agent.connect().await;
+
+    let (status, quick): (_, ProcessInfo) = c
+        .json(
+            Method::POST,
+            "/v1/processes",
+            Some(shell("echo out; echo err >&2")),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, done): (_, ProcessInfo) = c
+        .json(
+            Method::POST,
+            &format!("/v1/processes/{}/wait", quick.id),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(done.exit.map(|e| e.code), Some(Some(0)));
+    assert_eq!(done.stdout, "out\n");
+    assert_eq!(done.stderr, "err\n");
+
+    let (_, sleeper): (_, ProcessInfo) = c
+        .json(
+            Method::POST,
+            "/v1/processes",
+            Some(shell("echo started; exec sleep 30")),
+        )
+        .await;
+    assert_eq!(sleeper.argv[0], "/bin/sh");
+    assert!(sleeper.exit.is_none());
+
+    // A wait that times out leaves it running.
+    let (status, waited): (_, ProcessInfo) = c
+        .json(
+            Method::POST,
+            &format!("/v1/processes/{}/wait?timeout_ms=100", sleeper.id),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(waited.exit.is_none());
+
+    let (_, all): (_, Vec<ProcessInfo>) = c.json(Method::GET, "/v1/processes", None).await;
+    let ids: Vec<u64> = all.iter().map(|p| p.id).collect();
+    assert_eq!(ids, vec![quick.id, sleeper.id]);
+
+    let (status, _): (_, ProcessInfo) = c
+        .json(
+            Method::POST,
+            &format!("/v1/processes/{}/signal", sleeper.id),
+            Some(json!({"signal": 15})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let (_, ended): (_, ProcessInfo) = c
+        .json(
+            Method::POST,
+            &format!("/v1/processes/{}/wait", sleeper.id),
+            None,
+        )
+        .await;
+    let exit = ended.exit.expect("ended");
+    assert_eq!(exit.signal, Some(15));
+    assert_eq!(ended.stdout, "started\n");
+
+    let (_, victim): (_, ProcessInfo) = c
+        .json(Method::POST, "/v1/processes", Some(shell("sleep 30")))
+        .await;
+    let (status, killed): (_, ProcessInfo) = c
+        .json(
+            Method::DELETE,
+            &format!("/v1/processes/{}", victim.id),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(killed.exit.and_then(|e| e.signal), Some(9));
+    let (status, err): (_, ErrorBody) = c
+        .json(Method::GET, &format!("/v1/processes/{}", victim.id), None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(err.error.code, ErrorCode::NotFound);
+
+    let (status, _): (_, ErrorBody) = c.json(Method::POST, "/v1/processes/999/wait", None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, _): (_, ErrorBody) = c.json(Method::DELETE, "/v1/processes/abc", None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, err): (_, ErrorBody) = c
+        .json(
+            Method::POST,
+            &format!("/v1/processes/{}/signal", quick.id),
+            Some(json!({"signal": 1000})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(err.error.code, ErrorCode::InvalidArgument);
+}
+
+#[tokio::test]
+async fn output_keeps_the_tail_and_timeouts_apply() {
+    let agent = Agent::start().await;
+    let mut c = agent.connect().await;
+    // 1.5 MiB of output: only the last 1 MiB is kept.
+    let (_, p): (_, ProcessInfo) = c
+        .json(
+            Method::POST,
+            "/v1/processes",
+            Some(shell("head -c 1572864 /dev/zero | tr '\\0' a; printf END")),
+        )
+        .await;
+    let (_, p): (_, ProcessInfo) = c
+        .json(Method::POST, &format!("/v1/processes/{}/wait", p.id), None)
+        .await;
+    assert_eq!(p.stdout.len(), forkd_proto::exec::BACKGROUND_OUTPUT_LIMIT);
+    assert!(p.stdout.ends_with("aaaEND"));
+
+    let mut req = ExecRequest::new(Command::Argv(vec!["sleep".into(), "30".into()]));
+    req.timeout_ms = Some(200);
+    let (_, p): (_, ProcessInfo) = c
+        .json(
+            Method::POST,
+            "/v1/processes",
+            Some(serde_json::to_value(req).expect("json")),
+        )
+        .await;
+    let (_, p): (_, ProcessInfo) = c
+        .json(Method::POST, &format!("/v1/processes/{}/wait", p.id), None)
+        .await;
+    let exit = p.exit.expect("ended");
+    assert!(exit.timed_out);
+    assert_eq!(exit.signal, Some(9));
+
+    // A program that does not exist is refused up front.
+    let (status, err): (_, ErrorBody) = c
+        .json(
+            Method::POST,
+            "/v1/processes",
+            Some(json!({"command": {"argv": ["/nonexistent/prog"]}})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(err.error.code, ErrorCode::SpawnFailed);
+    let (status, _): (_, ErrorBody) = c
+        .json(Method::POST, "/v1/processes", Some(json!({"nope": 1})))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+}

@@ -1,0 +1,82 @@
+//! Errors talking to the guest agent.
+
+use forkd_proto::ErrorCode;
+
+/// A call to the guest agent failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// cannot connect to the agent socket {path}: {source}
+    #[error("cannot connect to the agent socket {path}: {source}")]
+    Connect {
+        /// The socket.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// the guest agent did not answer the handshake within {secs} s
+    #[error("the guest agent did not answer the handshake within {secs} s")]
+    HandshakeTimeout {
+        /// How long we waited.
+        secs: u64,
+    },
+    /// the agent channel closed during the handshake (the VM probably exited)
+    #[error("the agent channel closed during the handshake (the VM probably exited)")]
+    HandshakeClosed,
+    /// the guest agent speaks protocol {guest}, this host speaks {host}: rebuild the guest assets (forkd image build)
+    #[error(
+        "the guest agent speaks protocol {guest}, this host speaks {host}: rebuild the guest \
+         assets (forkd image build --force)"
+    )]
+    ProtocolMismatch {
+        /// The guest's version.
+        guest: u32,
+        /// Ours.
+        host: u32,
+    },
+    /// agent connection failed: {0}
+    #[error("agent connection failed: {0}")]
+    Http(String),
+    /// the agent answered {status}: {message}
+    #[error("{message}")]
+    Agent {
+        /// HTTP status.
+        status: u16,
+        /// Error class.
+        code: ErrorCode,
+        /// The agent's message.
+        message: String,
+    },
+    /// malformed answer from the agent: {0}
+    #[error("malformed answer from the agent: {0}")]
+    Malformed(String),
+    /// the agent did not answer within {secs} s
+    #[error("the agent did not answer within {secs} s")]
+    Timeout {
+        /// How long we waited.
+        secs: u64,
+    },
+    /// {context}: {source}
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+}
+
+impl AgentError {
+    /// The agent's error code, when the agent itself refused the call.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            AgentError::Agent { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+impl From<hyper::Error> for AgentError {
+    fn from(e: hyper::Error) -> Self {
+        AgentError::Http(e.to_string())
+    }
+}

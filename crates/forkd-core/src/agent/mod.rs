@@ -1,0 +1,245 @@
+//! The host side of the agent protocol.
+//!
+//! [`AgentClient::connect`] opens the agent's unix socket, performs the
+//! [`forkd_proto::handshake`] and starts an HTTP/2 client over the stream; every call is one
+//! HTTP/2 request, so calls run concurrently over the single channel. The client is cheap to
+//! clone.
+
+mod error;
+mod exec;
+mod files;
+
+pub use error::AgentError;
+pub use exec::{ExecOutput, ExecResult, ExecStream, Stdin};
+pub use files::WriteOptions;
+
+use bytes::Bytes;
+use forkd_proto::{handshake, ErrorBody, PingResponse, PROTOCOL_VERSION};
+use http::{Method, Request, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+
+/// Body type of requests to the agent.
+pub type ReqBody = BoxBody<Bytes, std::io::Error>;
+
+/// A connected agent session.
+#[derive(Clone)]
+pub struct AgentClient {
+    sender: hyper::client::conn::http2::SendRequest<ReqBody>,
+    /// Aborts the connection task when the last clone goes.
+    _conn: Arc<ConnTask>,
+}
+
+struct ConnTask(tokio::task::JoinHandle<()>);
+
+impl Drop for ConnTask {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl AgentClient {
+    /// Connects to the agent behind `socket` and completes the handshake, waiting up to
+    /// `timeout` for the guest to answer (a booting guest answers once its agent is up).
+    pub async fn connect(socket: &Path, timeout: Duration) -> Result<AgentClient, AgentError> {
+        let mut stream =
+            UnixStream::connect(socket)
+                .await
+                .map_err(|source| AgentError::Connect {
+                    path: socket.display().to_string(),
+                    source,
+                })?;
+        let nonce = crate::ids::random_hex(handshake::NONCE_LEN / 2);
+        // The greeting is sent once: a guest that already answered it is speaking HTTP/2,
+        // and a second greeting would be garbage to it. If no answer comes, the caller
+        // reconnects, which gives the guest a clean EOF and a new nonce.
+        stream
+            .write_all(&handshake::hello(&nonce))
+            .await
+            .map_err(|source| AgentError::Io {
+                context: "sending the handshake".into(),
+                source,
+            })?;
+        let read_ready = async {
+            let mut buf = Vec::with_capacity(256);
+            let mut chunk = [0u8; 4096];
+            loop {
+                let n = stream
+                    .read(&mut chunk)
+                    .await
+                    .map_err(|source| AgentError::Io {
+                        context: "reading the handshake".into(),
+                        source,
+                    })?;
+                if n == 0 {
+                    return Err(AgentError::HandshakeClosed);
+                }
+                buf.extend_from_slice(&chunk[..n]);
+                if let handshake::ReadyScan::Found { protocol, end } =
+                    handshake::find_ready(&buf, &nonce)
+                {
+                    return Ok((protocol, buf.split_off(end)));
+                }
+                // Bytes before our answer are leftovers of an older session: drop them,
+                // keeping a tail that may hold the start of the answer.
+                if buf.len() > 64 * 1024 {
+                    buf.drain(..buf.len() - 256);
+                }
+            }
+        };
+        let (protocol, leftover) =
+            tokio::time::timeout(timeout, read_ready)
+                .await
+                .map_err(|_| AgentError::HandshakeTimeout {
+                    secs: timeout.as_secs(),
+                })??;
+        if protocol != PROTOCOL_VERSION {
+            return Err(AgentError::ProtocolMismatch {
+                guest: protocol,
+                host: PROTOCOL_VERSION,
+            });
+        }
+        let io = TokioIo::new(forkd_proto::io::Rewind::new(leftover, stream));
+        let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .initial_stream_window_size(4 << 20)
+            .initial_connection_window_size(16 << 20)
+            .max_frame_size(1 << 20)
+            .handshake(io)
+            .await?;
+        let task = tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!("agent connection ended: {e}");
+            }
+        });
+        Ok(AgentClient {
+            sender,
+            _conn: Arc::new(ConnTask(task)),
+        })
+    }
+
+    /// True once the underlying connection has closed.
+    pub fn is_closed(&self) -> bool {
+        self.sender.is_closed()
+    }
+
+    /// `GET /v1/ping`.
+    pub async fn ping(&self) -> Result<PingResponse, AgentError> {
+        self.get_json(forkd_proto::routes::PING).await
+    }
+
+    /// Asks the guest to sync its disks and stop (`POST /v1/shutdown`).
+    pub async fn shutdown(&self, poweroff: bool) -> Result<(), AgentError> {
+        let _: serde_json::Value = self
+            .post_json(
+                forkd_proto::routes::SHUTDOWN,
+                &forkd_proto::ShutdownRequest { poweroff },
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Sends one request and returns the response if its status is a success; an error
+    /// response is decoded into [`AgentError::Agent`].
+    pub(crate) async fn send(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        body: ReqBody,
+    ) -> Result<hyper::Response<Incoming>, AgentError> {
+        let req = Request::builder()
+            .method(method)
+            .uri(format!("http://agent{path_and_query}"))
+            .body(body)
+            .map_err(|e| AgentError::Malformed(format!("bad request for {path_and_query}: {e}")))?;
+        let mut sender = self.sender.clone();
+        sender.ready().await?;
+        let resp = sender.send_request(req).await?;
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        let status = resp.status();
+        let bytes = resp.into_body().collect().await?.to_bytes();
+        Err(match serde_json::from_slice::<ErrorBody>(&bytes) {
+            Ok(body) => AgentError::Agent {
+                status: status.as_u16(),
+                code: body.error.code,
+                message: body.error.message,
+            },
+            Err(_) => AgentError::Malformed(format!(
+                "{status} from {path_and_query}: {}",
+                String::from_utf8_lossy(&bytes)
+            )),
+        })
+    }
+
+    pub(crate) async fn get_json<T: DeserializeOwned>(&self, path: &str) -> Result<T, AgentError> {
+        let resp = self.send(Method::GET, path, empty()).await?;
+        read_json(resp).await
+    }
+
+    pub(crate) async fn post_json<B: Serialize, T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> Result<T, AgentError> {
+        let resp = self.send(Method::POST, path, json_body(body)).await?;
+        read_json(resp).await
+    }
+
+    pub(crate) async fn request_json<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+    ) -> Result<T, AgentError> {
+        let resp = self.send(method, path, empty()).await?;
+        read_json(resp).await
+    }
+}
+
+/// An empty request body.
+pub(crate) fn empty() -> ReqBody {
+    Full::new(Bytes::new())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+/// A JSON request body.
+pub(crate) fn json_body<B: Serialize>(body: &B) -> ReqBody {
+    let bytes = serde_json::to_vec(body).expect("request types always serialize");
+    Full::new(Bytes::from(bytes))
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+async fn read_json<T: DeserializeOwned>(resp: hyper::Response<Incoming>) -> Result<T, AgentError> {
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await?.to_bytes();
+    if status == StatusCode::NO_CONTENT && bytes.is_empty() {
+        return serde_json::from_slice(b"null").map_err(|e| AgentError::Malformed(e.to_string()));
+    }
+    serde_json::from_slice(&bytes).map_err(|e| {
+        AgentError::Malformed(format!(
+            "{e}: {}",
+            String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
+        ))
+    })
+}
+
+/// `path?query` with the query urlencoded from `query`.
+pub(crate) fn with_query<Q: Serialize>(path: &str, query: &Q) -> String {
+    let q = serde_urlencoded::to_string(query).expect("query types always encode");
+    if q.is_empty() {
+        path.to_owned()
+    } else {
+        format!("{path}?{q}")
+    }
+}

@@ -1,0 +1,64 @@
+//! Errors of the sandbox layer.
+
+use crate::agent::AgentError;
+use forkd_hypervisor::HypervisorError;
+use forkd_image::ImageError;
+
+/// A sandbox could not be created, or failed while in use.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    /// {0}
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    /// {0}
+    #[error(transparent)]
+    Hypervisor(#[from] HypervisorError),
+    /// {0}
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    /// sandbox {id}: the VM exited ({reason}); last console lines:\n{console}
+    #[error("sandbox {id}: the VM exited ({reason}); last console lines:\n{console}")]
+    GuestExited {
+        /// The sandbox.
+        id: String,
+        /// How QEMU ended.
+        reason: String,
+        /// The tail of the guest's serial console.
+        console: String,
+    },
+    /// sandbox {id}: the guest agent did not come up within {secs} s; last console lines:\n{console}
+    #[error("sandbox {id}: the guest agent did not come up within {secs} s; last console lines:\n{console}")]
+    BootTimeout {
+        /// The sandbox.
+        id: String,
+        /// The boot timeout.
+        secs: u64,
+        /// The tail of the guest's serial console.
+        console: String,
+    },
+    /// sandbox {id}: the guest agent stopped answering (no answer to a ping within {secs} s); the sandbox was torn down
+    #[error(
+        "sandbox {id}: the guest agent stopped answering (no answer to a ping within {secs} s); \
+         the sandbox was torn down"
+    )]
+    Unresponsive {
+        /// The sandbox.
+        id: String,
+        /// The agent timeout.
+        secs: f64,
+    },
+    /// sandbox {id} has been destroyed
+    #[error("sandbox {id} has been destroyed")]
+    Destroyed {
+        /// The sandbox.
+        id: String,
+    },
+    /// {context}: {source}
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+}

@@ -1,0 +1,125 @@
+//! Shared set-up for the tests that boot real guests under QEMU.
+//!
+//! The guest assets come from `FORKD_HOME` (CI points it at its cache) and are built on
+//! first use; the static guest agent must have been built beforehand (`./dev test` and
+//! `.ci/run` do it).
+#![allow(dead_code)]
+
+use forkd_core::{Sandbox, SandboxOptions};
+use forkd_image::{BuildOptions, GuestAssets, Home, RootfsImage};
+use forkd_proto::exec::{Command, ExecRequest};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+pub fn home() -> Home {
+    Home::from_env()
+}
+
+pub async fn assets(image: RootfsImage) -> GuestAssets {
+    tokio::task::spawn_blocking(move || {
+        let agent = forkd_image::find_agent_binary().expect("the static guest agent is built");
+        forkd_image::ensure_all(&home(), image, &agent, &BuildOptions::default())
+            .unwrap_or_else(|e| panic!("building the {image} assets: {e}"))
+    })
+    .await
+    .unwrap()
+}
+
+pub fn options() -> SandboxOptions {
+    SandboxOptions {
+        // Tests run several guests at once on two emulated cores: be patient.
+        boot_timeout: Duration::from_secs(300),
+        agent_timeout: Duration::from_secs(60),
+        ..SandboxOptions::default()
+    }
+}
+
+pub async fn boot(image: RootfsImage) -> Sandbox {
+    boot_with(image, options()).await
+}
+
+pub async fn boot_with(image: RootfsImage, opts: SandboxOptions) -> Sandbox {
+    let assets = assets(image).await;
+    Sandbox::boot(&home(), &assets, &opts)
+        .await
+        .unwrap_or_else(|e| panic!("booting a {image} sandbox: {e}"))
+}
+
+/// What a sandbox leaves on the host while it runs, to check after teardown.
+pub struct Footprint {
+    pub id: String,
+    pub dir: PathBuf,
+    pub pid: u32,
+}
+
+impl Footprint {
+    pub fn of(sb: &Sandbox) -> Footprint {
+        Footprint {
+            id: sb.id().to_owned(),
+            dir: sb.dir().to_owned(),
+            pid: sb.pid().expect("QEMU runs"),
+        }
+    }
+
+    /// Asserts that nothing of the sandbox is left: no QEMU process, no runtime directory
+    /// (overlay, sockets, logs), no process naming the sandbox.
+    pub fn assert_gone(&self) {
+        // QEMU is reaped asynchronously after a kill: give it a moment.
+        for _ in 0..100 {
+            if !forkd_hypervisor::process::is_alive(self.pid) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(
+            !forkd_hypervisor::process::is_alive(self.pid),
+            "QEMU (pid {}) of {} still runs",
+            self.pid,
+            self.id
+        );
+        assert!(!self.dir.exists(), "{} was left behind", self.dir.display());
+        assert!(
+            processes_naming(&self.id).is_empty(),
+            "processes naming {} remain: {:?}",
+            self.id,
+            processes_naming(&self.id)
+        );
+    }
+}
+
+/// Pids of live processes whose command line mentions `needle`.
+pub fn processes_naming(needle: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in dir.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if pid == std::process::id() {
+            continue;
+        }
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        if String::from_utf8_lossy(&cmd).contains(needle)
+            && forkd_hypervisor::process::is_alive(pid)
+        {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+pub fn sh(script: &str) -> ExecRequest {
+    ExecRequest::new(Command::Shell(script.to_owned()))
+}
+
+pub fn argv(args: &[&str]) -> ExecRequest {
+    ExecRequest::new(Command::Argv(args.iter().map(|s| s.to_string()).collect()))
+}
+
+pub fn exists(p: &Path) -> bool {
+    p.exists()
+}

@@ -1,0 +1,80 @@
+//! The build lock: one exclusive flock on `<home>/images/.lock` serialises all
+//! builds across processes (parallel tests, a CLI next to the daemon).
+
+use std::fs::{File, OpenOptions};
+use std::io;
+
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
+
+use crate::error::{ImageError, Result};
+use crate::fsutil;
+use crate::home::Home;
+use crate::progress::Progress;
+
+/// Held while building; the lock is released when this is dropped (or the process dies).
+pub(crate) struct BuildLock {
+    _lock: Flock<File>,
+}
+
+impl BuildLock {
+    /// Waits for the lock, showing a step while another build holds it, then clears
+    /// scratch left in `images/tmp` by builds that crashed: every builder holds this
+    /// lock while its scratch exists, so none of it can belong to a live build.
+    pub(crate) fn acquire(home: &Home, progress: &Progress) -> Result<BuildLock> {
+        let path = home.lock_path();
+        fsutil::create_dir_all(&home.images_dir())?;
+        let open = || {
+            OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)
+        };
+        let file = open().map_err(|source| ImageError::Lock {
+            path: path.clone(),
+            source,
+        })?;
+        let lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => lock,
+            Err((file, Errno::EWOULDBLOCK)) => {
+                let step = progress.step("waiting for another forkd build to finish");
+                let lock = Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| {
+                    ImageError::Lock {
+                        path: path.clone(),
+                        source: io::Error::from(e),
+                    }
+                })?;
+                step.finish();
+                lock
+            }
+            Err((_, e)) => {
+                return Err(ImageError::Lock {
+                    path,
+                    source: io::Error::from(e),
+                })
+            }
+        };
+        clear_stale_scratch(home);
+        Ok(BuildLock { _lock: lock })
+    }
+}
+
+fn clear_stale_scratch(home: &Home) {
+    let tmp = home.tmp_dir();
+    let Ok(entries) = std::fs::read_dir(&tmp) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        tracing::info!(path = %entry.path().display(), "removing scratch left by an interrupted build");
+        let path = entry.path();
+        let res = if entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+            fsutil::remove_tree(&path)
+        } else {
+            std::fs::remove_file(&path).map_err(|e| ImageError::io("remove", &path, e))
+        };
+        if let Err(e) = res {
+            tracing::warn!("{e}");
+        }
+    }
+}

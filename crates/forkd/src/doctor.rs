@@ -1,0 +1,338 @@
+//! `forkd doctor`: can this host run forkd, and if not, what to do.
+
+use anyhow::Result;
+use forkd_hypervisor::accel::probe_kvm;
+use forkd_hypervisor::qemu::{version, Qemu};
+use forkd_image::Home;
+use serde::Serialize;
+use std::path::Path;
+use std::process::Command;
+
+/// Arguments of `forkd doctor`.
+#[derive(clap::Args, Debug)]
+pub struct DoctorArgs {
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Serialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+enum Level {
+    Ok,
+    Warn,
+    Fail,
+}
+
+#[derive(Debug, Serialize)]
+struct Check {
+    name: &'static str,
+    level: Level,
+    detail: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fix: Option<String>,
+}
+
+fn ok(name: &'static str, detail: impl Into<String>) -> Check {
+    Check {
+        name,
+        level: Level::Ok,
+        detail: detail.into(),
+        fix: None,
+    }
+}
+
+fn bad(
+    name: &'static str,
+    level: Level,
+    detail: impl Into<String>,
+    fix: impl Into<String>,
+) -> Check {
+    Check {
+        name,
+        level,
+        detail: detail.into(),
+        fix: Some(fix.into()),
+    }
+}
+
+/// Runs every check; exits 1 when one fails.
+pub fn run(home: &Home, args: DoctorArgs) -> Result<i32> {
+    let checks = vec![
+        check_qemu(),
+        check_tool("qemu-img", &["--version"], "apt-get install qemu-utils"),
+        check_accel(),
+        check_tool("debootstrap", &["--version"], "apt-get install debootstrap"),
+        check_mkfs(),
+        check_tool("dpkg-deb", &["--version"], "dpkg-deb comes with dpkg: forkd needs a Debian-based host"),
+        check_tool("apt-get", &["--version"], "forkd fetches the guest kernel with apt-get download: use a Debian-based host or pass --kernel-deb"),
+        check_cgroups(),
+        check_disk(home),
+        check_agent(),
+        check_assets(home),
+    ];
+    let failed = checks.iter().any(|c| c.level == Level::Fail);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&checks)?);
+    } else {
+        for c in &checks {
+            let tag = match c.level {
+                Level::Ok => " ok ",
+                Level::Warn => "warn",
+                Level::Fail => "FAIL",
+            };
+            println!("[{tag}] {:<12} {}", c.name, c.detail);
+            if let Some(fix) = &c.fix {
+                println!("       {:<12} fix: {fix}", "");
+            }
+        }
+        println!();
+        println!(
+            "{}",
+            if failed {
+                "Some checks failed: forkd will not work until they are fixed."
+            } else {
+                "This host can run forkd."
+            }
+        );
+    }
+    Ok(if failed { 1 } else { 0 })
+}
+
+fn check_qemu() -> Check {
+    let qemu = Qemu::from_env();
+    let bin = qemu.binary();
+    let v = match version::installed_version(bin) {
+        Ok(v) => v,
+        Err(e) => {
+            return bad(
+                "qemu",
+                Level::Fail,
+                e,
+                "apt-get install qemu-system-x86 (or set FORKD_QEMU to a qemu-system-x86_64)",
+            )
+        }
+    };
+    if v < version::QemuVersion(7, 2, 0) {
+        return bad(
+            "qemu",
+            Level::Fail,
+            format!("QEMU {v} is older than 7.2"),
+            "install QEMU 7.2 or newer (Debian bookworm's qemu-system-x86)",
+        );
+    }
+    match version::machine_types(bin) {
+        Ok(types) if types.iter().any(|t| t == "microvm") => ok(
+            "qemu",
+            format!(
+                "QEMU {v} ({}), machine type microvm available",
+                bin.display()
+            ),
+        ),
+        Ok(_) => bad(
+            "qemu",
+            Level::Fail,
+            format!("QEMU {v} has no microvm machine type"),
+            "install a QEMU built with microvm (Debian's qemu-system-x86 has it)",
+        ),
+        Err(e) => bad("qemu", Level::Fail, e, "apt-get install qemu-system-x86"),
+    }
+}
+
+fn check_accel() -> Check {
+    let kvm = probe_kvm();
+    if kvm.usable {
+        ok(
+            "accel",
+            format!("KVM: {}; --accel auto uses KVM", kvm.reason),
+        )
+    } else {
+        bad(
+            "accel",
+            Level::Warn,
+            format!("KVM not used: {}; --accel auto uses TCG (software emulation, ~10-50x slower)", kvm.reason),
+            "for hardware speed run forkd on a host (or VM with nested virtualisation) whose CPU exposes vmx/svm, and load kvm_intel/kvm_amd",
+        )
+    }
+}
+
+fn check_tool(name: &'static str, args: &[&str], fix: &str) -> Check {
+    match Command::new(name).args(args).output() {
+        Ok(out) if out.status.success() || !out.stdout.is_empty() => {
+            let text = String::from_utf8_lossy(&out.stdout);
+            ok(
+                name,
+                text.lines()
+                    .next()
+                    .unwrap_or("installed")
+                    .trim()
+                    .to_string(),
+            )
+        }
+        Ok(out) => bad(
+            name,
+            Level::Fail,
+            format!("{name} failed: {}", out.status),
+            fix,
+        ),
+        Err(e) => bad(name, Level::Fail, format!("{name} not found: {e}"), fix),
+    }
+}
+
+fn check_mkfs() -> Check {
+    // `mkfs.ext4 -V` prints to stderr: "mke2fs 1.47.0 (5-Feb-2023)". `-d` needs >= 1.43.
+    let out = match Command::new("mkfs.ext4").arg("-V").output() {
+        Ok(o) => o,
+        Err(e) => {
+            return bad(
+                "mkfs.ext4",
+                Level::Fail,
+                format!("mkfs.ext4 not found: {e}"),
+                "apt-get install e2fsprogs",
+            )
+        }
+    };
+    let text =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    let ver = text
+        .split_whitespace()
+        .nth(1)
+        .map(|v| {
+            v.split('.')
+                .filter_map(|p| p.parse::<u32>().ok())
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    if ver.len() >= 2 && (ver[0], ver[1]) >= (1, 43) {
+        ok(
+            "mkfs.ext4",
+            text.lines().next().unwrap_or_default().trim().to_string(),
+        )
+    } else {
+        bad(
+            "mkfs.ext4",
+            Level::Fail,
+            format!(
+                "mkfs.ext4 too old or unrecognised ({}) : -d needs e2fsprogs 1.43+",
+                text.trim()
+            ),
+            "apt-get install e2fsprogs (1.43 or newer)",
+        )
+    }
+}
+
+fn check_cgroups() -> Check {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mut v2_root = false;
+    let mut v2_unified = false;
+    let mut v1: Vec<String> = Vec::new();
+    for line in mounts.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 4 {
+            continue;
+        }
+        match f[2] {
+            "cgroup2" if f[1] == "/sys/fs/cgroup" => v2_root = true,
+            "cgroup2" => v2_unified = true,
+            "cgroup" => {
+                for opt in f[3].split(',') {
+                    if ["memory", "cpu", "pids", "cpuset", "io", "blkio"].contains(&opt) {
+                        v1.push(opt.to_string());
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    v1.sort();
+    v1.dedup();
+    if v2_root {
+        ok("cgroups", "cgroup v2 (unified) at /sys/fs/cgroup")
+    } else if !v1.is_empty() {
+        bad(
+            "cgroups",
+            Level::Warn,
+            format!(
+                "cgroup v1{} with controllers {}: per-sandbox limits will use the v1 hierarchies",
+                if v2_unified { "/v2 hybrid" } else { "" },
+                v1.join(",")
+            ),
+            "boot the host with systemd.unified_cgroup_hierarchy=1 for a pure cgroup v2 layout",
+        )
+    } else {
+        bad(
+            "cgroups",
+            Level::Warn,
+            "no cgroup hierarchy found",
+            "mount cgroup2 at /sys/fs/cgroup",
+        )
+    }
+}
+
+fn check_disk(home: &Home) -> Check {
+    let mut dir = home.root().to_path_buf();
+    while !dir.exists() {
+        if !dir.pop() {
+            break;
+        }
+    }
+    match nix::sys::statvfs::statvfs(dir.as_path()) {
+        Ok(s) => {
+            let free = s.blocks_available() * s.fragment_size();
+            let gib = free as f64 / (1u64 << 30) as f64;
+            let detail = format!("{gib:.1} GiB free for {}", home.root().display());
+            if gib < 2.0 {
+                bad("disk", Level::Fail, detail, "free at least 2 GiB (the python image alone needs ~1 GiB) or set FORKD_HOME elsewhere")
+            } else {
+                ok("disk", detail)
+            }
+        }
+        Err(e) => bad(
+            "disk",
+            Level::Fail,
+            format!("cannot stat {}: {e}", dir.display()),
+            "set FORKD_HOME to a writable directory",
+        ),
+    }
+}
+
+fn check_agent() -> Check {
+    match forkd_image::find_agent_binary() {
+        Ok(p) => ok("agent", format!("static guest agent at {}", p.display())),
+        Err(e) => bad(
+            "agent",
+            Level::Fail,
+            e.to_string(),
+            "RUSTFLAGS='-C target-feature=+crt-static' cargo build --release -p forkd-agent --target x86_64-unknown-linux-gnu",
+        ),
+    }
+}
+
+fn check_assets(home: &Home) -> Check {
+    let assets = forkd_image::list_assets(home);
+    let has = |n: &str| {
+        assets
+            .iter()
+            .any(|(name, a)| name.contains(n) && Path::new(&a.path).exists())
+    };
+    let missing: Vec<&str> = ["kernel", "initramfs", "minimal", "python"]
+        .into_iter()
+        .filter(|n| !has(n))
+        .collect();
+    if missing.is_empty() {
+        ok(
+            "assets",
+            format!(
+                "kernel, initramfs, minimal and python built in {}",
+                home.images_dir().display()
+            ),
+        )
+    } else {
+        bad(
+            "assets",
+            Level::Warn,
+            format!("not built yet: {}", missing.join(", ")),
+            "forkd image build (forkd run builds what it needs on first use)",
+        )
+    }
+}
