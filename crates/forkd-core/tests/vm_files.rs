@@ -34,15 +34,15 @@ async fn files_stream_and_behave_as_documented() {
     assert!(String::from_utf8_lossy(&r.stdout).starts_with(&digest));
 
     // mkdir -p, write with mode, stat, list (sorted), rename, remove.
-    let d = agent.mkdir("/work/a/b/c").await.unwrap();
+    let d = agent.mkdir("/srv/data/a/b/c").await.unwrap();
     assert_eq!(d.kind, FileKind::Dir);
     agent
-        .mkdir("/work/a/b/c")
+        .mkdir("/srv/data/a/b/c")
         .await
         .expect("mkdir -p of an existing dir is fine");
     agent
         .write_file_bytes(
-            "/work/a/z.txt",
+            "/srv/data/a/z.txt",
             b"zed".to_vec(),
             WriteOptions {
                 mode: Some(0o600),
@@ -53,7 +53,7 @@ async fn files_stream_and_behave_as_documented() {
         .unwrap();
     agent
         .write_file_bytes(
-            "/work/new/dir/y.txt",
+            "/srv/data/new/dir/y.txt",
             b"why".to_vec(),
             WriteOptions {
                 mode: None,
@@ -62,10 +62,10 @@ async fn files_stream_and_behave_as_documented() {
         )
         .await
         .unwrap();
-    let st = agent.stat("/work/a/z.txt").await.unwrap();
+    let st = agent.stat("/srv/data/a/z.txt").await.unwrap();
     assert_eq!((st.size, st.mode, st.name.as_str()), (3, 0o600, "z.txt"));
     let names: Vec<String> = agent
-        .list_dir("/work/a")
+        .list_dir("/srv/data/a")
         .await
         .unwrap()
         .into_iter()
@@ -73,27 +73,33 @@ async fn files_stream_and_behave_as_documented() {
         .collect();
     assert_eq!(names, ["b", "z.txt"]);
     let st = agent
-        .rename("/work/a/z.txt", "/work/a/b/moved.txt")
+        .rename("/srv/data/a/z.txt", "/srv/data/a/b/moved.txt")
         .await
         .unwrap();
-    assert_eq!(st.path, "/work/a/b/moved.txt");
+    assert_eq!(st.path, "/srv/data/a/b/moved.txt");
     assert_eq!(
-        agent.read_file_bytes("/work/a/b/moved.txt").await.unwrap(),
+        agent
+            .read_file_bytes("/srv/data/a/b/moved.txt")
+            .await
+            .unwrap(),
         b"zed"
     );
     assert_eq!(
-        agent.read_file_bytes("/work/new/dir/y.txt").await.unwrap(),
+        agent
+            .read_file_bytes("/srv/data/new/dir/y.txt")
+            .await
+            .unwrap(),
         b"why"
     );
 
-    let err = agent.remove("/work/a", false).await.unwrap_err();
+    let err = agent.remove("/srv/data/a", false).await.unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::DirectoryNotEmpty), "{err}");
-    agent.remove("/work/a", true).await.unwrap();
+    agent.remove("/srv/data/a", true).await.unwrap();
     agent.remove("/root/big.bin", false).await.unwrap();
 
     // Missing paths are clear not-found errors, not hangs.
     for err in [
-        agent.stat("/work/a").await.unwrap_err(),
+        agent.stat("/srv/data/a").await.unwrap_err(),
         agent.read_file_bytes("/nope/x").await.unwrap_err(),
         agent.list_dir("/nope").await.unwrap_err(),
         agent.remove("/nope", true).await.unwrap_err(),
@@ -101,7 +107,7 @@ async fn files_stream_and_behave_as_documented() {
     ] {
         assert_eq!(err.code(), Some(ErrorCode::NotFound), "{err}");
         assert!(
-            err.to_string().contains("/nope") || err.to_string().contains("/work/a"),
+            err.to_string().contains("/nope") || err.to_string().contains("/srv/data/a"),
             "{err}"
         );
     }
@@ -112,7 +118,7 @@ async fn files_stream_and_behave_as_documented() {
     assert_eq!(err.code(), Some(ErrorCode::NotFound), "{err}");
     let err = agent.stat("relative/path").await.unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::InvalidArgument), "{err}");
-    let err = agent.read_file_bytes("/work").await.unwrap_err();
+    let err = agent.read_file_bytes("/srv/data").await.unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::IsADirectory), "{err}");
 
     sb.destroy().await.unwrap();
