@@ -93,7 +93,7 @@ fn run_pid1() -> ExitCode {
         let state = AppState::new(Mode::Pid1, children);
         let router = server::router(state);
         let port = loop {
-            match port::Port::open().await {
+            match port::PortIo::open().await {
                 Ok(p) => break p,
                 // Keep trying: the host may hot-plug the port, and stopping the guest
                 // would lose whatever it holds.
