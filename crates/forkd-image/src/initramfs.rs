@@ -56,17 +56,10 @@ pub fn ensure_initramfs(
     let file = home.initramfs_dir().join(format!("{key}.cpio"));
     let manifest = home.initramfs_dir().join(format!("{key}.json"));
     let current = || asset::load_asset(&manifest, &file).filter(|a| a.is_current(&inputs));
-    if !opts.force {
-        if let Some(a) = current() {
-            return Ok(a);
-        }
-    }
-    let _lock = BuildLock::acquire(home, &opts.progress)?;
-    if !opts.force {
-        if let Some(a) = current() {
-            return Ok(a);
-        }
-    }
+    let _lock = match BuildLock::reuse_or_acquire(home, opts, current)? {
+        Ok(asset) => return Ok(asset),
+        Err(lock) => lock,
+    };
 
     let started = Instant::now();
     let step = opts.progress.step(format!(

@@ -21,6 +21,28 @@ impl BuildLock {
     /// Waits for the lock, showing a step while another build holds it, then clears
     /// scratch left in `images/tmp` by builds that crashed: every builder holds this
     /// lock while its scratch exists, so none of it can belong to a live build.
+    /// The asset `current` finds, unless `opts.force`; otherwise the build lock, after
+    /// checking once more under it (another process may have built the asset while we
+    /// waited). The caller builds while holding the returned lock.
+    pub(crate) fn reuse_or_acquire(
+        home: &Home,
+        opts: &crate::BuildOptions,
+        current: impl Fn() -> Option<crate::asset::Asset>,
+    ) -> Result<std::result::Result<crate::asset::Asset, BuildLock>> {
+        if !opts.force {
+            if let Some(a) = current() {
+                return Ok(Ok(a));
+            }
+        }
+        let lock = BuildLock::acquire(home, &opts.progress)?;
+        if !opts.force {
+            if let Some(a) = current() {
+                return Ok(Ok(a));
+            }
+        }
+        Ok(Err(lock))
+    }
+
     pub(crate) fn acquire(home: &Home, progress: &Progress) -> Result<BuildLock> {
         let path = home.lock_path();
         fsutil::create_dir_all(&home.images_dir())?;

@@ -89,17 +89,10 @@ pub fn ensure_rootfs(home: &Home, image: RootfsImage, opts: &BuildOptions) -> Re
     let file = home.rootfs_dir().join(format!("{name}.ext4"));
     let manifest = home.rootfs_dir().join(format!("{name}.json"));
     let current = || asset::load_asset(&manifest, &file).filter(|a| a.is_current(&inputs));
-    if !opts.force {
-        if let Some(a) = current() {
-            return Ok(a);
-        }
-    }
-    let _lock = BuildLock::acquire(home, &opts.progress)?;
-    if !opts.force {
-        if let Some(a) = current() {
-            return Ok(a);
-        }
-    }
+    let _lock = match BuildLock::reuse_or_acquire(home, opts, current)? {
+        Ok(asset) => return Ok(asset),
+        Err(lock) => lock,
+    };
     if !nix::unistd::geteuid().is_root() {
         return Err(ImageError::NeedRoot {
             what: format!("the {name} rootfs"),
