@@ -10,12 +10,14 @@
 
 mod children;
 mod cmdline;
+mod contexts;
 mod error;
 mod exec;
 mod files;
 mod pid1;
 mod port;
 mod processes;
+mod resume;
 mod server;
 mod session;
 mod stage1;

@@ -1,9 +1,10 @@
 //! The agent's HTTP router and the state its routes share.
 
 use crate::children::Children;
+use crate::contexts::Contexts;
 use crate::error::ApiError;
 use crate::processes::Processes;
-use crate::{exec, files, pid1, processes};
+use crate::{contexts, exec, files, pid1, processes, resume};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{Method, Uri};
@@ -33,6 +34,8 @@ pub struct AppState {
     pub children: Arc<Children>,
     /// Background processes.
     pub processes: Processes,
+    /// Code contexts.
+    pub contexts: Contexts,
     /// The environment every command starts from.
     pub env: BTreeMap<String, String>,
 }
@@ -44,6 +47,7 @@ impl AppState {
             mode,
             children,
             processes: Processes::default(),
+            contexts: Contexts::default(),
             env: default_env(),
         })
     }
@@ -87,6 +91,14 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route(routes::FILES_MKDIR, post(files::mkdir))
         .route(routes::FILES_REMOVE, post(files::remove))
         .route(routes::FILES_RENAME, post(files::rename))
+        .route(routes::CONTEXTS, post(contexts::create).get(contexts::list))
+        .route(
+            "/v1/contexts/{id}",
+            get(contexts::get).delete(contexts::delete),
+        )
+        .route("/v1/contexts/{id}/run", post(contexts::run))
+        .route("/v1/contexts/{id}/reset", post(contexts::reset))
+        .route(routes::RESUME, post(resume::resume))
         .route(routes::SHUTDOWN, post(shutdown))
         .fallback(no_route)
         .method_not_allowed_fallback(no_route)

@@ -10,6 +10,7 @@
 //! Everything here is versioned by [`PROTOCOL_VERSION`]; the host refuses an agent that
 //! speaks another version.
 
+pub mod context;
 pub mod exec;
 pub mod files;
 pub mod frame;

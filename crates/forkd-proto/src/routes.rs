@@ -44,3 +44,26 @@ pub fn process_signal(id: u64) -> String {
 pub fn process(id: u64) -> String {
     format!("{PROCESSES}/{id}")
 }
+
+/// `POST` [`crate::context::CreateContextRequest`] → [`crate::context::ContextInfo`];
+/// `GET` → `Vec<ContextInfo>`.
+pub const CONTEXTS: &str = "/v1/contexts";
+/// `POST` [`crate::context::ResumeRequest`] → [`crate::context::ResumeResponse`]: the
+/// resume hook of a child restored from a snapshot.
+pub const RESUME: &str = "/v1/resume";
+
+/// `GET` → `ContextInfo`; `DELETE` ends the interpreter → `ContextInfo`.
+pub fn context(id: &str) -> String {
+    format!("{CONTEXTS}/{id}")
+}
+
+/// `POST` [`crate::context::RunCodeRequest`] → NDJSON stream of
+/// [`crate::context::ContextEvent`]s. Runs of one context are queued, one at a time.
+pub fn context_run(id: &str) -> String {
+    format!("{CONTEXTS}/{id}/run")
+}
+
+/// `POST` → `ContextInfo`: restarts the interpreter with empty state.
+pub fn context_reset(id: &str) -> String {
+    format!("{CONTEXTS}/{id}/reset")
+}
