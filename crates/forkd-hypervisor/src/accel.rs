@@ -10,7 +10,8 @@ use std::fmt;
 use std::str::FromStr;
 
 /// The accelerator a VM runs with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Accel {
     /// Hardware virtualisation through /dev/kvm.
     Kvm,

@@ -1,10 +1,12 @@
 //! What a VM is made of, independent of the backend that runs it.
 
 use crate::Accel;
+use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
 /// Where the guest's RAM lives.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum MemoryBackend {
     /// Anonymous memory owned by the hypervisor process.
     Anonymous,
@@ -19,8 +21,9 @@ pub enum MemoryBackend {
     },
 }
 
-/// Everything a backend needs to start one VM.
-#[derive(Debug, Clone)]
+/// Everything a backend needs to start one VM. Serializable, so that whoever adopts a
+/// detached VM later knows exactly what it is.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct VmConfig {
     /// Sandbox id (used in process names and logs).
     pub id: String,
@@ -44,6 +47,10 @@ pub struct VmConfig {
     pub accel: Accel,
     /// Enable the hypervisor's syscall filter (QEMU `-sandbox on,...`).
     pub seccomp: bool,
+    /// The VM outlives the handle that started it: it runs in its own session and is not
+    /// killed when the handle (or the process holding it) goes away. Forked children are
+    /// detached so that they keep running after the CLI that forked them exits.
+    pub detached: bool,
 }
 
 impl VmConfig {

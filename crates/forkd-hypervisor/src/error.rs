@@ -45,6 +45,23 @@ pub enum HypervisorError {
     /// KVM was requested but cannot be used: {0}
     #[error("KVM was requested but cannot be used: {0}")]
     KvmUnavailable(String),
+    /// VM {id} is not running (its QEMU, pid {pid}, is gone)
+    #[error("VM {id} is not running (its QEMU, pid {pid}, is gone)")]
+    NotRunning {
+        /// The VM's id.
+        id: String,
+        /// The pid it had.
+        pid: u32,
+    },
+    /// device state migration failed: {0}
+    #[error("device state migration failed: {0}")]
+    Migration(String),
+    /// device state migration did not finish within {secs} s
+    #[error("device state migration did not finish within {secs} s")]
+    MigrationTimeout {
+        /// How long we waited.
+        secs: u64,
+    },
     /// invalid VM configuration: {0}
     #[error("invalid VM configuration: {0}")]
     Config(String),

@@ -10,12 +10,14 @@ pub mod config;
 pub mod error;
 pub mod process;
 pub mod qemu;
+pub mod smaps;
 
 pub use accel::{Accel, AccelChoice};
 pub use config::{MemoryBackend, VmConfig};
 pub use error::HypervisorError;
 
 use async_trait::async_trait;
+use std::path::Path;
 use std::time::Duration;
 
 /// What a VM is doing, as the hypervisor sees it.
@@ -40,6 +42,25 @@ pub trait Hypervisor: Send + Sync {
     /// Starts a VM as `config` describes and returns once its control channel answers.
     /// The guest is booting when this returns; waiting for its agent is the caller's job.
     async fn boot(&self, config: &VmConfig) -> Result<Box<dyn Vm>, HypervisorError>;
+
+    /// Starts a VM from device state saved by [`Vm::save_state`] and returns once its
+    /// vCPUs run. `config` must describe the same machine as the saved one; its memory is
+    /// the saved VM's RAM file, mapped privately so that the VM's writes stay its own.
+    async fn restore(
+        &self,
+        config: &VmConfig,
+        state: &Path,
+    ) -> Result<Box<dyn Vm>, HypervisorError>;
+
+    /// Takes over a running VM that another process started, known by the pid and start
+    /// time of its hypervisor process. Fails with [`HypervisorError::NotRunning`] when
+    /// that process is gone.
+    async fn adopt(
+        &self,
+        config: &VmConfig,
+        pid: u32,
+        start_time: u64,
+    ) -> Result<Box<dyn Vm>, HypervisorError>;
 }
 
 /// One running VM.
@@ -47,6 +68,14 @@ pub trait Hypervisor: Send + Sync {
 pub trait Vm: Send + Sync {
     /// The hypervisor process's pid, while it runs.
     fn pid(&self) -> Option<u32>;
+
+    /// Start time of the hypervisor process (clock ticks since boot): with the pid, it
+    /// names the process uniquely.
+    fn start_time(&self) -> Option<u64>;
+
+    /// Pauses the VM and writes its device state to `out`, fsynced. RAM held in a shared
+    /// file backend is left out: the file itself is the RAM image. The VM stays paused.
+    async fn save_state(&self, out: &Path) -> Result<(), HypervisorError>;
 
     /// Stops the vCPUs.
     async fn pause(&self) -> Result<(), HypervisorError>;

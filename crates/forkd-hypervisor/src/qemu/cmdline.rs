@@ -89,6 +89,17 @@ pub fn build(config: &VmConfig) -> Vec<OsString> {
     args.0
 }
 
+/// The command line of a VM restored from saved device state: QEMU starts with
+/// `-incoming defer` and waits, paused, for `migrate-incoming` over QMP. (Giving the
+/// source on the command line does not work with `x-ignore-shared`: the capability must
+/// be set before the stream is read, and in QEMU 7.2 only QMP can set it in time.)
+pub fn build_restore(config: &VmConfig) -> Vec<OsString> {
+    let mut args = build(config);
+    args.push("-incoming".into());
+    args.push("defer".into());
+    args
+}
+
 /// QEMU option values use `,` as a separator; a literal comma is written twice.
 fn escape(s: &std::ffi::OsStr) -> OsString {
     use std::os::unix::ffi::{OsStrExt, OsStringExt};
@@ -130,6 +141,7 @@ mod tests {
             memory: MemoryBackend::Anonymous,
             accel: Accel::Tcg,
             seccomp: true,
+            detached: false,
         }
     }
 

@@ -13,11 +13,35 @@ pub async fn create_overlay(
 ) -> Result<(), HypervisorError> {
     let base = std::path::absolute(base)
         .map_err(|e| HypervisorError::io(format!("resolving {}", base.display()), e))?;
+    qemu_img_create(&base, base_format, overlay).await
+}
+
+/// Creates a qcow2 overlay whose backing file is named relative to the overlay's own
+/// directory: a directory holding both can be moved (a snapshot is written in a staging
+/// directory and renamed into place) without breaking the chain.
+pub async fn create_relative_overlay(
+    base_name: &str,
+    base_format: &str,
+    overlay: &Path,
+) -> Result<(), HypervisorError> {
+    if base_name.contains('/') {
+        return Err(HypervisorError::Config(format!(
+            "relative backing file {base_name:?} must be a plain file name"
+        )));
+    }
+    qemu_img_create(Path::new(base_name), base_format, overlay).await
+}
+
+async fn qemu_img_create(
+    base: &Path,
+    base_format: &str,
+    overlay: &Path,
+) -> Result<(), HypervisorError> {
     let out = tokio::process::Command::new("qemu-img")
         .arg("create")
         .arg("-q")
         .args(["-f", "qcow2", "-F", base_format, "-b"])
-        .arg(&base)
+        .arg(base)
         .arg(overlay)
         .output()
         .await
@@ -55,6 +79,20 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
         assert_eq!(v["format"], "qcow2");
         assert_eq!(v["backing-filename"], base.to_str().unwrap());
+        let rel = dir.path().join("rel.qcow2");
+        create_relative_overlay("base.raw", "raw", &rel)
+            .await
+            .unwrap();
+        let info = std::process::Command::new("qemu-img")
+            .args(["info", "--output=json"])
+            .arg(&rel)
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+        assert_eq!(v["backing-filename"], "base.raw");
+        assert!(create_relative_overlay("../base.raw", "raw", &rel)
+            .await
+            .is_err());
         let err = create_overlay(&dir.path().join("missing"), "raw", &dir.path().join("x"))
             .await
             .unwrap_err();

@@ -8,7 +8,9 @@ pub mod version;
 use crate::{HypervisorError, Vm, VmConfig, VmStatus};
 use async_trait::async_trait;
 use qmp::Qmp;
-use std::path::PathBuf;
+use serde_json::json;
+use std::os::fd::{AsFd, AsRawFd};
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
@@ -35,7 +37,7 @@ impl Qemu {
     }
 
     /// The QEMU program this backend starts.
-    pub fn binary(&self) -> &std::path::Path {
+    pub fn binary(&self) -> &Path {
         &self.binary
     }
 }
@@ -47,8 +49,43 @@ impl crate::Hypervisor for Qemu {
     }
 
     async fn boot(&self, config: &VmConfig) -> Result<Box<dyn Vm>, HypervisorError> {
-        Ok(Box::new(QemuVm::start(&self.binary, config).await?))
+        Ok(Box::new(QemuVm::start(&self.binary, config, None).await?))
     }
+
+    async fn restore(
+        &self,
+        config: &VmConfig,
+        state: &Path,
+    ) -> Result<Box<dyn Vm>, HypervisorError> {
+        let file = std::fs::File::open(state)
+            .map_err(|e| HypervisorError::io(format!("opening {}", state.display()), e))?;
+        Ok(Box::new(
+            QemuVm::start(&self.binary, config, Some(file)).await?,
+        ))
+    }
+
+    async fn adopt(
+        &self,
+        config: &VmConfig,
+        pid: u32,
+        start_time: u64,
+    ) -> Result<Box<dyn Vm>, HypervisorError> {
+        Ok(Box::new(QemuVm::adopt(config, pid, start_time).await?))
+    }
+}
+
+/// The descriptor number a restored QEMU reads its incoming device state from.
+const INCOMING_FD: i32 = 3;
+
+/// How long a migration (save or restore of device state) may take.
+const MIGRATION_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Who may end the QEMU process.
+enum Owner {
+    /// We spawned it: the wait task holds the child and kills it on request.
+    Spawned(mpsc::UnboundedSender<()>),
+    /// Another process started it; we know it by pid and start time.
+    Adopted { start_time: u64 },
 }
 
 /// One QEMU process and its QMP session.
@@ -57,11 +94,15 @@ pub struct QemuVm {
     pid: u32,
     qmp: Qmp,
     exit: watch::Receiver<Option<String>>,
-    kill_tx: mpsc::UnboundedSender<()>,
+    owner: Owner,
 }
 
 impl QemuVm {
-    async fn start(binary: &std::path::Path, config: &VmConfig) -> Result<QemuVm, HypervisorError> {
+    async fn start(
+        binary: &Path,
+        config: &VmConfig,
+        incoming: Option<std::fs::File>,
+    ) -> Result<QemuVm, HypervisorError> {
         for sock in [config.agent_socket(), config.qmp_socket()] {
             if sock.as_os_str().len() > MAX_SOCKET_PATH {
                 return Err(HypervisorError::Config(format!(
@@ -74,20 +115,53 @@ impl QemuVm {
         let log_path = config.hypervisor_log();
         let log = std::fs::File::create(&log_path)
             .map_err(|e| HypervisorError::io(format!("creating {}", log_path.display()), e))?;
+        let restoring = incoming.is_some();
+        let args = match incoming {
+            Some(_) => cmdline::build_restore(config),
+            None => cmdline::build(config),
+        };
         let mut cmd = tokio::process::Command::new(binary);
-        cmd.args(cmdline::build(config))
+        cmd.args(&args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
-            // Own process group: a Ctrl-C meant for the CLI must not reach the VM directly;
-            // the CLI tears it down itself.
-            .process_group(0)
-            .kill_on_drop(true);
-        tracing::debug!(id = %config.id, "starting {} {:?}", binary.display(), cmdline::build(config));
+            .kill_on_drop(!config.detached);
+        if config.detached {
+            // Its own session: no terminal signal and no hang-up of ours reaches it.
+            // SAFETY: runs in the forked child before exec and only calls setsid(2), which
+            // is async-signal-safe.
+            unsafe {
+                cmd.pre_exec(|| {
+                    nix::unistd::setsid()
+                        .map(drop)
+                        .map_err(std::io::Error::from)
+                });
+            }
+        } else {
+            // Own process group: a Ctrl-C meant for the CLI must not reach the VM
+            // directly; the CLI tears it down itself.
+            cmd.process_group(0);
+        }
+        if let Some(file) = &incoming {
+            let raw = file.as_raw_fd();
+            // SAFETY: runs in the forked child before exec; dup2(2) is async-signal-safe
+            // and `raw` stays open in the parent until spawn returns. The duplicate does
+            // not have FD_CLOEXEC, so QEMU inherits it as INCOMING_FD.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::dup2(raw, INCOMING_FD) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        tracing::debug!(id = %config.id, "starting {} {:?}", binary.display(), args);
         let mut child = cmd.spawn().map_err(|source| HypervisorError::Spawn {
             program: binary.display().to_string(),
             source,
         })?;
+        drop(incoming);
         let pid = child.id().unwrap_or(0);
         let (exit_tx, exit) = watch::channel(None);
         let (kill_tx, mut kill_rx) = mpsc::unbounded_channel::<()>();
@@ -105,6 +179,52 @@ impl QemuVm {
             };
             let _ = exit_tx.send(Some(desc));
         });
+        let vm = QemuVm::connect(config, pid, exit, Owner::Spawned(kill_tx)).await?;
+        if restoring {
+            if let Err(e) = vm.incoming().await {
+                vm.kill();
+                vm.wait_exit().await;
+                return Err(vm.explain_exit(e));
+            }
+        }
+        Ok(vm)
+    }
+
+    /// Takes over a QEMU another process started (a detached VM, or one a restarted
+    /// daemon finds): checks that `pid` is still the process that started at
+    /// `start_time`, then connects to its QMP socket.
+    async fn adopt(
+        config: &VmConfig,
+        pid: u32,
+        start_time: u64,
+    ) -> Result<QemuVm, HypervisorError> {
+        let gone = || HypervisorError::NotRunning {
+            id: config.id.clone(),
+            pid,
+        };
+        let pidfd = crate::process::PidFd::open(pid).map_err(|_| gone())?;
+        // Checked after the pidfd is open: from here on the pid cannot be reused under us.
+        if crate::process::start_time(pid) != Some(start_time) {
+            return Err(gone());
+        }
+        let (exit_tx, exit) = watch::channel(None);
+        tokio::spawn(async move {
+            let desc = match pidfd.exited().await {
+                Ok(()) => "exited".to_string(),
+                Err(e) => format!("watching the process failed: {e}"),
+            };
+            let _ = exit_tx.send(Some(desc));
+        });
+        QemuVm::connect(config, pid, exit, Owner::Adopted { start_time }).await
+    }
+
+    async fn connect(
+        config: &VmConfig,
+        pid: u32,
+        exit: watch::Receiver<Option<String>>,
+        owner: Owner,
+    ) -> Result<QemuVm, HypervisorError> {
+        let log_path = config.hypervisor_log();
         let exit_probe = exit.clone();
         let qmp = Qmp::connect(&config.qmp_socket(), QMP_TIMEOUT, || {
             match exit_probe.borrow().clone() {
@@ -116,31 +236,91 @@ impl QemuVm {
             }
         })
         .await;
-        let qmp = match qmp {
-            Ok(q) => q,
+        match qmp {
+            Ok(qmp) => Ok(QemuVm {
+                config: config.clone(),
+                pid,
+                qmp,
+                exit,
+                owner,
+            }),
             Err(e) => {
-                let _ = kill_tx.send(());
-                let mut exit = exit.clone();
-                let _ = exit.wait_for(|s| s.is_some()).await;
-                // QEMU may have died between the last probe and here: say why.
-                return Err(match e {
-                    HypervisorError::QmpClosed(_) | HypervisorError::QmpTimeout { .. } => {
-                        HypervisorError::EarlyExit {
-                            status: exit.borrow().clone().unwrap_or_default(),
-                            stderr: tail(&log_path, 20),
-                        }
-                    }
-                    other => other,
+                if let Owner::Spawned(kill) = &owner {
+                    let _ = kill.send(());
+                    let mut exit = exit.clone();
+                    let _ = exit.wait_for(|s| s.is_some()).await;
+                }
+                let status = exit.borrow().clone();
+                Err(match (e, status) {
+                    // QEMU may have died between the last probe and here: say why.
+                    (
+                        HypervisorError::QmpClosed(_) | HypervisorError::QmpTimeout { .. },
+                        Some(status),
+                    ) => HypervisorError::EarlyExit {
+                        status,
+                        stderr: tail(&log_path, 20),
+                    },
+                    (other, _) => other,
+                })
+            }
+        }
+    }
+
+    /// Reads the device state from [`INCOMING_FD`] and starts the vCPUs. RAM is not in
+    /// the stream (`x-ignore-shared`): it is the file the memory backend maps.
+    async fn incoming(&self) -> Result<(), HypervisorError> {
+        self.set_ignore_shared().await?;
+        self.qmp
+            .execute(
+                "migrate-incoming",
+                Some(json!({ "uri": format!("fd:{INCOMING_FD}") })),
+            )
+            .await?;
+        let deadline = tokio::time::Instant::now() + MIGRATION_TIMEOUT;
+        loop {
+            let v = self.qmp.execute("query-status", None).await?;
+            if v["status"] != "inmigrate" {
+                break;
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(HypervisorError::MigrationTimeout {
+                    secs: MIGRATION_TIMEOUT.as_secs(),
                 });
             }
-        };
-        Ok(QemuVm {
-            config: config.clone(),
-            pid,
-            qmp,
-            exit,
-            kill_tx,
-        })
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let m = self.qmp.execute("query-migrate", None).await?;
+        if m["status"] != "completed" {
+            return Err(HypervisorError::Migration(format!(
+                "incoming state ended as {}: {}",
+                m["status"],
+                m["error-desc"].as_str().unwrap_or("no detail")
+            )));
+        }
+        self.qmp.execute("cont", None).await.map(drop)
+    }
+
+    async fn set_ignore_shared(&self) -> Result<(), HypervisorError> {
+        self.qmp
+            .execute(
+                "migrate-set-capabilities",
+                Some(json!({ "capabilities": [
+                    { "capability": "x-ignore-shared", "state": true }
+                ]})),
+            )
+            .await
+            .map(drop)
+    }
+
+    /// A failure during start-up, explained by QEMU's exit when it exited.
+    fn explain_exit(&self, e: HypervisorError) -> HypervisorError {
+        match self.exit.borrow().clone() {
+            Some(status) => HypervisorError::EarlyExit {
+                status,
+                stderr: format!("{e}; {}", tail(&self.config.hypervisor_log(), 20)),
+            },
+            None => e,
+        }
     }
 
     /// The QMP session, for backend-specific operations (migration, snapshots).
@@ -206,8 +386,70 @@ impl Vm for QemuVm {
         Ok(())
     }
 
+    fn start_time(&self) -> Option<u64> {
+        match self.owner {
+            Owner::Adopted { start_time } => Some(start_time),
+            Owner::Spawned(_) => crate::process::start_time(self.pid),
+        }
+    }
+
+    async fn save_state(&self, out: &Path) -> Result<(), HypervisorError> {
+        let file = std::fs::File::create(out)
+            .map_err(|e| HypervisorError::io(format!("creating {}", out.display()), e))?;
+        self.qmp.execute("stop", None).await?;
+        self.set_ignore_shared().await?;
+        self.qmp
+            .execute_with_fd(
+                "getfd",
+                Some(json!({ "fdname": STATE_FD_NAME })),
+                file.as_fd(),
+            )
+            .await?;
+        self.qmp
+            .execute(
+                "migrate",
+                Some(json!({ "uri": format!("fd:{STATE_FD_NAME}") })),
+            )
+            .await?;
+        let deadline = tokio::time::Instant::now() + MIGRATION_TIMEOUT;
+        loop {
+            let m = self.qmp.execute("query-migrate", None).await?;
+            match m["status"].as_str().unwrap_or("") {
+                "completed" => break,
+                "failed" | "cancelled" => {
+                    return Err(HypervisorError::Migration(format!(
+                        "saving the device state failed: {}",
+                        m["error-desc"].as_str().unwrap_or("no detail")
+                    )))
+                }
+                _ if tokio::time::Instant::now() > deadline => {
+                    return Err(HypervisorError::MigrationTimeout {
+                        secs: MIGRATION_TIMEOUT.as_secs(),
+                    })
+                }
+                _ => tokio::time::sleep(Duration::from_millis(1)).await,
+            }
+        }
+        file.sync_all()
+            .map_err(|e| HypervisorError::io(format!("syncing {}", out.display()), e))
+    }
+
     fn kill(&self) {
-        let _ = self.kill_tx.send(());
+        match &self.owner {
+            Owner::Spawned(kill) => {
+                let _ = kill.send(());
+            }
+            Owner::Adopted { start_time } => {
+                if !self.exited() && crate::process::start_time(self.pid) == Some(*start_time) {
+                    if let Ok(pid) = i32::try_from(self.pid) {
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(pid),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
+                    }
+                }
+            }
+        }
     }
 
     fn console_tail(&self, lines: usize) -> String {
@@ -217,9 +459,15 @@ impl Vm for QemuVm {
 
 impl Drop for QemuVm {
     fn drop(&mut self) {
-        self.kill();
+        // A detached or adopted VM belongs to whoever holds its record, not this handle.
+        if !self.config.detached && matches!(self.owner, Owner::Spawned(_)) {
+            self.kill();
+        }
     }
 }
+
+/// The name under which the device-state file is handed to QEMU (`getfd`).
+const STATE_FD_NAME: &str = "forkd-state";
 
 /// The last `lines` lines of a log file, lossily decoded.
 pub fn tail(path: &std::path::Path, lines: usize) -> String {

@@ -8,6 +8,7 @@
 use crate::HypervisorError;
 use serde_json::{json, Value};
 use std::collections::HashMap;
+use std::os::fd::BorrowedFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -90,6 +91,26 @@ impl Qmp {
         command: &str,
         arguments: Option<Value>,
     ) -> Result<Value, HypervisorError> {
+        self.send(command, arguments, None).await
+    }
+
+    /// Runs one command with `fd` attached to it (SCM_RIGHTS), as `getfd` and `add-fd`
+    /// expect. QEMU keeps its own duplicate; the caller may close `fd` afterwards.
+    pub async fn execute_with_fd(
+        &self,
+        command: &str,
+        arguments: Option<Value>,
+        fd: BorrowedFd<'_>,
+    ) -> Result<Value, HypervisorError> {
+        self.send(command, arguments, Some(fd)).await
+    }
+
+    async fn send(
+        &self,
+        command: &str,
+        arguments: Option<Value>,
+        fd: Option<BorrowedFd<'_>>,
+    ) -> Result<Value, HypervisorError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let mut msg = json!({ "execute": command, "id": id });
         if let Some(args) = arguments {
@@ -101,7 +122,11 @@ impl Qmp {
         line.push('\n');
         let write = async {
             let mut w = self.writer.lock().await;
-            w.write_all(line.as_bytes()).await
+            let mut sent = 0;
+            if let Some(fd) = fd {
+                sent = send_with_fd(w.as_ref(), line.as_bytes(), fd).await?;
+            }
+            w.write_all(&line.as_bytes()[sent..]).await
         };
         if let Err(e) = write.await {
             lock(&self.pending).remove(&id);
@@ -130,6 +155,37 @@ impl Qmp {
 impl Drop for Qmp {
     fn drop(&mut self) {
         self.reader.abort();
+    }
+}
+
+/// Sends (part of) `bytes` in one `sendmsg` carrying `fd`; returns how many bytes went.
+/// QEMU attaches a received descriptor to the command whose bytes it arrived with.
+async fn send_with_fd(
+    stream: &UnixStream,
+    bytes: &[u8],
+    fd: BorrowedFd<'_>,
+) -> std::io::Result<usize> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    use std::os::fd::AsRawFd;
+    loop {
+        stream.writable().await?;
+        let res = stream.try_io(tokio::io::Interest::WRITABLE, || {
+            let fds = [fd.as_raw_fd()];
+            let cmsg = [ControlMessage::ScmRights(&fds)];
+            sendmsg::<()>(
+                stream.as_raw_fd(),
+                &[std::io::IoSlice::new(bytes)],
+                &cmsg,
+                MsgFlags::MSG_NOSIGNAL,
+                None,
+            )
+            .map_err(std::io::Error::from)
+        });
+        match res {
+            Ok(n) => return Ok(n),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
     }
 }
 
