@@ -53,6 +53,29 @@ pub enum SandboxError {
         /// The sandbox.
         id: String,
     },
+    /// {0}
+    #[error(transparent)]
+    Snapshot(#[from] crate::snapshot::SnapshotError),
+    /// no sandbox {id} (see `forkd ls`)
+    #[error("no sandbox {id} (see `forkd ls`)")]
+    NotFound {
+        /// The id asked for.
+        id: String,
+    },
+    /// sandbox {id} is gone: its VM is no longer running (its files were removed)
+    #[error("sandbox {id} is gone: its VM is no longer running (its files were removed)")]
+    Gone {
+        /// The sandbox.
+        id: String,
+    },
+    /// template {name}: {detail}
+    #[error("template {name}: {detail}")]
+    Template {
+        /// The template.
+        name: String,
+        /// What went wrong.
+        detail: String,
+    },
     /// {context}: {source}
     #[error("{context}: {source}")]
     Io {

@@ -6,9 +6,13 @@
 //!   liveness watchdog, [`sandbox::Sandbox::destroy`].
 
 pub mod agent;
+pub mod catalog;
 pub mod error;
+pub mod fork;
 pub mod ids;
 pub mod sandbox;
+pub mod snapshot;
+pub mod template;
 
 pub use agent::AgentClient;
 pub use error::SandboxError;

@@ -9,6 +9,7 @@ use forkd_image::{GuestAssets, Home};
 use forkd_proto::exec::ExecRequest;
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -62,6 +63,8 @@ pub struct Sandbox {
 struct Inner {
     id: String,
     dir: PathBuf,
+    /// The file that holds guest RAM (a template's or a child's), when there is one.
+    ram_file: Option<PathBuf>,
     vm: Box<dyn Vm>,
     agent: AgentClient,
     timings: BootTimings,
@@ -70,6 +73,8 @@ struct Inner {
     cancel: CancellationToken,
     failure: Mutex<Option<Failure>>,
     watchdog: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Whether dropping the last handle stops the VM and removes its files.
+    owned: AtomicBool,
 }
 
 #[derive(Debug, Clone)]
@@ -81,7 +86,7 @@ enum Failure {
 
 /// Removes a sandbox directory on drop unless disarmed: nothing is left behind when a
 /// boot fails halfway.
-struct DirGuard(Option<PathBuf>);
+pub(crate) struct DirGuard(pub(crate) Option<PathBuf>);
 
 impl Drop for DirGuard {
     fn drop(&mut self) {
@@ -89,6 +94,20 @@ impl Drop for DirGuard {
             let _ = std::fs::remove_dir_all(dir);
         }
     }
+}
+
+/// How [`Sandbox::launch`] brings the VM up.
+#[derive(Debug, Clone)]
+pub enum Launch {
+    /// Boot the kernel.
+    Boot,
+    /// Restore device state saved from a template, then run the agent's resume hook.
+    Restore {
+        /// The device-state file.
+        state: PathBuf,
+        /// The snapshot's tag (recorded in the catalog).
+        tag: String,
+    },
 }
 
 impl Sandbox {
@@ -100,11 +119,8 @@ impl Sandbox {
     ) -> Result<Sandbox, SandboxError> {
         let id = crate::ids::sandbox_id();
         let dir = sandboxes_dir(home).join(&id);
-        std::fs::create_dir_all(&dir).map_err(|source| SandboxError::Io {
-            context: format!("creating {}", dir.display()),
-            source,
-        })?;
-        let mut guard = DirGuard(Some(dir.clone()));
+        create_dir(&dir)?;
+        let guard = DirGuard(Some(dir.clone()));
         let overlay = dir.join("root.qcow2");
         disk::create_overlay(&assets.rootfs.path, "raw", &overlay).await?;
         let config = VmConfig {
@@ -119,13 +135,32 @@ impl Sandbox {
             memory: MemoryBackend::Anonymous,
             accel: accel::resolve(opts.accel)?,
             seccomp: opts.seccomp,
+            detached: false,
         };
+        Sandbox::launch(config, Launch::Boot, opts, guard).await
+    }
+
+    /// Starts the VM `config` describes (its directory already made and guarded by
+    /// `guard`), connects to its agent and, for a restore, runs the resume hook. The
+    /// sandbox's catalog record is written before it is returned.
+    pub(crate) async fn launch(
+        config: VmConfig,
+        how: Launch,
+        opts: &SandboxOptions,
+        mut guard: DirGuard,
+    ) -> Result<Sandbox, SandboxError> {
+        let id = config.id.clone();
         let started = Instant::now();
-        let vm = Qemu::from_env().boot(&config).await?;
+        let hv = Qemu::from_env();
+        let vm = match &how {
+            Launch::Boot => hv.boot(&config).await?,
+            Launch::Restore { state, .. } => hv.restore(&config, state).await?,
+        };
         let hypervisor_ready = started.elapsed();
         let agent_socket = config.agent_socket();
+        let restored = matches!(how, Launch::Restore { .. });
         let agent = tokio::select! {
-            res = connect_agent(&agent_socket, opts.boot_timeout) => match res {
+            res = connect_agent(&agent_socket, opts.boot_timeout, restored.then_some(id.as_str())) => match res {
                 Ok(a) => a,
                 Err(AgentError::HandshakeTimeout { .. }) => {
                     vm.kill();
@@ -145,25 +180,138 @@ impl Sandbox {
             }
         };
         let first_answer = started.elapsed();
+        let record = crate::catalog::Record {
+            id: id.clone(),
+            snapshot: match &how {
+                Launch::Restore { tag, .. } => Some(tag.clone()),
+                Launch::Boot => None,
+            },
+            pid: vm.pid().unwrap_or(0),
+            start_time: vm.start_time().unwrap_or(0),
+            created_at: forkd_image::timestamp::rfc3339_utc(std::time::SystemTime::now()),
+            config: config.clone(),
+        };
+        if let Err(e) = record.write() {
+            vm.kill();
+            return Err(e);
+        }
         guard.0 = None;
-        let inner = Arc::new(Inner {
-            id,
-            dir,
+        let sandbox = Sandbox::assemble(
+            config,
             vm,
             agent,
-            timings: BootTimings {
+            BootTimings {
                 hypervisor_ready,
                 first_answer,
             },
-            agent_timeout: opts.agent_timeout,
+            opts.agent_timeout,
+            true,
+        );
+        tracing::info!(id = %sandbox.id(), "sandbox up in {:?}", first_answer);
+        Ok(sandbox)
+    }
+
+    /// Reattaches to a sandbox of the catalog that another process started (detached):
+    /// adopts its QEMU and connects to its agent. Fails with
+    /// [`SandboxError::NotFound`] when there is no such sandbox, and with
+    /// [`SandboxError::Gone`] (after removing its files) when its QEMU has died.
+    pub async fn attach(
+        home: &Home,
+        id: &str,
+        opts: &SandboxOptions,
+    ) -> Result<Sandbox, SandboxError> {
+        let record = crate::catalog::Record::read(home, id)?;
+        let hv = Qemu::from_env();
+        let vm = match hv
+            .adopt(&record.config, record.pid, record.start_time)
+            .await
+        {
+            Ok(vm) => vm,
+            Err(forkd_hypervisor::HypervisorError::NotRunning { .. }) => {
+                let _ = remove_dir(&record.config.dir);
+                return Err(SandboxError::Gone { id: id.to_owned() });
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let started = Instant::now();
+        let socket = record.config.agent_socket();
+        let agent = tokio::select! {
+            res = connect_agent(&socket, opts.boot_timeout, None) => res?,
+            _ = vm.wait_exit() => {
+                let _ = remove_dir(&record.config.dir);
+                return Err(SandboxError::Gone { id: id.to_owned() });
+            }
+        };
+        let t = started.elapsed();
+        Ok(Sandbox::assemble(
+            record.config,
+            vm,
+            agent,
+            BootTimings {
+                hypervisor_ready: Duration::ZERO,
+                first_answer: t,
+            },
+            opts.agent_timeout,
+            false,
+        ))
+    }
+
+    fn assemble(
+        config: VmConfig,
+        vm: Box<dyn Vm>,
+        agent: AgentClient,
+        timings: BootTimings,
+        agent_timeout: Duration,
+        owned: bool,
+    ) -> Sandbox {
+        let inner = Arc::new(Inner {
+            id: config.id.clone(),
+            dir: config.dir.clone(),
+            ram_file: match &config.memory {
+                MemoryBackend::File { path, .. } => Some(path.clone()),
+                MemoryBackend::Anonymous => None,
+            },
+            vm,
+            agent,
+            timings,
+            agent_timeout,
             cancel: CancellationToken::new(),
             failure: Mutex::new(None),
             watchdog: Mutex::new(None),
+            owned: AtomicBool::new(owned && !config.detached),
         });
         let watchdog = tokio::spawn(watch(Arc::downgrade(&inner)));
         *lock(&inner.watchdog) = Some(watchdog);
-        tracing::info!(id = %inner.id, "sandbox up in {:?}", first_answer);
-        Ok(Sandbox { inner })
+        Sandbox { inner }
+    }
+
+    /// Lets the sandbox go on without this handle: the watchdog stops, the agent session
+    /// closes, and dropping the handle no longer stops the VM. Only a detached VM (see
+    /// [`forkd_hypervisor::VmConfig::detached`]) outlives this process; the sandbox is
+    /// found again with [`Sandbox::attach`].
+    pub fn release(self) {
+        self.inner.owned.store(false, Ordering::SeqCst);
+        self.inner.set_failure(Failure::Destroyed);
+        if let Some(w) = lock(&self.inner.watchdog).take() {
+            w.abort();
+        }
+        self.inner.agent.close();
+    }
+
+    /// Closes the agent session, stops the watchdog, and saves the paused VM's device
+    /// state to `state` (see [`Vm::save_state`]). The VM stays paused: this is the last
+    /// thing a template does before it is stopped.
+    pub(crate) async fn freeze(&self, state: &Path) -> Result<(), SandboxError> {
+        if let Some(w) = lock(&self.inner.watchdog).take() {
+            w.abort();
+        }
+        // No request may be in flight at the freeze: every child would resume it with a
+        // host that never sent it. Closing the session first means the guest agent is
+        // waiting for a new greeting in every child.
+        self.inner.agent.close();
+        tokio::time::sleep(QUIESCE).await;
+        self.inner.vm.save_state(state).await?;
+        Ok(())
     }
 
     /// The sandbox id.
@@ -179,6 +327,13 @@ impl Sandbox {
     /// QEMU's pid while it runs.
     pub fn pid(&self) -> Option<u32> {
         self.inner.vm.pid()
+    }
+
+    /// What the VM's guest RAM costs the host: the QEMU process's mappings of the RAM
+    /// file. `None` for anonymous guest RAM or once QEMU is gone.
+    pub fn guest_ram_usage(&self) -> Option<forkd_hypervisor::smaps::MappingUsage> {
+        let file = self.inner.ram_file.as_ref()?;
+        forkd_hypervisor::smaps::file_mapping_usage(self.pid()?, file)
     }
 
     /// How long the start took.
@@ -258,6 +413,9 @@ impl Drop for Sandbox {
     fn drop(&mut self) {
         // The watchdog holds the sandbox while it waits on the VM: stop it, and kill the
         // VM and remove the files here rather than when the last reference goes.
+        if !self.inner.owned.load(Ordering::SeqCst) {
+            return;
+        }
         self.inner.set_failure(Failure::Destroyed);
         if let Some(w) = lock(&self.inner.watchdog).take() {
             w.abort();
@@ -325,6 +483,9 @@ impl Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        if !self.owned.load(Ordering::SeqCst) {
+            return;
+        }
         self.vm.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
@@ -384,10 +545,43 @@ async fn watch(inner: std::sync::Weak<Inner>) {
     }
 }
 
-async fn connect_agent(socket: &Path, timeout: Duration) -> Result<AgentClient, AgentError> {
+/// After closing the template's agent session, how long the guest gets to see the
+/// hang-up before it is frozen. Children whose agent froze before it noticed still work
+/// (the agent finds the next greeting in what looks like a broken session), but the
+/// first answer then takes longer.
+const QUIESCE: Duration = Duration::from_millis(300);
+
+/// Connects to the agent and pings it; for a restored child (`resume_as` its id), runs
+/// the resume hook first, so that nothing reaches the child before its clock, RNG and
+/// hostname are its own.
+async fn connect_agent(
+    socket: &Path,
+    timeout: Duration,
+    resume_as: Option<&str>,
+) -> Result<AgentClient, AgentError> {
     let agent = AgentClient::connect(socket, timeout).await?;
+    if let Some(id) = resume_as {
+        let wall_clock_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+            .unwrap_or(0);
+        agent
+            .resume(&forkd_proto::context::ResumeRequest {
+                wall_clock_ns,
+                entropy_hex: crate::ids::random_hex(64),
+                hostname: id.to_owned(),
+            })
+            .await?;
+    }
     agent.ping().await?;
     Ok(agent)
+}
+
+fn create_dir(dir: &Path) -> Result<(), SandboxError> {
+    std::fs::create_dir_all(dir).map_err(|source| SandboxError::Io {
+        context: format!("creating {}", dir.display()),
+        source,
+    })
 }
 
 /// Where sandbox runtime directories live.
@@ -398,13 +592,13 @@ pub fn sandboxes_dir(home: &Home) -> PathBuf {
 /// The guest kernel's command line. `reboot=t`: microvm has no keyboard controller, so a
 /// triple fault is the reboot that works; with `-no-reboot` it ends QEMU. `panic=-1`
 /// reboots (so exits) at once on a panic.
-fn kernel_cmdline(id: &str) -> String {
+pub(crate) fn kernel_cmdline(id: &str) -> String {
     format!(
         "console=ttyS0 reboot=t panic=-1 pci=off quiet loglevel=4 forkd.root=/dev/vda forkd.hostname={id}"
     )
 }
 
-fn remove_dir(dir: &Path) -> Result<(), SandboxError> {
+pub fn remove_dir(dir: &Path) -> Result<(), SandboxError> {
     match std::fs::remove_dir_all(dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),

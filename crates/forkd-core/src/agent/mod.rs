@@ -5,10 +5,12 @@
 //! HTTP/2 request, so calls run concurrently over the single channel. The client is cheap to
 //! clone.
 
+mod contexts;
 mod error;
 mod exec;
 mod files;
 
+pub use contexts::RunStream;
 pub use error::AgentError;
 pub use exec::{ExecOutput, ExecResult, ExecStream, Stdin};
 pub use files::WriteOptions;
@@ -124,6 +126,12 @@ impl AgentClient {
             sender,
             _conn: Arc::new(ConnTask(task)),
         })
+    }
+
+    /// Ends the session for every clone: the connection task stops and the socket
+    /// closes, which the guest sees as a hang-up.
+    pub fn close(&self) {
+        self._conn.0.abort();
     }
 
     /// True once the underlying connection has closed.

@@ -123,3 +123,62 @@ pub fn argv(args: &[&str]) -> ExecRequest {
 pub fn exists(p: &Path) -> bool {
     p.exists()
 }
+
+/// A snapshot store of its own for one test binary, on the same filesystem as the guest
+/// assets (so that they are linked, not copied, into its snapshots). Removed on drop.
+pub struct TestStore {
+    pub store: forkd_core::snapshot::Store,
+    _dir: tempfile::TempDir,
+}
+
+impl TestStore {
+    pub fn new() -> TestStore {
+        let tmp = home().tmp_dir();
+        std::fs::create_dir_all(&tmp).unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix("test-store-")
+            .tempdir_in(&tmp)
+            .unwrap();
+        TestStore {
+            store: forkd_core::snapshot::Store::at(dir.path()),
+            _dir: dir,
+        }
+    }
+}
+
+/// Builds `recipe` into `store` under `tag`.
+pub async fn build_template(
+    store: &forkd_core::snapshot::Store,
+    recipe: &forkd_core::template::Recipe,
+    tag: &str,
+) -> forkd_core::snapshot::Snapshot {
+    let assets = assets(recipe.rootfs_image()).await;
+    let tag = forkd_core::snapshot::Tag::parse(tag).unwrap();
+    let opts = forkd_core::template::BuildOptions {
+        boot_timeout: Duration::from_secs(300),
+        ..Default::default()
+    };
+    forkd_core::template::build(&home(), store, recipe, &tag, &assets, &opts, &|m| {
+        eprintln!("[template {}] {m}", recipe.name)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("building template {}: {e}", recipe.name))
+}
+
+pub fn fork_options(count: usize) -> forkd_core::fork::ForkOptions {
+    forkd_core::fork::ForkOptions {
+        count,
+        ready_timeout: Duration::from_secs(300),
+        agent_timeout: Duration::from_secs(120),
+        ..Default::default()
+    }
+}
+
+/// sha256 of a file, hex.
+pub fn sha256(path: &Path) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    let mut f = std::fs::File::open(path).unwrap();
+    std::io::copy(&mut f, &mut h).unwrap();
+    hex::encode(h.finalize())
+}

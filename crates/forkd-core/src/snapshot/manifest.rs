@@ -1,0 +1,149 @@
+//! The manifest of a snapshot (`manifest.json`) and its seal (`seal.json`).
+//!
+//! The manifest says what the snapshot is: its parts with their sha256 digests, the
+//! machine that was frozen and the versions of everything that made it. The digests are
+//! checked when a snapshot is written or verified, never per fork: hashing hundreds of
+//! MiB on every fork would cost more than the fork. What a fork checks instead is the
+//! seal: the size, inode and modification time each part had when it was hashed. Any
+//! write to a part (or to the manifest) changes its modification time, so a part changed
+//! since its digest was taken is refused at the cost of one `stat`.
+
+use forkd_hypervisor::Accel;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+/// Version of the manifest format.
+pub const FORMAT: u32 = 1;
+
+/// Part names and the files they are stored in.
+pub mod parts {
+    /// Device state (CPU registers, devices), as QEMU's migration stream.
+    pub const STATE: &str = "state.bin";
+    /// The guest RAM image (sparse).
+    pub const MEMORY: &str = "memory.ram";
+    /// The frozen top layer of the root disk (qcow2 over [`ROOTFS`]).
+    pub const DISK: &str = "disk.qcow2";
+    /// The root filesystem image the disk layer is based on.
+    pub const ROOTFS: &str = "rootfs.ext4";
+    /// The guest kernel.
+    pub const KERNEL: &str = "vmlinuz";
+    /// The initramfs (with the agent as /init).
+    pub const INITRAMFS: &str = "initramfs.cpio";
+    /// Every part, in the order they are listed.
+    pub const ALL: [&str; 6] = [STATE, MEMORY, DISK, ROOTFS, KERNEL, INITRAMFS];
+}
+
+/// `manifest.json`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Manifest {
+    /// [`FORMAT`].
+    pub format: u32,
+    /// The tag it was written under.
+    pub tag: String,
+    /// The template recipe it was built from.
+    pub template: String,
+    /// RFC 3339, UTC.
+    pub created_at: String,
+    /// The snapshot this one is a diff on, if any.
+    #[serde(default)]
+    pub parent: Option<String>,
+    /// The frozen machine: a child must be started with exactly this.
+    pub machine: Machine,
+    /// What made it.
+    pub versions: Versions,
+    /// The parts, by file name.
+    pub parts: BTreeMap<String, Part>,
+    /// Code contexts that were running (warm) when the snapshot was taken.
+    #[serde(default)]
+    pub contexts: Vec<forkd_proto::context::ContextInfo>,
+    /// How long the build took.
+    pub build: BuildTimes,
+}
+
+/// The frozen machine.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Machine {
+    /// vCPUs.
+    pub vcpus: u32,
+    /// Guest RAM, MiB.
+    pub memory_mib: u32,
+    /// The accelerator (a TCG snapshot restores only under TCG, and KVM only under KVM).
+    pub accel: Accel,
+    /// The CPU model QEMU was given.
+    pub cpu: String,
+    /// The kernel command line.
+    pub cmdline: String,
+}
+
+/// Versions of what made the snapshot.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Versions {
+    /// Guest kernel release (`6.1.0-57-cloud-amd64`).
+    pub kernel: String,
+    /// The rootfs image name (`python`).
+    pub rootfs: String,
+    /// sha256 of the initramfs, which carries the agent binary.
+    pub initramfs_sha256: String,
+    /// The forkd (and agent) version.
+    pub forkd: String,
+    /// The agent protocol version.
+    pub agent_protocol: u32,
+    /// `qemu-system-x86_64 --version`, first line.
+    pub qemu: String,
+}
+
+/// One part.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Part {
+    /// Size in bytes (apparent size: the memory image is sparse).
+    pub size: u64,
+    /// Hex sha256 of the contents.
+    pub sha256: String,
+}
+
+/// Milliseconds spent in each step of the build.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct BuildTimes {
+    /// Boot of the parent to its agent's first answer.
+    pub boot_ms: u64,
+    /// Warm-up commands and contexts.
+    pub warmup_ms: u64,
+    /// Pause and save of the device state.
+    pub freeze_ms: u64,
+    /// Hashing the parts (fsync and rename come after the manifest is written).
+    pub publish_ms: u64,
+    /// Everything up to and including the hashing.
+    pub total_ms: u64,
+}
+
+/// `seal.json`: what each file looked like when its digest was taken.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Seal {
+    /// By file name (the parts and `manifest.json`).
+    pub files: BTreeMap<String, FileStamp>,
+}
+
+/// Size, inode and modification time of a file.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FileStamp {
+    /// Size in bytes.
+    pub size: u64,
+    /// Inode number.
+    pub ino: u64,
+    /// Modification time, nanoseconds since the epoch.
+    pub mtime_ns: i128,
+}
+
+impl FileStamp {
+    /// Stamps the file at `path`.
+    pub fn of(path: &Path) -> std::io::Result<FileStamp> {
+        let m = std::fs::metadata(path)?;
+        Ok(FileStamp {
+            size: m.len(),
+            ino: m.ino(),
+            mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+        })
+    }
+}

@@ -1,0 +1,509 @@
+//! The snapshot store: immutable directories under `$FORKD_HOME/snapshots/<tag>/`.
+//!
+//! A snapshot is written into a staging directory, hashed, sealed, fsynced and then
+//! renamed into place in one step, so a reader finds either a whole snapshot or none.
+//! Once published nothing in it is written again; its files are read-only.
+//!
+//! - [`tag`]: which names are allowed.
+//! - [`manifest`]: what a snapshot records about itself, and the seal a fork checks.
+
+pub mod manifest;
+pub mod tag;
+
+pub use manifest::{Manifest, Seal};
+pub use tag::Tag;
+
+use manifest::{parts, FileStamp};
+use sha2::{Digest, Sha256};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// File name of the manifest.
+pub const MANIFEST: &str = "manifest.json";
+/// File name of the seal.
+pub const SEAL: &str = "seal.json";
+/// Staging directories live here, inside the store, so the final rename stays on one
+/// filesystem.
+const STAGING: &str = ".staging";
+
+/// What can go wrong with snapshots.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// invalid snapshot tag {tag:?}: {reason}
+    #[error("invalid snapshot tag {tag:?}: {reason}")]
+    InvalidTag {
+        /// (The start of) the tag.
+        tag: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// no snapshot {tag} (see `forkd snapshots`)
+    #[error("no snapshot {tag} (see `forkd snapshots`)")]
+    NotFound {
+        /// The tag.
+        tag: String,
+    },
+    /// snapshot {tag} already exists (remove it with `forkd rmi {tag}`, or use another tag)
+    #[error(
+        "snapshot {tag} already exists (remove it with `forkd rmi {tag}`, or use another tag)"
+    )]
+    Exists {
+        /// The tag.
+        tag: String,
+    },
+    /// snapshot {tag} is damaged and will not be forked: {detail}
+    #[error("snapshot {tag} is damaged and will not be forked: {detail} (check it with `forkd snapshot verify {tag}`; rebuild it to repair)")]
+    Damaged {
+        /// The tag.
+        tag: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// snapshot {tag}: {part} does not match its digest (expected sha256 {expected}, found {actual})
+    #[error("snapshot {tag}: {part} does not match its digest (expected sha256 {expected}, found {actual})")]
+    DigestMismatch {
+        /// The tag.
+        tag: String,
+        /// The part.
+        part: String,
+        /// From the manifest.
+        expected: String,
+        /// Of the file.
+        actual: String,
+    },
+    /// snapshot {tag} is in use by {users}; stop those first (or force the removal)
+    #[error("snapshot {tag} is in use by {users}; stop those first")]
+    InUse {
+        /// The tag.
+        tag: String,
+        /// Who uses it, named.
+        users: String,
+    },
+    /// {context}: {source}
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+}
+
+fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> SnapshotError {
+    let context = context.into();
+    move |source| SnapshotError::Io { context, source }
+}
+
+/// The store: a directory of snapshots.
+#[derive(Debug, Clone)]
+pub struct Store {
+    root: PathBuf,
+}
+
+/// A published snapshot whose seal was checked when it was opened.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// Its tag.
+    pub tag: Tag,
+    /// Its directory.
+    pub dir: PathBuf,
+    /// Its manifest.
+    pub manifest: Manifest,
+}
+
+impl Snapshot {
+    /// The path of a part.
+    pub fn part(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Bytes the parts take on disk (allocated blocks: the memory image is sparse).
+    pub fn disk_usage(&self) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        parts::ALL
+            .iter()
+            .filter_map(|p| std::fs::metadata(self.part(p)).ok())
+            .map(|m| m.blocks() * 512)
+            .sum()
+    }
+}
+
+/// A snapshot being written. Dropped without [`Staging::publish`], it is removed.
+#[derive(Debug)]
+pub struct Staging {
+    tag: Tag,
+    dir: PathBuf,
+    dest: PathBuf,
+    published: bool,
+}
+
+impl Staging {
+    /// The directory the parts are written into.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The path of a part inside the staging directory.
+    pub fn part(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Hashes every part (in parallel), fills in `manifest.parts`, writes the manifest
+    /// and the seal, makes everything read-only, fsyncs, and renames the directory into
+    /// place. `progress` hears about the slow step.
+    pub fn publish(
+        mut self,
+        mut manifest: Manifest,
+        progress: &dyn Fn(&str),
+    ) -> Result<Snapshot, SnapshotError> {
+        progress("hashing the snapshot's parts");
+        let hashing = std::time::Instant::now();
+        manifest.tag = self.tag.to_string();
+        let digests: Vec<Result<(String, u64), SnapshotError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = parts::ALL
+                .iter()
+                .map(|p| {
+                    let path = self.part(p);
+                    s.spawn(move || sha256_file(&path))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("hash thread"))
+                .collect()
+        });
+        manifest.parts.clear();
+        for (name, d) in parts::ALL.iter().zip(digests) {
+            let (sha256, size) = d?;
+            manifest
+                .parts
+                .insert((*name).to_owned(), manifest::Part { size, sha256 });
+        }
+        let hashed_ms = u64::try_from(hashing.elapsed().as_millis()).unwrap_or(u64::MAX);
+        manifest.build.publish_ms = hashed_ms;
+        manifest.build.total_ms = manifest.build.total_ms.saturating_add(hashed_ms);
+        let json = serde_json::to_vec_pretty(&manifest).expect("manifests serialize");
+        let mpath = self.part(MANIFEST);
+        write_synced(&mpath, &json)?;
+        let mut seal = Seal {
+            files: Default::default(),
+        };
+        for name in parts::ALL.iter().chain([&MANIFEST]) {
+            let path = self.part(name);
+            // QEMU 7.2 opens a memory-backend-file read-write even for a private
+            // mapping (its `readonly` would make guest RAM read-only), so the memory
+            // image keeps its owner's write bit.
+            make_read_only(&path, if *name == parts::MEMORY { 0o644 } else { 0o444 })?;
+            // fsync the data before the stamp is taken: the stamp vouches for it.
+            std::fs::File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(io(format!("syncing {}", path.display())))?;
+            let stamp = FileStamp::of(&path).map_err(io(format!("stat {}", path.display())))?;
+            seal.files.insert((*name).to_owned(), stamp);
+        }
+        let spath = self.part(SEAL);
+        write_synced(
+            &spath,
+            &serde_json::to_vec_pretty(&seal).expect("seals serialize"),
+        )?;
+        make_read_only(&spath, 0o444)?;
+        fsync_dir(&self.dir)?;
+        if self.dest.exists() {
+            return Err(SnapshotError::Exists {
+                tag: self.tag.to_string(),
+            });
+        }
+        std::fs::rename(&self.dir, &self.dest)
+            .map_err(io(format!("renaming {} into place", self.dir.display())))?;
+        self.published = true;
+        if let Some(parent) = self.dest.parent() {
+            fsync_dir(parent)?;
+        }
+        Ok(Snapshot {
+            tag: self.tag.clone(),
+            dir: self.dest.clone(),
+            manifest,
+        })
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if !self.published {
+            let _ = remove_tree(&self.dir);
+        }
+    }
+}
+
+impl Store {
+    /// The store of a forkd home: `$FORKD_HOME/snapshots`.
+    pub fn of_home(home: &forkd_image::Home) -> Store {
+        Store::at(home.root().join("snapshots"))
+    }
+
+    /// A store rooted at `root`.
+    pub fn at(root: impl Into<PathBuf>) -> Store {
+        Store { root: root.into() }
+    }
+
+    /// The store's directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Where the snapshot `tag` lives (whether or not it exists).
+    pub fn path(&self, tag: &Tag) -> PathBuf {
+        self.root.join(tag.as_str())
+    }
+
+    /// True if a snapshot is published under `tag`.
+    pub fn exists(&self, tag: &Tag) -> bool {
+        self.path(tag).join(MANIFEST).exists()
+    }
+
+    /// Starts writing a snapshot for `tag`. Fails at once if the tag is taken.
+    pub fn stage(&self, tag: &Tag) -> Result<Staging, SnapshotError> {
+        if self.exists(tag) {
+            return Err(SnapshotError::Exists {
+                tag: tag.to_string(),
+            });
+        }
+        let staging_root = self.root.join(STAGING);
+        std::fs::create_dir_all(&staging_root)
+            .map_err(io(format!("creating {}", staging_root.display())))?;
+        let dir = staging_root.join(format!("{tag}-{}", crate::ids::random_hex(4)));
+        std::fs::create_dir(&dir).map_err(io(format!("creating {}", dir.display())))?;
+        Ok(Staging {
+            tag: tag.clone(),
+            dir,
+            dest: self.path(tag),
+            published: false,
+        })
+    }
+
+    /// Opens a snapshot for forking: reads the manifest and checks the seal (sizes,
+    /// inodes and modification times; no hashing).
+    pub fn open(&self, tag: &Tag) -> Result<Snapshot, SnapshotError> {
+        let dir = self.path(tag);
+        let damaged = |detail: String| SnapshotError::Damaged {
+            tag: tag.to_string(),
+            detail,
+        };
+        if !dir.is_dir() {
+            return Err(SnapshotError::NotFound {
+                tag: tag.to_string(),
+            });
+        }
+        let seal: Seal = read_json(&dir.join(SEAL)).map_err(damaged)?;
+        for name in parts::ALL.iter().chain([&MANIFEST]) {
+            let Some(want) = seal.files.get(*name) else {
+                return Err(damaged(format!("the seal does not cover {name}")));
+            };
+            let have = match FileStamp::of(&dir.join(name)) {
+                Ok(s) => s,
+                Err(e) => return Err(damaged(format!("{name}: {e}"))),
+            };
+            if have.size != want.size {
+                return Err(damaged(format!(
+                    "{name} is {} bytes, but was {} bytes when the snapshot was written (truncated or overwritten)",
+                    have.size, want.size
+                )));
+            }
+            if have != *want {
+                return Err(damaged(format!(
+                    "{name} was modified after the snapshot was written"
+                )));
+            }
+        }
+        let manifest: Manifest = read_json(&dir.join(MANIFEST)).map_err(damaged)?;
+        if manifest.format != manifest::FORMAT {
+            return Err(damaged(format!(
+                "manifest format {} is not the supported {}",
+                manifest.format,
+                manifest::FORMAT
+            )));
+        }
+        for name in parts::ALL {
+            match manifest.parts.get(name) {
+                Some(p) if p.size == seal.files[name].size => {}
+                Some(p) => {
+                    return Err(damaged(format!(
+                        "the manifest gives {name} {} bytes, the file has {}",
+                        p.size, seal.files[name].size
+                    )))
+                }
+                None => return Err(damaged(format!("the manifest does not list {name}"))),
+            }
+        }
+        Ok(Snapshot {
+            tag: tag.clone(),
+            dir,
+            manifest,
+        })
+    }
+
+    /// Opens a snapshot and re-hashes every part against the manifest.
+    pub fn verify(&self, tag: &Tag) -> Result<Snapshot, SnapshotError> {
+        let snap = match self.open(tag) {
+            Ok(s) => s,
+            // A damaged seal still deserves the precise answer the digests give.
+            Err(SnapshotError::Damaged { .. }) => self.open_unsealed(tag)?,
+            Err(e) => return Err(e),
+        };
+        for name in parts::ALL {
+            let expected = &snap.manifest.parts[name].sha256;
+            let (actual, _) = sha256_file(&snap.part(name))?;
+            if &actual != expected {
+                return Err(SnapshotError::DigestMismatch {
+                    tag: tag.to_string(),
+                    part: name.to_owned(),
+                    expected: expected.clone(),
+                    actual,
+                });
+            }
+        }
+        // Parts that hash right but whose seal is off (touched, or the seal edited).
+        self.open(tag)
+    }
+
+    fn open_unsealed(&self, tag: &Tag) -> Result<Snapshot, SnapshotError> {
+        let dir = self.path(tag);
+        let manifest: Manifest =
+            read_json(&dir.join(MANIFEST)).map_err(|detail| SnapshotError::Damaged {
+                tag: tag.to_string(),
+                detail,
+            })?;
+        for name in parts::ALL {
+            if !manifest.parts.contains_key(name) {
+                return Err(SnapshotError::Damaged {
+                    tag: tag.to_string(),
+                    detail: format!("the manifest does not list {name}"),
+                });
+            }
+        }
+        Ok(Snapshot {
+            tag: tag.clone(),
+            dir,
+            manifest,
+        })
+    }
+
+    /// Every published snapshot, by tag. Ones that cannot be opened are listed with
+    /// their error.
+    pub fn list(&self) -> Vec<(String, Result<Snapshot, SnapshotError>)> {
+        let Ok(entries) = std::fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
+        let mut out: Vec<_> = entries
+            .filter_map(Result::ok)
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter(|name| !name.starts_with('.'))
+            .map(|name| {
+                let res = Tag::parse(&name).and_then(|t| self.open(&t));
+                (name, res)
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// Snapshots whose parent is `tag`.
+    pub fn dependents(&self, tag: &Tag) -> Vec<String> {
+        self.list()
+            .into_iter()
+            .filter_map(|(name, s)| {
+                s.ok()
+                    .filter(|s| s.manifest.parent.as_deref() == Some(tag.as_str()))
+                    .map(|_| name)
+            })
+            .collect()
+    }
+
+    /// Removes a snapshot. `users` names whatever still runs from it (children): the
+    /// removal is refused while there are any, or while other snapshots depend on it.
+    pub fn remove(&self, tag: &Tag, users: &[String]) -> Result<(), SnapshotError> {
+        let dir = self.path(tag);
+        if !dir.is_dir() {
+            return Err(SnapshotError::NotFound {
+                tag: tag.to_string(),
+            });
+        }
+        let mut all: Vec<String> = users.iter().map(|u| format!("sandbox {u}")).collect();
+        all.extend(
+            self.dependents(tag)
+                .into_iter()
+                .map(|d| format!("snapshot {d}")),
+        );
+        if !all.is_empty() {
+            return Err(SnapshotError::InUse {
+                tag: tag.to_string(),
+                users: all.join(", "),
+            });
+        }
+        // Rename first: the tag disappears in one step, then the files go.
+        let doomed = self
+            .root
+            .join(STAGING)
+            .join(format!("rm-{tag}-{}", crate::ids::random_hex(4)));
+        std::fs::create_dir_all(self.root.join(STAGING))
+            .map_err(io("creating the staging directory"))?;
+        std::fs::rename(&dir, &doomed).map_err(io(format!("removing {}", dir.display())))?;
+        remove_tree(&doomed)
+    }
+}
+
+/// sha256 and length of a file, read in 1 MiB blocks.
+pub fn sha256_file(path: &Path) -> Result<(String, u64), SnapshotError> {
+    let mut f = std::fs::File::open(path).map_err(io(format!("opening {}", path.display())))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut n = 0u64;
+    loop {
+        let k = f
+            .read(&mut buf)
+            .map_err(io(format!("reading {}", path.display())))?;
+        if k == 0 {
+            break;
+        }
+        h.update(&buf[..k]);
+        n += k as u64;
+    }
+    Ok((hex::encode(h.finalize()), n))
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, String> {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let bytes = std::fs::read(path).map_err(|e| format!("{name}: {e}"))?;
+    serde_json::from_slice(&bytes).map_err(|e| format!("{name} is not valid: {e}"))
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), SnapshotError> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).map_err(io(format!("creating {}", path.display())))?;
+    f.write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .map_err(io(format!("writing {}", path.display())))
+}
+
+fn make_read_only(path: &Path, mode: u32) -> Result<(), SnapshotError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(io(format!("making {} read-only", path.display())))
+}
+
+fn fsync_dir(dir: &Path) -> Result<(), SnapshotError> {
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(io(format!("syncing {}", dir.display())))
+}
+
+fn remove_tree(dir: &Path) -> Result<(), SnapshotError> {
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(SnapshotError::Io {
+            context: format!("removing {}", dir.display()),
+            source: e,
+        }),
+    }
+}

@@ -1,0 +1,472 @@
+//! Templates: a recipe (`templates/<name>.toml`) for a warm parent VM, and the build
+//! that boots it, warms it and freezes it into a snapshot.
+//!
+//! The build, step by step: the parent boots with its RAM in a file of the staging
+//! snapshot (`memory-backend-file`, `share=on`), so that once it is paused the file *is*
+//! its memory image; its disk is a qcow2 layer in the same directory over a link to the
+//! rootfs image. The warm-up commands run, the code contexts start and run their
+//! preload, the guest syncs its disks, the agent session is closed (nothing may be in
+//! flight at the freeze), the VM is paused and its device state saved with
+//! `x-ignore-shared`. QEMU quits, and the directory is hashed, sealed and published.
+
+use crate::error::SandboxError;
+use crate::sandbox::{kernel_cmdline, sandboxes_dir, DirGuard, Launch, Sandbox, SandboxOptions};
+use crate::snapshot::manifest::{parts, BuildTimes, Machine, Manifest, Versions, FORMAT};
+use crate::snapshot::{Snapshot, Store, Tag};
+use forkd_hypervisor::qemu::{disk, Qemu};
+use forkd_hypervisor::{accel, Accel, AccelChoice, MemoryBackend, VmConfig};
+use forkd_image::{GuestAssets, Home, RootfsImage};
+use forkd_proto::context::{CreateContextRequest, Language, RunCodeRequest};
+use forkd_proto::exec::{Command, ExecRequest};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The recipes shipped with forkd (the files in `templates/`), built into the binary so
+/// that `forkd template build python` works from any directory.
+pub const BUILTIN: [(&str, &str); 2] = [
+    ("minimal", include_str!("../../../templates/minimal.toml")),
+    ("python", include_str!("../../../templates/python.toml")),
+];
+
+/// A template recipe.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    /// The template's name (the file's stem; also the default snapshot tag).
+    #[serde(skip)]
+    pub name: String,
+    /// One line about it.
+    #[serde(default)]
+    pub description: String,
+    /// The rootfs image (`minimal`, `python`).
+    pub image: String,
+    /// vCPUs of the parent (and so of every child).
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u32,
+    /// Guest RAM of the parent, MiB.
+    #[serde(default = "default_memory")]
+    pub memory_mib: u32,
+    /// Commands run in the parent, in order, before the contexts start.
+    #[serde(default)]
+    pub warmup: Vec<WarmupStep>,
+    /// Code contexts started in the parent; every child inherits them warm.
+    #[serde(default)]
+    pub contexts: Vec<ContextRecipe>,
+}
+
+/// One warm-up command.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WarmupStep {
+    /// Run with `/bin/sh -c`; it must exit 0.
+    pub run: String,
+    /// Seconds it may take (default 600).
+    #[serde(default)]
+    pub timeout_s: Option<u64>,
+}
+
+/// One warm code context.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ContextRecipe {
+    /// The interpreter.
+    #[serde(default)]
+    pub language: Language,
+    /// Code run in the context before the freeze (imports, loaded data, a model).
+    #[serde(default)]
+    pub preload: String,
+    /// Working directory.
+    #[serde(default)]
+    pub cwd: Option<String>,
+}
+
+fn default_vcpus() -> u32 {
+    1
+}
+
+fn default_memory() -> u32 {
+    512
+}
+
+impl Recipe {
+    /// Parses a recipe's TOML text.
+    pub fn parse(name: &str, text: &str) -> Result<Recipe, SandboxError> {
+        let bad = |detail: String| SandboxError::Template {
+            name: name.to_owned(),
+            detail,
+        };
+        Tag::parse(name).map_err(|e| bad(e.to_string()))?;
+        let mut r: Recipe = toml::from_str(text).map_err(|e| bad(format!("bad recipe: {e}")))?;
+        r.name = name.to_owned();
+        r.image
+            .parse::<RootfsImage>()
+            .map_err(|e| bad(e.to_string()))?;
+        if !(1..=64).contains(&r.vcpus) {
+            return Err(bad(format!("vcpus = {} is outside 1..=64", r.vcpus)));
+        }
+        if !(128..=262_144).contains(&r.memory_mib) {
+            return Err(bad(format!(
+                "memory_mib = {} is outside 128..=262144",
+                r.memory_mib
+            )));
+        }
+        Ok(r)
+    }
+
+    /// Reads a recipe file; the template is named after the file's stem.
+    pub fn load(path: &Path) -> Result<Recipe, SandboxError> {
+        let name = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or_default()
+            .to_owned();
+        let text = std::fs::read_to_string(path).map_err(|source| SandboxError::Io {
+            context: format!("reading template {}", path.display()),
+            source,
+        })?;
+        Recipe::parse(&name, &text)
+    }
+
+    /// Finds the recipe `name`: `<dir>/<name>.toml` in the first of `dirs` that has it,
+    /// else the built-in recipe of that name.
+    pub fn find(name: &str, dirs: &[PathBuf]) -> Result<Recipe, SandboxError> {
+        Tag::parse(name).map_err(|e| SandboxError::Template {
+            name: name.chars().take(40).collect(),
+            detail: e.to_string(),
+        })?;
+        for d in dirs {
+            let p = d.join(format!("{name}.toml"));
+            if p.is_file() {
+                return Recipe::load(&p);
+            }
+        }
+        match BUILTIN.iter().find(|(n, _)| *n == name) {
+            Some((n, text)) => Recipe::parse(n, text),
+            None => Err(SandboxError::Template {
+                name: name.to_owned(),
+                detail: format!(
+                    "no such template (built in: {}; or pass a recipe file)",
+                    BUILTIN.map(|(n, _)| n).join(", ")
+                ),
+            }),
+        }
+    }
+
+    /// The rootfs image it needs.
+    pub fn rootfs_image(&self) -> RootfsImage {
+        self.image.parse().expect("checked when parsed")
+    }
+}
+
+/// How to build.
+#[derive(Debug, Clone)]
+pub struct BuildOptions {
+    /// `auto`, `kvm` or `tcg`. The snapshot can only be restored with the same.
+    pub accel: AccelChoice,
+    /// QEMU's seccomp filter.
+    pub seccomp: bool,
+    /// How long the parent may take to boot.
+    pub boot_timeout: Duration,
+}
+
+impl Default for BuildOptions {
+    fn default() -> Self {
+        BuildOptions {
+            accel: AccelChoice::Auto,
+            seccomp: true,
+            boot_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// Builds `recipe` into the snapshot `tag` of `store`, from `assets` (whose rootfs must
+/// be the recipe's image). `progress` hears each step.
+pub async fn build(
+    home: &Home,
+    store: &Store,
+    recipe: &Recipe,
+    tag: &Tag,
+    assets: &GuestAssets,
+    opts: &BuildOptions,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<Snapshot, SandboxError> {
+    let t0 = Instant::now();
+    let staging = store.stage(tag)?;
+    progress(&format!("linking the guest assets into snapshot {tag}"));
+    link_or_copy(&assets.kernel.vmlinuz.path, &staging.part(parts::KERNEL))?;
+    link_or_copy(&assets.initramfs.path, &staging.part(parts::INITRAMFS))?;
+    link_or_copy(&assets.rootfs.path, &staging.part(parts::ROOTFS))?;
+    disk::create_relative_overlay(parts::ROOTFS, "raw", &staging.part(parts::DISK)).await?;
+
+    let accel = accel::resolve(opts.accel)?;
+    let id = crate::ids::sandbox_id();
+    let dir = sandboxes_dir(home).join(&id);
+    std::fs::create_dir_all(&dir).map_err(|source| SandboxError::Io {
+        context: format!("creating {}", dir.display()),
+        source,
+    })?;
+    let config = VmConfig {
+        id: id.clone(),
+        dir: dir.clone(),
+        kernel: staging.part(parts::KERNEL),
+        initramfs: staging.part(parts::INITRAMFS),
+        cmdline: kernel_cmdline(&id),
+        root_disk: staging.part(parts::DISK),
+        vcpus: recipe.vcpus,
+        memory_mib: recipe.memory_mib,
+        memory: MemoryBackend::File {
+            path: staging.part(parts::MEMORY),
+            shared: true,
+        },
+        accel,
+        seccomp: opts.seccomp,
+        detached: false,
+    };
+    let sopts = SandboxOptions {
+        vcpus: recipe.vcpus,
+        memory_mib: recipe.memory_mib,
+        accel: opts.accel,
+        boot_timeout: opts.boot_timeout,
+        agent_timeout: Duration::from_secs(60),
+        seccomp: opts.seccomp,
+    };
+    progress(&format!(
+        "booting the parent ({} vCPU, {} MiB, {accel})",
+        recipe.vcpus, recipe.memory_mib
+    ));
+    let parent = Sandbox::launch(
+        config.clone(),
+        Launch::Boot,
+        &sopts,
+        DirGuard(Some(dir.clone())),
+    )
+    .await?;
+    let boot = t0.elapsed();
+    let t_warm = Instant::now();
+    let warmed = warm(&parent, recipe, progress).await;
+    let contexts = match warmed {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = parent.destroy().await;
+            return Err(e);
+        }
+    };
+    let warmup = t_warm.elapsed();
+    progress("freezing the parent (pause, save the device state)");
+    let t_freeze = Instant::now();
+    let frozen = parent.freeze(&staging.part(parts::STATE)).await;
+    let freeze = t_freeze.elapsed();
+    parent.destroy().await?;
+    frozen?;
+    let manifest = Manifest {
+        format: FORMAT,
+        tag: tag.to_string(),
+        template: recipe.name.clone(),
+        created_at: forkd_image::timestamp::rfc3339_utc(std::time::SystemTime::now()),
+        parent: None,
+        machine: Machine {
+            vcpus: recipe.vcpus,
+            memory_mib: recipe.memory_mib,
+            accel,
+            cpu: match accel {
+                Accel::Kvm => "host".into(),
+                Accel::Tcg => "max".into(),
+            },
+            cmdline: config.cmdline.clone(),
+        },
+        versions: Versions {
+            kernel: assets.kernel.release.clone(),
+            rootfs: recipe.image.clone(),
+            initramfs_sha256: assets.initramfs.sha256.clone(),
+            forkd: env!("CARGO_PKG_VERSION").into(),
+            agent_protocol: forkd_proto::PROTOCOL_VERSION,
+            qemu: qemu_version(),
+        },
+        parts: Default::default(),
+        contexts,
+        build: BuildTimes {
+            boot_ms: ms(boot),
+            warmup_ms: ms(warmup),
+            freeze_ms: ms(freeze),
+            // Filled in by `publish`, which times its hashing before it writes the
+            // manifest.
+            publish_ms: 0,
+            total_ms: ms(t0.elapsed()),
+        },
+    };
+    progress("hashing and publishing the snapshot");
+    // Hashing reads hundreds of MiB: off the async threads.
+    let snap = tokio::task::spawn_blocking(move || staging.publish(manifest, &|_| {}))
+        .await
+        .map_err(|e| SandboxError::Io {
+            context: "publishing the snapshot".into(),
+            source: std::io::Error::other(e.to_string()),
+        })??;
+    progress(&format!(
+        "snapshot {tag} written in {:.1} s (boot {:.1} s, warm-up {:.1} s, freeze {} ms)",
+        t0.elapsed().as_secs_f64(),
+        boot.as_secs_f64(),
+        warmup.as_secs_f64(),
+        ms(freeze)
+    ));
+    Ok(snap)
+}
+
+/// Runs the warm-up commands and starts the contexts; returns the contexts.
+async fn warm(
+    parent: &Sandbox,
+    recipe: &Recipe,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<Vec<forkd_proto::context::ContextInfo>, SandboxError> {
+    let fail = |detail: String| SandboxError::Template {
+        name: recipe.name.clone(),
+        detail,
+    };
+    for step in &recipe.warmup {
+        progress(&format!("warm-up: {}", step.run));
+        let mut req = ExecRequest::new(Command::Shell(step.run.clone()));
+        req.timeout_ms = Some(step.timeout_s.unwrap_or(600) * 1000);
+        let out = parent.exec(req, None).await?;
+        if !out.status.success() {
+            return Err(fail(format!(
+                "warm-up command {:?} failed (exit {}{}): {}{}",
+                step.run,
+                out.status.shell_code(),
+                if out.status.timed_out {
+                    ", timed out"
+                } else {
+                    ""
+                },
+                tail(&out.stdout),
+                tail(&out.stderr)
+            )));
+        }
+    }
+    let mut contexts = Vec::new();
+    for c in &recipe.contexts {
+        progress(&format!("starting a {:?} context", c.language).to_lowercase());
+        let info = parent
+            .call(|a| async move {
+                a.create_context(&CreateContextRequest {
+                    language: c.language,
+                    cwd: c.cwd.clone(),
+                    env: Default::default(),
+                })
+                .await
+            })
+            .await?;
+        if !c.preload.trim().is_empty() {
+            progress(&format!(
+                "preloading {}: {}",
+                info.id,
+                first_line(&c.preload)
+            ));
+            let id = info.id.clone();
+            let code = c.preload.clone();
+            let x = parent
+                .call(|a| async move {
+                    a.run_code(
+                        &id,
+                        &RunCodeRequest {
+                            code,
+                            timeout_ms: None,
+                        },
+                    )
+                    .await
+                })
+                .await?;
+            if let Some(e) = x.error {
+                return Err(fail(format!(
+                    "the preload of context {} failed: {}: {}\n{}",
+                    info.id, e.name, e.value, e.traceback
+                )));
+            }
+        }
+        contexts.push(info);
+    }
+    // The disk layer must hold what the frozen page cache already believes is on disk.
+    parent
+        .exec(ExecRequest::new(Command::Argv(vec!["sync".into()])), None)
+        .await?;
+    Ok(contexts)
+}
+
+/// A hard link (same filesystem: free, and the image builder replaces files by rename,
+/// so a linked image never changes under the snapshot), else a copy.
+fn link_or_copy(from: &Path, to: &Path) -> Result<(), SandboxError> {
+    if std::fs::hard_link(from, to).is_ok() {
+        return Ok(());
+    }
+    std::fs::copy(from, to)
+        .map(drop)
+        .map_err(|source| SandboxError::Io {
+            context: format!("copying {} to {}", from.display(), to.display()),
+            source,
+        })
+}
+
+fn qemu_version() -> String {
+    let q = Qemu::from_env();
+    forkd_hypervisor::qemu::version::installed_version(q.binary())
+        .map(|v| format!("{}.{}.{}", v.0, v.1, v.2))
+        .unwrap_or_else(|e| format!("unknown ({e})"))
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn first_line(s: &str) -> String {
+    let lines: Vec<&str> = s.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    match lines.len() {
+        0 => String::new(),
+        1 => lines[0].to_owned(),
+        n => format!("{} (+{} lines)", lines[0], n - 1),
+    }
+}
+
+fn tail(b: &[u8]) -> String {
+    let s = String::from_utf8_lossy(b);
+    let start = s.len().saturating_sub(2000);
+    let start = (start..s.len())
+        .find(|i| s.is_char_boundary(*i))
+        .unwrap_or(s.len());
+    s[start..].to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_recipes_parse() {
+        for (name, text) in BUILTIN {
+            let r = Recipe::parse(name, text).unwrap();
+            assert_eq!(r.name, name);
+            assert_eq!(r.memory_mib, 512);
+        }
+        let py = Recipe::find("python", &[]).unwrap();
+        assert!(py.contexts[0].preload.contains("import pandas"));
+    }
+
+    #[test]
+    fn bad_recipes_are_explained() {
+        let e = Recipe::parse("t", "image = \"nope\"")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("nope"), "{e}");
+        let e = Recipe::parse("t", "image = \"minimal\"\nvcpus = 0")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("vcpus"), "{e}");
+        let e = Recipe::parse("t", "image = \"minimal\"\ncolour = 1")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("colour"), "{e}");
+        let e = Recipe::find("../x", &[]).unwrap_err().to_string();
+        assert!(e.contains("'/'"), "{e}");
+        let e = Recipe::find("nosuch", &[]).unwrap_err().to_string();
+        assert!(e.contains("built in: minimal, python"), "{e}");
+    }
+}

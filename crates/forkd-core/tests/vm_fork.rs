@@ -1,0 +1,197 @@
+//! Fork children of the `minimal` template: each is its own VM on its own disk layer,
+//! the template is never written, and a damaged snapshot is refused before any child
+//! starts.
+
+mod common;
+
+use common::{build_template, fork_options, home, sh, TestStore};
+use forkd_core::fork::fork;
+use forkd_core::snapshot::manifest::parts;
+use forkd_core::snapshot::Tag;
+use forkd_core::template::Recipe;
+use forkd_core::SandboxError;
+use std::os::unix::fs::PermissionsExt;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_children_of_minimal_are_isolated_and_leave_the_template_untouched() {
+    let ts = TestStore::new();
+    let recipe = Recipe::find("minimal", &[]).unwrap();
+    let snap = build_template(&ts.store, &recipe, "minimal-five").await;
+    let disk_before = common::sha256(&snap.part(parts::DISK));
+    let memory_before = common::sha256(&snap.part(parts::MEMORY));
+
+    let children = fork(&home(), &snap, &fork_options(5))
+        .await
+        .expect("fork 5");
+    assert_eq!(children.len(), 5);
+    let mut ids: Vec<_> = children.iter().map(|c| c.id().to_owned()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 5, "ids are distinct");
+
+    for (i, c) in children.iter().enumerate() {
+        let out = c
+            .exec(
+                sh(&format!("echo child-{i} > /root/mine-{i} && hostname")),
+                None,
+            )
+            .await
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        // The resume hook gave every child its own hostname.
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), c.id());
+    }
+    for (i, c) in children.iter().enumerate() {
+        let out = c
+            .exec(sh("ls /root | grep mine- || true"), None)
+            .await
+            .unwrap();
+        let seen = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        assert_eq!(
+            seen,
+            format!("mine-{i}"),
+            "child {i} sees only its own file"
+        );
+        let out = c
+            .exec(sh(&format!("cat /root/mine-{i}")), None)
+            .await
+            .unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            format!("child-{i}")
+        );
+    }
+    for c in children {
+        c.destroy().await.unwrap();
+    }
+    assert_eq!(common::sha256(&snap.part(parts::DISK)), disk_before);
+    assert_eq!(common::sha256(&snap.part(parts::MEMORY)), memory_before);
+    // Still sealed: forks again.
+    ts.store.open(&snap.tag).expect("the template is intact");
+    let again = fork(&home(), &snap, &fork_options(1)).await.unwrap();
+    assert!(again[0]
+        .exec(sh("true"), None)
+        .await
+        .unwrap()
+        .status
+        .success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn damaged_snapshots_and_bad_tags_are_refused_before_any_child_starts() {
+    let ts = TestStore::new();
+    let recipe = Recipe::find("minimal", &[]).unwrap();
+    let snap = build_template(&ts.store, &recipe, "minimal-damaged").await;
+    ts.store
+        .verify(&snap.tag)
+        .expect("a fresh snapshot verifies");
+    let running_before = forkd_core::catalog::list(&home()).len();
+
+    // A part whose contents changed (same size): the seal no longer matches, and
+    // verification names the digest.
+    let state = snap.part(parts::STATE);
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mut bytes = std::fs::read(&state).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&state, &bytes).unwrap();
+    let err = ts.store.open(&snap.tag).unwrap_err().to_string();
+    assert!(err.contains("state.bin was modified"), "{err}");
+    let err = ts.store.verify(&snap.tag).unwrap_err().to_string();
+    assert!(err.contains("state.bin does not match its digest"), "{err}");
+    // Forking goes through open(): refused, and no child was started.
+    assert_eq!(forkd_core::catalog::list(&home()).len(), running_before);
+
+    // A manifest whose digest was edited: refused at open, and verification finds the
+    // part no longer matches what the manifest claims.
+    let snap2 = build_template(&ts.store, &recipe, "minimal-edited").await;
+    let mpath = snap2.dir.join(forkd_core::snapshot::MANIFEST);
+    let text = std::fs::read_to_string(&mpath).unwrap();
+    let digest = &snap2.manifest.parts[parts::DISK].sha256;
+    std::fs::set_permissions(&mpath, std::fs::Permissions::from_mode(0o644)).unwrap();
+    std::fs::write(&mpath, text.replace(digest.as_str(), &"0".repeat(64))).unwrap();
+    let err = ts.store.open(&snap2.tag).unwrap_err().to_string();
+    assert!(err.contains("manifest.json was modified"), "{err}");
+    let err = ts.store.verify(&snap2.tag).unwrap_err().to_string();
+    assert!(
+        err.contains("disk.qcow2 does not match its digest"),
+        "{err}"
+    );
+
+    // A truncated part.
+    let mem = snap2.part(parts::MEMORY);
+    let f = std::fs::OpenOptions::new().write(true).open(&mem).unwrap();
+    f.set_len(4096).unwrap();
+    let err = ts.store.open(&snap2.tag).unwrap_err();
+    assert!(
+        matches!(err, forkd_core::snapshot::SnapshotError::Damaged { .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("memory.ram is 4096 bytes"),
+        "{err}"
+    );
+
+    // Bad tags never reach the filesystem.
+    for bad in ["../x", "a/b", "", &"x".repeat(300)] {
+        let e = Tag::parse(bad).unwrap_err();
+        let e: SandboxError = e.into();
+        assert!(e.to_string().starts_with("invalid snapshot tag"), "{e}");
+    }
+    assert_eq!(forkd_core::catalog::list(&home()).len(), running_before);
+}
+
+/// Children share the template's memory image: what each one copies on write stays
+/// small, and ten of them together cost about one template's resident memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_children_share_the_template_memory() {
+    use std::os::unix::fs::MetadataExt;
+    const MIB: u64 = 1 << 20;
+    let ts = TestStore::new();
+    let recipe = Recipe::find("minimal", &[]).unwrap();
+    assert_eq!(recipe.memory_mib, 512);
+    let snap = build_template(&ts.store, &recipe, "minimal-shared").await;
+    // What the template had resident when it was frozen: the pages of its RAM file that
+    // hold data (the rest of the file is a hole).
+    let template_resident = std::fs::metadata(snap.part(parts::MEMORY))
+        .unwrap()
+        .blocks()
+        * 512;
+    assert!(template_resident > 16 * MIB, "{template_resident}");
+
+    let children = fork(&home(), &snap, &fork_options(10))
+        .await
+        .expect("fork 10");
+    for c in &children {
+        let out = c
+            .exec(sh("echo hello > /tmp/x && cat /tmp/x"), None)
+            .await
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "hello");
+    }
+    let usage: Vec<_> = children
+        .iter()
+        .map(|c| c.guest_ram_usage().expect("the child maps its RAM file"))
+        .collect();
+    let mut pss_sum = 0;
+    for (c, u) in children.iter().zip(&usage) {
+        eprintln!(
+            "{}: guest RAM rss {} KiB, pss {} KiB, private dirty {} KiB",
+            c.id(),
+            u.rss / 1024,
+            u.pss / 1024,
+            u.private_dirty / 1024
+        );
+        assert_eq!(u.size, 512 * MIB, "the whole RAM file is mapped");
+        assert!(u.rss > 0, "{u:?}");
+        assert!(u.private_dirty < 4 * MIB, "{}: {u:?}", c.id());
+        pss_sum += u.pss;
+    }
+    assert!(
+        pss_sum * 2 < template_resident * 3,
+        "10 children's guest RAM PSS {pss_sum} is not under 1.5x the template's {template_resident}"
+    );
+    for c in children {
+        c.destroy().await.unwrap();
+    }
+}
