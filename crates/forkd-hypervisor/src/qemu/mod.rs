@@ -144,12 +144,20 @@ impl QemuVm {
         }
         if let Some(file) = &incoming {
             let raw = file.as_raw_fd();
-            // SAFETY: runs in the forked child before exec; dup2(2) is async-signal-safe
-            // and `raw` stays open in the parent until spawn returns. The duplicate does
-            // not have FD_CLOEXEC, so QEMU inherits it as INCOMING_FD.
+            // SAFETY: runs in the forked child before exec; dup2(2) and fcntl(2) are
+            // async-signal-safe and `raw` stays open in the parent until spawn returns.
+            // The duplicate does not have FD_CLOEXEC, so QEMU inherits it as
+            // INCOMING_FD. When the file already *is* descriptor INCOMING_FD, dup2 does
+            // nothing (it would keep FD_CLOEXEC and QEMU would read whatever it opens
+            // there next), so the flag is cleared instead.
             unsafe {
                 cmd.pre_exec(move || {
-                    if libc::dup2(raw, INCOMING_FD) < 0 {
+                    let rc = if raw == INCOMING_FD {
+                        libc::fcntl(raw, libc::F_SETFD, 0)
+                    } else {
+                        libc::dup2(raw, INCOMING_FD)
+                    };
+                    if rc < 0 {
                         return Err(std::io::Error::last_os_error());
                     }
                     Ok(())
@@ -168,7 +176,9 @@ impl QemuVm {
         tokio::spawn(async move {
             let status = tokio::select! {
                 s = child.wait() => s,
-                _ = kill_rx.recv() => {
+                // Only an explicit request kills: the sender is also dropped when the
+                // handle goes away, which must leave a detached VM running.
+                Some(()) = kill_rx.recv() => {
                     let _ = child.start_kill();
                     child.wait().await
                 }
