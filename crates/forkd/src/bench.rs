@@ -12,6 +12,29 @@ use std::time::{Duration, Instant};
 pub enum BenchCommand {
     /// Cold boots (QEMU start to the guest agent's first answer) and image build times.
     Boot(BootArgs),
+    /// Fork against cold boot: template build, one child, N children at once, and what
+    /// each child's guest memory costs.
+    Fork(ForkArgs),
+}
+
+/// Arguments of `forkd bench fork`.
+#[derive(clap::Args, Debug)]
+pub struct ForkArgs {
+    /// The template to build and fork (a built-in name or a recipe file).
+    #[arg(long, default_value = "minimal")]
+    template: String,
+    /// Accelerator: auto, kvm or tcg (cold boots, the template and its children).
+    #[arg(long, default_value = "auto")]
+    accel: forkd_hypervisor::AccelChoice,
+    /// Cold boots and single forks to take the median of.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    runs: u32,
+    /// Children forked at once.
+    #[arg(short = 'n', long = "count", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=256))]
+    count: u32,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Arguments of `forkd bench boot`.
@@ -59,6 +82,7 @@ struct BuildTime {
 pub async fn run(home: &Home, cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Boot(args) => boot(home, args).await,
+        BenchCommand::Fork(args) => fork(home, args).await,
     }
 }
 
@@ -88,26 +112,7 @@ async fn boot(home: &Home, args: BootArgs) -> Result<()> {
     }
     let opts = args.vm.options();
     let accel = forkd_hypervisor::accel::resolve(opts.accel)?;
-    let mut runs = Vec::new();
-    for i in 0..args.runs {
-        let sb = Sandbox::boot(home, &assets, &opts)
-            .await
-            .with_context(|| format!("cold boot {}", i + 1))?;
-        let t = sb.timings();
-        runs.push(BootRun {
-            hypervisor_ready_ms: ms(t.hypervisor_ready),
-            first_answer_ms: ms(t.first_answer),
-        });
-        sb.destroy().await?;
-        if !args.json {
-            eprintln!(
-                "[forkd] cold boot {}/{}: first agent answer after {:.0} ms",
-                i + 1,
-                args.runs,
-                ms(t.first_answer)
-            );
-        }
-    }
+    let runs = cold_boots(home, &assets, &opts, args.runs, args.json).await?;
     let report = BootReport {
         accel: accel.to_string(),
         image: args.vm.image.to_string(),
@@ -141,6 +146,268 @@ async fn boot(home: &Home, args: BootArgs) -> Result<()> {
     Ok(())
 }
 
+/// `runs` cold boots of `assets`, one after the other.
+async fn cold_boots(
+    home: &Home,
+    assets: &forkd_image::GuestAssets,
+    opts: &forkd_core::SandboxOptions,
+    runs: u32,
+    quiet: bool,
+) -> Result<Vec<BootRun>> {
+    let mut out = Vec::new();
+    for i in 0..runs {
+        let sb = Sandbox::boot(home, assets, opts)
+            .await
+            .with_context(|| format!("cold boot {}", i + 1))?;
+        let t = sb.timings();
+        out.push(BootRun {
+            hypervisor_ready_ms: ms(t.hypervisor_ready),
+            first_answer_ms: ms(t.first_answer),
+        });
+        sb.destroy().await?;
+        if !quiet {
+            eprintln!(
+                "[forkd] cold boot {}/{runs}: first agent answer after {:.0} ms",
+                i + 1,
+                ms(t.first_answer)
+            );
+        }
+    }
+    Ok(out)
+}
+
+#[derive(Serialize)]
+struct ForkReport {
+    accel: String,
+    template: String,
+    memory_mib: u32,
+    median_cold_boot_ms: f64,
+    template_build_ms: f64,
+    /// The build's own breakdown (boot, warm-up, freeze).
+    template_build: forkd_core::snapshot::manifest::BuildTimes,
+    median_fork_one_ms: f64,
+    fork_one_runs_ms: Vec<f64>,
+    count: u32,
+    /// From the fork call to the moment every child had answered.
+    fork_n_all_answered_ms: f64,
+    /// Each child's first answer, from its own QEMU's start.
+    fork_n_first_answer_ms: Vec<f64>,
+    /// Guest-RAM mapping of each child, after one exec, with all N alive.
+    children_memory: Vec<ChildMemory>,
+    /// What the template had resident when frozen (the RAM file's allocated bytes).
+    template_resident_bytes: u64,
+    ratio_fork_one_to_cold_boot: f64,
+    ratio_fork_n_to_fork_one: f64,
+    ratio_sum_pss_to_template_resident: f64,
+}
+
+#[derive(Serialize)]
+struct ChildMemory {
+    id: String,
+    #[serde(flatten)]
+    usage: forkd_hypervisor::smaps::MappingUsage,
+}
+
+async fn fork(home: &Home, args: ForkArgs) -> Result<()> {
+    use forkd_core::snapshot::{manifest::parts, Store, Tag};
+    use std::os::unix::fs::MetadataExt;
+
+    let say = |m: &str| {
+        if !args.json {
+            eprintln!("[forkd] {m}");
+        }
+    };
+    let recipe = crate::snapshots::find_recipe(&args.template)?;
+    let assets = crate::image::ensure_assets(home, recipe.rootfs_image(), false).await?;
+    let opts = forkd_core::SandboxOptions {
+        vcpus: recipe.vcpus,
+        memory_mib: recipe.memory_mib,
+        accel: args.accel,
+        ..Default::default()
+    };
+    let accel = forkd_hypervisor::accel::resolve(args.accel)?;
+    say(&format!(
+        "cold boots of {} ({} MiB, {accel})",
+        recipe.image, recipe.memory_mib
+    ));
+    let cold = cold_boots(home, &assets, &opts, args.runs, args.json).await?;
+
+    // A tag of its own, removed at the end: the benchmark never touches the user's.
+    let store = Store::of_home(home);
+    let tag = Tag::parse(&format!(
+        "bench-{}-{}",
+        recipe.name,
+        forkd_core::ids::random_hex(4)
+    ))?;
+    say(&format!("building template {} as {tag}", recipe.name));
+    let build_opts = forkd_core::template::BuildOptions {
+        accel: args.accel,
+        ..Default::default()
+    };
+    let t = Instant::now();
+    let snap = forkd_core::template::build(
+        home,
+        &store,
+        &recipe,
+        &tag,
+        &assets,
+        &build_opts,
+        &|m: &str| say(m),
+    )
+    .await?;
+    let template_build_ms = ms(t.elapsed());
+    let result = fork_measurements(home, &snap, &args, &say).await;
+    let removed = store.remove(&tag, &[]);
+    let (one, n_wall, n_first, memory) = result?;
+    removed?;
+
+    let template_resident_bytes = std::fs::metadata(snap.part(parts::MEMORY))?.blocks() * 512;
+    let median_cold_boot_ms = median(cold.iter().map(|r| r.first_answer_ms).collect());
+    let median_fork_one_ms = median(one.clone());
+    let pss_sum: u64 = memory.iter().map(|m| m.usage.pss).sum();
+    let report = ForkReport {
+        accel: accel.to_string(),
+        template: recipe.name.clone(),
+        memory_mib: recipe.memory_mib,
+        median_cold_boot_ms,
+        template_build_ms,
+        template_build: snap.manifest.build.clone(),
+        median_fork_one_ms,
+        fork_one_runs_ms: one,
+        count: args.count,
+        fork_n_all_answered_ms: n_wall,
+        fork_n_first_answer_ms: n_first,
+        ratio_fork_one_to_cold_boot: median_fork_one_ms / median_cold_boot_ms,
+        ratio_fork_n_to_fork_one: n_wall / median_fork_one_ms,
+        ratio_sum_pss_to_template_resident: pss_sum as f64 / template_resident_bytes as f64,
+        children_memory: memory,
+        template_resident_bytes,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    print_fork_report(&report);
+    Ok(())
+}
+
+type ForkFigures = (Vec<f64>, f64, Vec<f64>, Vec<ChildMemory>);
+
+/// Single forks (each destroyed before the next), then N at once with their memory.
+async fn fork_measurements(
+    home: &Home,
+    snap: &forkd_core::snapshot::Snapshot,
+    args: &ForkArgs,
+    say: &dyn Fn(&str),
+) -> Result<ForkFigures> {
+    use forkd_core::fork::{fork as fork_children, ForkOptions};
+    let mut one = Vec::new();
+    for i in 0..args.runs {
+        let opts = ForkOptions {
+            count: 1,
+            ..Default::default()
+        };
+        let child = fork_children(home, snap, &opts)
+            .await
+            .with_context(|| format!("fork {}", i + 1))?
+            .remove(0);
+        let t = ms(child.timings().first_answer);
+        say(&format!(
+            "fork {}/{}: first agent answer after {t:.0} ms",
+            i + 1,
+            args.runs
+        ));
+        one.push(t);
+        child.destroy().await?;
+    }
+    say(&format!("forking {} children at once", args.count));
+    let opts = ForkOptions {
+        count: args.count as usize,
+        ..Default::default()
+    };
+    let t = Instant::now();
+    let children = fork_children(home, snap, &opts).await?;
+    let n_wall = ms(t.elapsed());
+    let n_first = children
+        .iter()
+        .map(|c| ms(c.timings().first_answer))
+        .collect();
+    for c in &children {
+        let out = c
+            .exec(
+                forkd_proto::exec::ExecRequest::new(forkd_proto::exec::Command::Argv(vec![
+                    "true".into()
+                ])),
+                None,
+            )
+            .await?;
+        anyhow::ensure!(out.status.success(), "exec in {} failed", c.id());
+    }
+    let memory = children
+        .iter()
+        .map(|c| ChildMemory {
+            id: c.id().to_owned(),
+            usage: c.guest_ram_usage().unwrap_or_default(),
+        })
+        .collect();
+    for c in children {
+        c.destroy().await?;
+    }
+    Ok((one, n_wall, n_first, memory))
+}
+
+fn print_fork_report(r: &ForkReport) {
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    println!(
+        "fork benchmark: template {} ({} MiB), accel {}",
+        r.template, r.memory_mib, r.accel
+    );
+    println!(
+        "  cold boot to first answer (median)      {:>9.0} ms",
+        r.median_cold_boot_ms
+    );
+    println!(
+        "  template build                          {:>9.0} ms  (boot {} ms, warm-up {} ms, freeze {} ms)",
+        r.template_build_ms, r.template_build.boot_ms, r.template_build.warmup_ms, r.template_build.freeze_ms
+    );
+    println!(
+        "  fork of one child to first answer (median) {:>6.0} ms",
+        r.median_fork_one_ms
+    );
+    println!(
+        "  fork of {} children until all answered  {:>7.0} ms",
+        r.count, r.fork_n_all_answered_ms
+    );
+    println!("  guest RAM per child ({} alive, after one exec):", r.count);
+    for c in &r.children_memory {
+        println!(
+            "    {:20} rss {:>7.1} MiB  pss {:>6.1} MiB  private {:>5.2} MiB",
+            c.id,
+            mib(c.usage.rss),
+            mib(c.usage.pss),
+            mib(c.usage.private_dirty + c.usage.private_clean)
+        );
+    }
+    println!(
+        "  template resident when frozen            {:>7.1} MiB",
+        mib(r.template_resident_bytes)
+    );
+    println!("ratios (same run):");
+    println!(
+        "  fork one / cold boot        {:>7.3}   (target <= {:.3})",
+        r.ratio_fork_one_to_cold_boot,
+        1.0 / 15.0
+    );
+    println!(
+        "  fork {} / fork one          {:>7.2}   (target <= 6)",
+        r.count, r.ratio_fork_n_to_fork_one
+    );
+    println!(
+        "  sum of children's PSS / template resident {:>5.2}",
+        r.ratio_sum_pss_to_template_resident
+    );
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return 0.0;
@@ -154,7 +421,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-fn ms(d: Duration) -> f64 {
+pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 

@@ -3,7 +3,10 @@
 mod bench;
 mod doctor;
 mod image;
+mod quickstart;
 mod run;
+mod sandboxes;
+mod snapshots;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -37,6 +40,41 @@ enum Command {
     /// Measure forkd (ratios and medians taken in one run).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Build templates: warm parents frozen into snapshots.
+    #[command(subcommand)]
+    Template(snapshots::TemplateCommand),
+    /// Inspect or verify one snapshot.
+    #[command(subcommand)]
+    Snapshot(snapshots::SnapshotCommand),
+    /// List the snapshots.
+    Snapshots {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove a snapshot (refused while children of it run).
+    Rmi {
+        /// The snapshot's tag.
+        tag: String,
+    },
+    /// Restore N children of a snapshot; prints their ids. They keep running after
+    /// this command exits, until `forkd kill`.
+    Fork(sandboxes::ForkArgs),
+    /// Run a command in a sandbox, streaming its output; exits with its exit code.
+    Exec(sandboxes::ExecArgs),
+    /// Run code in one of a sandbox's code contexts (state persists between calls).
+    RunCode(sandboxes::RunCodeArgs),
+    /// List the sandboxes.
+    Ls {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stop sandboxes and remove their files.
+    Kill(sandboxes::KillArgs),
+    /// Build the assets and the python template (once), fork children, run a pandas
+    /// cell in each and print the time of every step.
+    Quickstart(quickstart::QuickstartArgs),
 }
 
 fn main() {
@@ -59,6 +97,16 @@ fn main() {
             Command::Image(cmd) => image::run(&home, cmd).await.map(|()| 0),
             Command::Doctor(args) => doctor::run(&home, args),
             Command::Bench(cmd) => bench::run(&home, cmd).await.map(|()| 0),
+            Command::Template(cmd) => snapshots::template(&home, cmd).await.map(|()| 0),
+            Command::Snapshot(cmd) => snapshots::snapshot(&home, cmd).await.map(|()| 0),
+            Command::Snapshots { json } => snapshots::list(&home, json).map(|()| 0),
+            Command::Rmi { tag } => snapshots::rmi(&home, &tag).map(|()| 0),
+            Command::Fork(args) => sandboxes::fork_cmd(&home, args).await.map(|()| 0),
+            Command::Exec(args) => sandboxes::exec(&home, args).await,
+            Command::RunCode(args) => sandboxes::run_code(&home, args).await,
+            Command::Ls { json } => sandboxes::ls(&home, json).map(|()| 0),
+            Command::Kill(args) => sandboxes::kill(&home, args).await.map(|()| 0),
+            Command::Quickstart(args) => quickstart::run(&home, args).await.map(|()| 0),
         }
     });
     // Shut the runtime down before exiting so that sandboxes' teardown tasks finish.

@@ -6,6 +6,14 @@ fn forkd() -> Command {
     Command::new(env!("CARGO_BIN_EXE_forkd"))
 }
 
+/// Held by the tests that start sandboxes: one of them checks that it leaves nothing in
+/// the sandbox directory, which the other's children would otherwise appear in.
+static SANDBOXES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn sandboxes_lock() -> std::sync::MutexGuard<'static, ()> {
+    SANDBOXES.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn sandboxes_left() -> Vec<String> {
     let home = forkd_image::Home::from_env();
     match std::fs::read_dir(home.run_dir().join("sandboxes")) {
@@ -19,6 +27,7 @@ fn sandboxes_left() -> Vec<String> {
 
 #[test]
 fn run_streams_output_and_exits_with_the_commands_code() {
+    let _serial = sandboxes_lock();
     let before = sandboxes_left();
 
     let out = forkd()
@@ -118,5 +127,162 @@ fn doctor_reports_every_check() {
     if !cpu_has_vt {
         assert_eq!(accel["level"], "warn");
         assert!(accel["detail"].as_str().unwrap().contains("vmx"));
+    }
+}
+
+/// Runs forkd with `args`; returns (exit code, stdout, stderr).
+fn run(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = forkd().args(args).output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn json(stdout: &str) -> serde_json::Value {
+    serde_json::from_str(stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"))
+}
+
+/// The whole local workflow: build a template, fork children that outlive the command,
+/// use them from other forkd processes, and remove the snapshot only once they are gone.
+#[test]
+fn template_fork_exec_ls_kill_rmi() {
+    let _serial = sandboxes_lock();
+    let tag = format!("cli-{}", std::process::id());
+    let (code, _, err) = run(&["template", "build", "minimal", "--tag", &tag]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        err.contains("freezing the parent"),
+        "progress is shown: {err}"
+    );
+
+    let (code, out, _) = run(&["snapshots", "--json"]);
+    assert_eq!(code, Some(0));
+    let snaps = json(&out);
+    let mine = snaps
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["tag"] == tag.as_str())
+        .expect("the new snapshot is listed");
+    assert_eq!(mine["status"], "ok");
+
+    // Building the same tag again is refused, and names the tag.
+    let (code, _, err) = run(&["template", "build", "minimal", "--tag", &tag]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains(&tag), "{err}");
+
+    let (code, out, err) = run(&["fork", "--tag", &tag, "-n", "2", "--json"]);
+    assert_eq!(code, Some(0), "{err}");
+    let ids: Vec<String> = json(&out)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(ids.len(), 2);
+
+    // The children outlived `forkd fork`; each answers from a new process.
+    for (i, id) in ids.iter().enumerate() {
+        let (code, out, err) = run(&[
+            "exec",
+            id,
+            "--shell",
+            "--",
+            &format!("echo {i} > /f; cat /f; exit 4"),
+        ]);
+        assert_eq!(code, Some(4), "{err}");
+        assert_eq!(out.trim(), i.to_string());
+    }
+    let (code, out, _) = run(&["exec", &ids[0], "--json", "--", "cat", "/f"]);
+    assert_eq!(code, Some(0));
+    assert_eq!(json(&out)["stdout"], "0\n");
+
+    let (code, out, _) = run(&["ls", "--json"]);
+    assert_eq!(code, Some(0));
+    let listed = json(&out);
+    for id in &ids {
+        let row = listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["id"] == id.as_str())
+            .unwrap_or_else(|| panic!("{id} is listed: {out}"));
+        assert_eq!(row["status"], "running");
+        assert_eq!(row["snapshot"], tag.as_str());
+    }
+
+    // The snapshot is in use: rmi is refused and names a child.
+    let (code, _, err) = run(&["rmi", &tag]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("in use") && err.contains(&ids[0]), "{err}");
+
+    let (code, out, err) = run(&["kill", &ids[0], &ids[1], "--json"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        json(&out)
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["status"] == "stopped"),
+        "{out}"
+    );
+    let (code, _, err) = run(&["exec", &ids[0], "--", "true"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains(&ids[0]), "{err}");
+
+    // A damaged snapshot (a truncated part) is refused before any child starts.
+    let home = forkd_image::Home::from_env();
+    let state = home.root().join("snapshots").join(&tag).join("state.bin");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&state)
+        .unwrap()
+        .set_len(100)
+        .unwrap();
+    let (code, _, err) = run(&["fork", "--tag", &tag]);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("damaged") && err.contains("state.bin is 100 bytes"),
+        "{err}"
+    );
+    let (_, out, _) = run(&["ls", "--json"]);
+    assert!(
+        !out.contains(&tag),
+        "no child of the damaged snapshot: {out}"
+    );
+    let (code, _, err) = run(&["snapshot", "verify", &tag]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("state.bin"), "{err}");
+
+    let (code, _, err) = run(&["rmi", &tag]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, _, err) = run(&["fork", "--tag", &tag]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains(&format!("no snapshot {tag}")), "{err}");
+}
+
+#[test]
+fn bad_tags_and_ids_are_refused_clearly() {
+    for bad in ["../x", "a/b", ""] {
+        let (code, _, err) = run(&["fork", "--tag", bad]);
+        assert_eq!(code, Some(1), "{bad}: {err}");
+        assert!(err.contains("invalid snapshot tag"), "{bad}: {err}");
+    }
+    let long = "x".repeat(300);
+    let (code, _, err) = run(&["rmi", &long]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("invalid snapshot tag"), "{err}");
+    let (code, _, err) = run(&["exec", "sb-../../etc", "--", "true"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("no sandbox"), "{err}");
+    let (code, _, err) = run(&["fork", "--tag", "nosuchtag"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("no snapshot nosuchtag"), "{err}");
+    for n in ["0", "100000"] {
+        let (code, _, err) = run(&["fork", "--tag", "nosuchtag", "-n", n]);
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains(n) && err.contains("1..=256"), "{err}");
     }
 }
