@@ -29,7 +29,7 @@ mod modules;
 mod newc;
 mod progress;
 mod rootfs;
-mod timestamp;
+pub mod timestamp;
 
 use std::path::{Path, PathBuf};
 

@@ -3,7 +3,7 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// `t` as `YYYY-MM-DDTHH:MM:SSZ` (UTC, whole seconds).
-pub(crate) fn rfc3339_utc(t: SystemTime) -> String {
+pub fn rfc3339_utc(t: SystemTime) -> String {
     // A clock before 1970 is a broken clock; 1970 is as good an answer as any.
     let secs = t
         .duration_since(UNIX_EPOCH)
