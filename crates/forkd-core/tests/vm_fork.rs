@@ -85,7 +85,8 @@ async fn damaged_snapshots_and_bad_tags_are_refused_before_any_child_starts() {
     ts.store
         .verify(&snap.tag)
         .expect("a fresh snapshot verifies");
-    let running_before = forkd_core::catalog::list(&home()).len();
+    // Other tests fork in parallel: count only this snapshot's children.
+    let children_of = |tag: &Tag| forkd_core::catalog::children_of(&home(), tag.as_str());
 
     // A part whose contents changed (same size): the seal no longer matches, and
     // verification names the digest.
@@ -100,7 +101,7 @@ async fn damaged_snapshots_and_bad_tags_are_refused_before_any_child_starts() {
     let err = ts.store.verify(&snap.tag).unwrap_err().to_string();
     assert!(err.contains("state.bin does not match its digest"), "{err}");
     // Forking goes through open(): refused, and no child was started.
-    assert_eq!(forkd_core::catalog::list(&home()).len(), running_before);
+    assert!(children_of(&snap.tag).is_empty());
 
     // A manifest whose digest was edited: refused at open, and verification finds the
     // part no longer matches what the manifest claims.
@@ -138,7 +139,7 @@ async fn damaged_snapshots_and_bad_tags_are_refused_before_any_child_starts() {
         let e: SandboxError = e.into();
         assert!(e.to_string().starts_with("invalid snapshot tag"), "{e}");
     }
-    assert_eq!(forkd_core::catalog::list(&home()).len(), running_before);
+    assert!(children_of(&snap2.tag).is_empty());
 }
 
 /// Children share the template's memory image: what each one copies on write stays
