@@ -256,12 +256,16 @@ async fn fork(home: &Home, args: ForkArgs) -> Result<()> {
     )
     .await?;
     let template_build_ms = ms(t.elapsed());
+    let memory_file = snap.part(parts::MEMORY);
+    let template_resident_bytes = std::fs::metadata(&memory_file)
+        .with_context(|| format!("reading {}", memory_file.display()))?
+        .blocks()
+        * 512;
     let result = fork_measurements(home, &snap, &args, &say).await;
     let removed = store.remove(&tag, &[]);
     let (one, n_wall, n_first, memory) = result?;
     removed?;
 
-    let template_resident_bytes = std::fs::metadata(snap.part(parts::MEMORY))?.blocks() * 512;
     let median_cold_boot_ms = median(cold.iter().map(|r| r.first_answer_ms).collect());
     let median_fork_one_ms = median(one.clone());
     let pss_sum: u64 = memory.iter().map(|m| m.usage.pss).sum();
