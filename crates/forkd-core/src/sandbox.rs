@@ -62,9 +62,8 @@ pub struct Sandbox {
 
 struct Inner {
     id: String,
-    dir: PathBuf,
-    /// The file that holds guest RAM (a template's or a child's), when there is one.
-    ram_file: Option<PathBuf>,
+    /// The VM as it was started.
+    config: VmConfig,
     vm: Box<dyn Vm>,
     agent: AgentClient,
     timings: BootTimings,
@@ -266,11 +265,7 @@ impl Sandbox {
     ) -> Sandbox {
         let inner = Arc::new(Inner {
             id: config.id.clone(),
-            dir: config.dir.clone(),
-            ram_file: match &config.memory {
-                MemoryBackend::File { path, .. } => Some(path.clone()),
-                MemoryBackend::Anonymous => None,
-            },
+            config: config.clone(),
             vm,
             agent,
             timings,
@@ -319,9 +314,20 @@ impl Sandbox {
         &self.inner.id
     }
 
+    /// The VM as it was started.
+    pub fn config(&self) -> &VmConfig {
+        &self.inner.config
+    }
+
+    /// Why the sandbox stopped working (its VM exited, its agent stopped answering, it
+    /// was destroyed), or `None` while it is healthy.
+    pub fn failure(&self) -> Option<SandboxError> {
+        self.inner.failure_error()
+    }
+
     /// The sandbox's runtime directory (sockets, overlay, logs).
     pub fn dir(&self) -> &Path {
-        &self.inner.dir
+        &self.inner.config.dir
     }
 
     /// QEMU's pid while it runs.
@@ -332,8 +338,12 @@ impl Sandbox {
     /// What the VM's guest RAM costs the host: the QEMU process's mappings of the RAM
     /// file. `None` for anonymous guest RAM or once QEMU is gone.
     pub fn guest_ram_usage(&self) -> Option<forkd_hypervisor::smaps::MappingUsage> {
-        let file = self.inner.ram_file.as_ref()?;
-        forkd_hypervisor::smaps::file_mapping_usage(self.pid()?, file)
+        match &self.inner.config.memory {
+            MemoryBackend::File { path, .. } => {
+                forkd_hypervisor::smaps::file_mapping_usage(self.pid()?, path)
+            }
+            MemoryBackend::Anonymous => None,
+        }
     }
 
     /// How long the start took.
@@ -400,12 +410,18 @@ impl Sandbox {
     /// Stops the VM (QMP `quit`, then SIGKILL after a grace period), waits for QEMU to
     /// exit and removes the sandbox's files.
     pub async fn destroy(self) -> Result<(), SandboxError> {
+        self.stop().await
+    }
+
+    /// [`Sandbox::destroy`] for a sandbox that is shared (held in an `Arc`): every other
+    /// holder's calls then fail with [`SandboxError::Destroyed`].
+    pub async fn stop(&self) -> Result<(), SandboxError> {
         self.inner.set_failure(Failure::Destroyed);
         if let Some(w) = lock(&self.inner.watchdog).take() {
             w.abort();
         }
         self.inner.vm.stop(Duration::from_secs(3)).await?;
-        remove_dir(&self.inner.dir)
+        remove_dir(&self.inner.config.dir)
     }
 }
 
@@ -421,7 +437,7 @@ impl Drop for Sandbox {
             w.abort();
         }
         self.inner.vm.kill();
-        let _ = std::fs::remove_dir_all(&self.inner.dir);
+        let _ = std::fs::remove_dir_all(&self.inner.config.dir);
     }
 }
 
@@ -487,7 +503,7 @@ impl Drop for Inner {
             return;
         }
         self.vm.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_dir_all(&self.config.dir);
     }
 }
 
@@ -520,7 +536,7 @@ async fn watch(inner: std::sync::Weak<Inner>) {
                 if let (Some((reason, console)), Some(i)) = (exited, inner.upgrade()) {
                     // Clean up before reporting, so a caller that sees the failure finds
                     // nothing left behind.
-                    let _ = std::fs::remove_dir_all(&i.dir);
+                    let _ = std::fs::remove_dir_all(&i.config.dir);
                     i.set_failure(Failure::Exited(reason, console));
                 }
                 return;
@@ -538,7 +554,7 @@ async fn watch(inner: std::sync::Weak<Inner>) {
             tracing::warn!(id = %i.id, "guest agent unresponsive; tearing the sandbox down");
             i.vm.kill();
             i.vm.wait_exit().await;
-            let _ = std::fs::remove_dir_all(&i.dir);
+            let _ = std::fs::remove_dir_all(&i.config.dir);
             i.set_failure(Failure::Unresponsive);
             return;
         }

@@ -406,7 +406,8 @@ fn link_or_copy(from: &Path, to: &Path) -> Result<(), SandboxError> {
         })
 }
 
-fn qemu_version() -> String {
+/// The installed QEMU's version, `unknown (why)` when it cannot be read.
+pub fn qemu_version() -> String {
     let q = Qemu::from_env();
     forkd_hypervisor::qemu::version::installed_version(q.binary())
         .map(|v| format!("{}.{}.{}", v.0, v.1, v.2))

@@ -23,7 +23,7 @@ pub enum MemoryBackend {
 
 /// Everything a backend needs to start one VM. Serializable, so that whoever adopts a
 /// detached VM later knows exactly what it is.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmConfig {
     /// Sandbox id (used in process names and logs).
     pub id: String,

@@ -86,6 +86,9 @@ pub trait Vm: Send + Sync {
     /// Asks the hypervisor what the VM is doing.
     async fn status(&self) -> Result<VmStatus, HypervisorError>;
 
+    /// True once the hypervisor process has exited.
+    fn exited(&self) -> bool;
+
     /// Resolves when the hypervisor process has exited, with a description of how.
     async fn wait_exit(&self) -> String;
 

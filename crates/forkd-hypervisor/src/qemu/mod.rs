@@ -337,14 +337,14 @@ impl QemuVm {
     pub fn qmp(&self) -> &Qmp {
         &self.qmp
     }
-
-    fn exited(&self) -> bool {
-        self.exit.borrow().is_some()
-    }
 }
 
 #[async_trait]
 impl Vm for QemuVm {
+    fn exited(&self) -> bool {
+        self.exit.borrow().is_some()
+    }
+
     fn pid(&self) -> Option<u32> {
         (!self.exited()).then_some(self.pid)
     }
