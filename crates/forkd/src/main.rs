@@ -1,6 +1,7 @@
 //! The `forkd` command line.
 
 mod bench;
+mod daemon;
 mod doctor;
 mod image;
 mod quickstart;
@@ -75,6 +76,12 @@ enum Command {
     /// Build the assets and the python template (once), fork children, run a pandas
     /// cell in each and print the time of every step.
     Quickstart(quickstart::QuickstartArgs),
+    /// Run the daemon: the REST API on a unix socket (and TCP when asked). Sandboxes
+    /// keep running when it stops and are adopted again when it starts.
+    Daemon(daemon::DaemonArgs),
+    /// The daemon's audit log.
+    #[command(subcommand)]
+    Audit(daemon::AuditCommand),
 }
 
 fn main() {
@@ -107,6 +114,8 @@ fn main() {
             Command::Ls { json } => sandboxes::ls(&home, json).map(|()| 0),
             Command::Kill(args) => sandboxes::kill(&home, args).await.map(|()| 0),
             Command::Quickstart(args) => quickstart::run(&home, args).await.map(|()| 0),
+            Command::Daemon(args) => daemon::run(&home, args).await.map(|()| 0),
+            Command::Audit(cmd) => daemon::audit(&home, cmd).map(|()| 0),
         }
     });
     // Shut the runtime down before exiting so that sandboxes' teardown tasks finish.

@@ -1,0 +1,134 @@
+//! Errors as the API reports them: `{"error": {"code", "message"}}` with the HTTP status
+//! that says which side must act (4xx: the request; 503: capacity; 500: the daemon).
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use forkd_core::snapshot::SnapshotError;
+use forkd_core::SandboxError;
+use serde::Serialize;
+
+/// An error response.
+#[derive(Debug)]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// A stable, machine-readable code.
+    pub code: &'static str,
+    /// What went wrong and what to do, for a person.
+    pub message: String,
+}
+
+/// The body of every error response.
+#[derive(Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// What an error body says.
+#[derive(Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct ErrorDetail {
+    /// Stable code: `bad_request`, `unauthorized`, `not_found`, `conflict`, `too_large`,
+    /// `at_capacity`, `forbidden`, `sandbox_failed`, `internal`.
+    pub code: String,
+    /// Human-readable explanation.
+    pub message: String,
+}
+
+impl ApiError {
+    /// 400.
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "bad_request", message)
+    }
+
+    /// 404.
+    pub fn not_found(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, "not_found", message)
+    }
+
+    /// 409.
+    pub fn conflict(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::CONFLICT, "conflict", message)
+    }
+
+    /// 413.
+    pub fn too_large(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "too_large", message)
+    }
+
+    /// 500.
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+    }
+
+    /// Any status.
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = ErrorBody {
+            error: ErrorDetail {
+                code: self.code.to_owned(),
+                message: self.message,
+            },
+        };
+        let mut r = (self.status, axum::Json(body)).into_response();
+        r.extensions_mut()
+            .insert(crate::server::ErrorKind(self.code));
+        r
+    }
+}
+
+impl From<SnapshotError> for ApiError {
+    fn from(e: SnapshotError) -> ApiError {
+        let msg = e.to_string();
+        match e {
+            SnapshotError::InvalidTag { .. } => ApiError::bad_request(msg),
+            SnapshotError::NotFound { .. } => ApiError::not_found(msg),
+            SnapshotError::Exists { .. }
+            | SnapshotError::InUse { .. }
+            | SnapshotError::Damaged { .. }
+            | SnapshotError::DigestMismatch { .. } => ApiError::conflict(msg),
+            SnapshotError::Io { .. } => ApiError::internal(msg),
+        }
+    }
+}
+
+impl From<SandboxError> for ApiError {
+    fn from(e: SandboxError) -> ApiError {
+        let msg = e.to_string();
+        match e {
+            SandboxError::Snapshot(s) => s.into(),
+            SandboxError::NotFound { .. } | SandboxError::Gone { .. } => ApiError::not_found(msg),
+            SandboxError::Template { .. } => ApiError::bad_request(msg),
+            // The guest said what was wrong with the request (a missing file, a bad path).
+            SandboxError::Agent(a) => match a.code().map(|c| c.http_status()) {
+                Some(404) => ApiError::not_found(msg),
+                Some(409) => ApiError::conflict(msg),
+                Some(400) => ApiError::bad_request(msg),
+                Some(403) => ApiError::new(StatusCode::FORBIDDEN, "forbidden", msg),
+                _ => ApiError::new(StatusCode::BAD_GATEWAY, "sandbox_failed", msg),
+            },
+            SandboxError::GuestExited { .. }
+            | SandboxError::Unresponsive { .. }
+            | SandboxError::Destroyed { .. }
+            | SandboxError::BootTimeout { .. } => {
+                ApiError::new(StatusCode::BAD_GATEWAY, "sandbox_failed", msg)
+            }
+            _ => ApiError::internal(msg),
+        }
+    }
+}
+
+impl From<crate::state::StateError> for ApiError {
+    fn from(e: crate::state::StateError) -> ApiError {
+        ApiError::internal(e.to_string())
+    }
+}

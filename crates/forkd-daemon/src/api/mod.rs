@@ -1,0 +1,200 @@
+//! The REST API, v1: routes, the extractors that turn every bad request into a JSON
+//! error, and the OpenAPI document generated from the handlers' annotations.
+
+pub mod error;
+mod files;
+mod run;
+mod sandboxes;
+mod snapshots;
+mod system;
+pub mod types;
+
+use crate::registry::Registry;
+use crate::DaemonConfig;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::request::Parts;
+use axum::routing::{get, post, put};
+use axum::Router;
+pub use error::ApiError;
+use serde::de::DeserializeOwned;
+use std::sync::Arc;
+use utoipa::OpenApi;
+
+/// What every handler shares.
+pub struct AppState {
+    /// The live sandboxes and the state database.
+    pub registry: Registry,
+    /// How the daemon runs.
+    pub config: DaemonConfig,
+    /// Metrics.
+    pub metrics: crate::metrics::Metrics,
+}
+
+/// Shared state, as handlers receive it.
+pub type App = Arc<AppState>;
+
+/// Largest JSON request body.
+pub const MAX_JSON_BODY: usize = 1 << 20;
+
+/// A JSON request body; malformed or oversized bodies answer 400 or 413 in the API's
+/// error format.
+pub struct JsonBody<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let bytes = axum::body::Bytes::from_request(req, state)
+            .await
+            .map_err(|e| {
+                if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+                    ApiError::too_large(format!(
+                        "the request body is larger than {MAX_JSON_BODY} bytes"
+                    ))
+                } else {
+                    ApiError::bad_request(format!("reading the request body: {}", e.body_text()))
+                }
+            })?;
+        serde_json::from_slice(&bytes)
+            .map(JsonBody)
+            .map_err(|e| ApiError::bad_request(format!("the request body is not valid: {e}")))
+    }
+}
+
+/// Path parameters; a bad one answers 400 in the API's error format.
+pub struct PathParams<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for PathParams<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        axum::extract::Path::<T>::from_request_parts(parts, state)
+            .await
+            .map(|p| PathParams(p.0))
+            .map_err(|e| ApiError::bad_request(e.body_text()))
+    }
+}
+
+/// Query parameters; a bad one answers 400 in the API's error format.
+pub struct QueryParams<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for QueryParams<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        axum::extract::Query::<T>::from_request_parts(parts, state)
+            .await
+            .map(|q| QueryParams(q.0))
+            .map_err(|e| ApiError::bad_request(e.body_text()))
+    }
+}
+
+/// The API's routes (without authentication: the listener adds it where needed).
+pub fn router(app: App) -> Router {
+    Router::new()
+        .route("/v1/health", get(system::health))
+        .route("/v1/version", get(system::version))
+        .route("/v1/openapi.json", get(system::openapi))
+        .route("/metrics", get(system::metrics))
+        .route("/v1/snapshots", get(snapshots::list).post(snapshots::build))
+        .route(
+            "/v1/snapshots/{tag}",
+            get(snapshots::get).delete(snapshots::delete),
+        )
+        .route("/v1/operations/{id}", get(snapshots::operation))
+        .route(
+            "/v1/sandboxes",
+            get(sandboxes::list).post(sandboxes::create),
+        )
+        .route(
+            "/v1/sandboxes/{id}",
+            get(sandboxes::get).delete(sandboxes::delete),
+        )
+        .route("/v1/sandboxes/{id}/timeout", put(sandboxes::set_timeout))
+        .route("/v1/sandboxes/{id}/exec", post(run::exec))
+        .route("/v1/sandboxes/{id}/code", post(run::run_code))
+        .route(
+            "/v1/sandboxes/{id}/contexts",
+            get(run::list_contexts).post(run::create_context),
+        )
+        .route(
+            "/v1/sandboxes/{id}/contexts/{context}",
+            axum::routing::delete(run::delete_context),
+        )
+        .route(
+            "/v1/sandboxes/{id}/contexts/{context}/reset",
+            post(run::reset_context),
+        )
+        .route(
+            "/v1/sandboxes/{id}/files",
+            get(files::read).put(files::write).delete(files::remove),
+        )
+        .route("/v1/sandboxes/{id}/files/list", get(files::list))
+        .route("/v1/sandboxes/{id}/files/stat", get(files::stat))
+        .route("/v1/sandboxes/{id}/files/mkdir", post(files::mkdir))
+        .route("/v1/sandboxes/{id}/files/rename", post(files::rename))
+        .fallback(system::not_found)
+        .method_not_allowed_fallback(system::method_not_allowed)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_JSON_BODY))
+        .with_state(app)
+}
+
+/// The OpenAPI document of API v1.
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "forkd", description = "microVM sandboxes forked from warm snapshots"),
+    paths(
+        system::health,
+        system::version,
+        snapshots::list,
+        snapshots::get,
+        snapshots::delete,
+        snapshots::build,
+        snapshots::operation,
+        sandboxes::create,
+        sandboxes::list,
+        sandboxes::get,
+        sandboxes::delete,
+        sandboxes::set_timeout,
+        run::exec,
+        run::run_code,
+        run::list_contexts,
+        run::create_context,
+        run::reset_context,
+        run::delete_context,
+        files::read,
+        files::write,
+        files::remove,
+        files::list,
+        files::stat,
+        files::mkdir,
+        files::rename,
+    ),
+    modifiers(&BearerAuth)
+)]
+pub struct ApiDoc;
+
+/// Declares the bearer token scheme (required on TCP listeners).
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+/// A guest path given by a client: absolute, no NUL, bounded.
+pub fn guest_path(p: &str) -> Result<&str, ApiError> {
+    if !p.starts_with('/') || p.contains('\0') || p.len() > 4096 {
+        return Err(ApiError::bad_request(format!(
+            "{:?} is not an absolute guest path",
+            p.chars().take(80).collect::<String>()
+        )));
+    }
+    Ok(p)
+}

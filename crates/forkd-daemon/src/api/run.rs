@@ -1,0 +1,295 @@
+//! Running things in a sandbox: commands (`exec`), code cells (`code`) and the code
+//! contexts they run in. Both run endpoints answer with one JSON result, or with NDJSON
+//! lines as the output arrives when the request asks for `"stream": true`.
+
+use super::error::ErrorBody;
+use super::types::{
+    CodeResult, ContextBody, CreateContextBody, ExecBody, ExecEventBody, ExecResultBody,
+    RunCodeBody,
+};
+use super::{ApiError, App, JsonBody, PathParams};
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use bytes::Bytes;
+use forkd_core::agent::ExecOutput;
+use forkd_core::Sandbox;
+use forkd_proto::context::{CreateContextRequest, RunCodeRequest};
+use forkd_proto::exec::{Command, ExecRequest, ExitStatus};
+use std::sync::Arc;
+
+/// Longest timeout a run accepts: one day.
+const MAX_RUN_TIMEOUT_S: f64 = 86_400.0;
+
+fn timeout_ms(t: Option<f64>) -> Result<Option<u64>, ApiError> {
+    match t {
+        None => Ok(None),
+        Some(s) if s > 0.0 && s <= MAX_RUN_TIMEOUT_S => Ok(Some((s * 1000.0).ceil() as u64)),
+        Some(s) => Err(ApiError::bad_request(format!(
+            "timeout_s = {s} is outside (0, {MAX_RUN_TIMEOUT_S}]"
+        ))),
+    }
+}
+
+fn exec_request(b: &ExecBody) -> Result<ExecRequest, ApiError> {
+    let command = match (&b.cmd, &b.shell) {
+        (Some(argv), None) if !argv.is_empty() && !argv[0].is_empty() => {
+            Command::Argv(argv.clone())
+        }
+        (None, Some(line)) if !line.trim().is_empty() => Command::Shell(line.clone()),
+        (Some(_), Some(_)) => return Err(ApiError::bad_request("give cmd or shell, not both")),
+        _ => {
+            return Err(ApiError::bad_request(
+                "give cmd (a non-empty argv) or shell (a command line)",
+            ))
+        }
+    };
+    if let Some(cwd) = &b.cwd {
+        super::guest_path(cwd)?;
+    }
+    if b.env
+        .keys()
+        .any(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
+    {
+        return Err(ApiError::bad_request(
+            "env keys must be non-empty and hold no '=' or NUL",
+        ));
+    }
+    let mut req = ExecRequest::new(command);
+    req.env = b.env.clone();
+    req.cwd = b.cwd.clone();
+    req.timeout_ms = timeout_ms(b.timeout_s)?;
+    Ok(req)
+}
+
+/// An NDJSON response whose lines come from `lines`.
+fn ndjson(lines: impl futures::Stream<Item = Bytes> + Send + 'static) -> Response {
+    use futures::StreamExt;
+    (
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(lines.map(Ok::<_, std::convert::Infallible>)),
+    )
+        .into_response()
+}
+
+fn line<T: serde::Serialize>(v: &T) -> Bytes {
+    let mut b = serde_json::to_vec(v).unwrap_or_default();
+    b.push(b'\n');
+    Bytes::from(b)
+}
+
+fn exit_event(s: ExitStatus) -> ExecEventBody {
+    ExecEventBody::Exit {
+        exit_code: s.shell_code(),
+        signal: s.signal,
+        timed_out: s.timed_out,
+        duration_ms: s.duration_ms,
+    }
+}
+
+/// Runs a command in the sandbox.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", params(("id" = String, Path)),
+    request_body = ExecBody,
+    responses(
+        (status = 200, body = ExecResultBody,
+         description = "The command's result; with `stream`, NDJSON lines of ExecEventBody"),
+        (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 413, body = ErrorBody), (status = 502, body = ErrorBody)))]
+pub async fn exec(
+    State(app): State<App>,
+    PathParams(id): PathParams<String>,
+    JsonBody(body): JsonBody<ExecBody>,
+) -> Result<Response, ApiError> {
+    let sandbox = app.registry.get(&id)?.sandbox;
+    let req = exec_request(&body)?;
+    let stdin = body.stdin.map(String::into_bytes);
+    let started = std::time::Instant::now();
+    if !body.stream {
+        let out = sandbox.exec(req, stdin).await?;
+        app.metrics
+            .exec_seconds
+            .observe(started.elapsed().as_secs_f64());
+        let s = out.status;
+        return Ok(Json(ExecResultBody {
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            exit_code: s.shell_code(),
+            signal: s.signal,
+            timed_out: s.timed_out,
+            duration_ms: s.duration_ms,
+        })
+        .into_response());
+    }
+    let stdin = stdin.map(|b| Box::new(std::io::Cursor::new(b)) as forkd_core::agent::Stdin);
+    let stream = sandbox.exec_stream(req, stdin).await?;
+    let app2 = app.clone();
+    let lines = futures::stream::unfold(Some(stream), move |state| {
+        let app = app2.clone();
+        async move {
+            let mut stream = state?;
+            loop {
+                let event = match stream.next().await {
+                    Ok(Some(ExecOutput::Stdout(b))) => ExecEventBody::Stdout {
+                        text: String::from_utf8_lossy(&b).into_owned(),
+                    },
+                    Ok(Some(ExecOutput::Stderr(b))) => ExecEventBody::Stderr {
+                        text: String::from_utf8_lossy(&b).into_owned(),
+                    },
+                    Ok(Some(ExecOutput::Started(_))) => continue,
+                    Ok(Some(ExecOutput::Exited(s))) => {
+                        app.metrics
+                            .exec_seconds
+                            .observe(started.elapsed().as_secs_f64());
+                        return Some((line(&exit_event(s)), None));
+                    }
+                    Ok(None) => return None,
+                    Err(e) => {
+                        return Some((
+                            line(&ExecEventBody::Error {
+                                message: e.to_string(),
+                            }),
+                            None,
+                        ))
+                    }
+                };
+                return Some((line(&event), Some(stream)));
+            }
+        }
+    });
+    Ok(ndjson(lines))
+}
+
+/// The context a cell runs in: the one named, else the sandbox's first, else a new one.
+async fn pick_context(sandbox: &Sandbox, named: Option<String>) -> Result<String, ApiError> {
+    if let Some(c) = named {
+        return Ok(c);
+    }
+    let list = sandbox
+        .call(|a| async move { a.list_contexts().await })
+        .await?;
+    if let Some(c) = list.first() {
+        return Ok(c.id.clone());
+    }
+    let c = sandbox
+        .call(|a| async move { a.create_context(&CreateContextRequest::default()).await })
+        .await?;
+    Ok(c.id)
+}
+
+/// Runs a code cell in one of the sandbox's contexts (state persists between cells).
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/code", params(("id" = String, Path)),
+    request_body = RunCodeBody,
+    responses(
+        (status = 200, body = CodeResult,
+         description = "What the cell produced; with `stream`, NDJSON lines (stdout, stderr, result, error, done)"),
+        (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 413, body = ErrorBody), (status = 502, body = ErrorBody)))]
+pub async fn run_code(
+    State(app): State<App>,
+    PathParams(id): PathParams<String>,
+    JsonBody(body): JsonBody<RunCodeBody>,
+) -> Result<Response, ApiError> {
+    let sandbox: Arc<Sandbox> = app.registry.get(&id)?.sandbox;
+    let req = RunCodeRequest {
+        code: body.code,
+        timeout_ms: timeout_ms(body.timeout_s)?,
+    };
+    let context = pick_context(&sandbox, body.context).await?;
+    let ctx = context.clone();
+    if !body.stream {
+        let x = sandbox
+            .call(|a| async move { a.run_code(&ctx, &req).await })
+            .await?;
+        return Ok(Json(CodeResult::from_execution(context, x)).into_response());
+    }
+    let stream = sandbox
+        .call(|a| async move { a.run_code_stream(&ctx, &req).await })
+        .await?;
+    let lines = futures::stream::unfold(Some(stream), |state| async move {
+        let mut stream = state?;
+        match stream.next().await {
+            Ok(Some(e)) => Some((line(&e), Some(stream))),
+            Ok(None) => None,
+            Err(e) => Some((
+                line(&serde_json::json!({"type": "error", "name": "SandboxError",
+                    "value": e.to_string(), "traceback": ""})),
+                None,
+            )),
+        }
+    });
+    Ok(ndjson(lines))
+}
+
+/// The sandbox's code contexts.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/contexts", params(("id" = String, Path)),
+    responses((status = 200, body = Vec<ContextBody>), (status = 404, body = ErrorBody),
+        (status = 502, body = ErrorBody)))]
+pub async fn list_contexts(
+    State(app): State<App>,
+    PathParams(id): PathParams<String>,
+) -> Result<Json<Vec<ContextBody>>, ApiError> {
+    let sandbox = app.registry.get(&id)?.sandbox;
+    let list = sandbox
+        .call(|a| async move { a.list_contexts().await })
+        .await?;
+    Ok(Json(list.into_iter().map(ContextBody::from).collect()))
+}
+
+/// Starts a new Python context.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/contexts", params(("id" = String, Path)),
+    request_body = CreateContextBody,
+    responses((status = 201, body = ContextBody), (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody), (status = 413, body = ErrorBody),
+        (status = 502, body = ErrorBody)))]
+pub async fn create_context(
+    State(app): State<App>,
+    PathParams(id): PathParams<String>,
+    JsonBody(body): JsonBody<CreateContextBody>,
+) -> Result<(axum::http::StatusCode, Json<ContextBody>), ApiError> {
+    let sandbox = app.registry.get(&id)?.sandbox;
+    if let Some(cwd) = &body.cwd {
+        super::guest_path(cwd)?;
+    }
+    let req = CreateContextRequest {
+        cwd: body.cwd,
+        env: body.env,
+        ..Default::default()
+    };
+    let c = sandbox
+        .call(|a| async move { a.create_context(&req).await })
+        .await?;
+    Ok((axum::http::StatusCode::CREATED, Json(c.into())))
+}
+
+/// Restarts a context's interpreter with empty state.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/contexts/{context}/reset",
+    params(("id" = String, Path), ("context" = String, Path)),
+    responses((status = 200, body = ContextBody), (status = 404, body = ErrorBody),
+        (status = 502, body = ErrorBody)))]
+pub async fn reset_context(
+    State(app): State<App>,
+    PathParams((id, context)): PathParams<(String, String)>,
+) -> Result<Json<ContextBody>, ApiError> {
+    let sandbox = app.registry.get(&id)?.sandbox;
+    let c = sandbox
+        .call(|a| async move { a.reset_context(&context).await })
+        .await?;
+    Ok(Json(c.into()))
+}
+
+/// Ends a context.
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}/contexts/{context}",
+    params(("id" = String, Path), ("context" = String, Path)),
+    responses((status = 204), (status = 404, body = ErrorBody), (status = 502, body = ErrorBody)))]
+pub async fn delete_context(
+    State(app): State<App>,
+    PathParams((id, context)): PathParams<(String, String)>,
+) -> Result<axum::http::StatusCode, ApiError> {
+    let sandbox = app.registry.get(&id)?.sandbox;
+    sandbox
+        .call(|a| async move { a.delete_context(&context).await })
+        .await?;
+    Ok(axum::http::StatusCode::NO_CONTENT)
+}

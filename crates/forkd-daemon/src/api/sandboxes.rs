@@ -1,0 +1,201 @@
+//! `/v1/sandboxes`: create children of a snapshot, list, get, delete, set a timeout.
+
+use super::error::ErrorBody;
+use super::types::{CreateSandboxes, SandboxInfo, SandboxList, SetTimeout};
+use super::{ApiError, App, JsonBody, PathParams, QueryParams};
+use crate::registry::{CreateSpec, Entry, RegistryError};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use forkd_core::snapshot::Tag;
+use serde::Deserialize;
+
+/// Most labels on one sandbox, and the longest key or value.
+const MAX_LABELS: usize = 32;
+const MAX_LABEL_LEN: usize = 256;
+
+/// Longest timeout accepted: 30 days.
+const MAX_TIMEOUT_S: u64 = 30 * 24 * 3600;
+
+impl From<RegistryError> for ApiError {
+    fn from(e: RegistryError) -> ApiError {
+        match e {
+            RegistryError::AtCapacity { .. } => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "at_capacity",
+                e.to_string(),
+            ),
+            RegistryError::Sandbox(s) => s.into(),
+            RegistryError::State(s) => s.into(),
+        }
+    }
+}
+
+/// A registry entry as the API shows it.
+pub fn info(e: &Entry) -> SandboxInfo {
+    let failure = e.sandbox.failure();
+    SandboxInfo {
+        id: e.row.id.clone(),
+        snapshot: e.row.snapshot.clone(),
+        status: if failure.is_some() {
+            "failed"
+        } else {
+            "running"
+        }
+        .into(),
+        error: failure.map(|f| f.to_string()),
+        pid: e.row.pid,
+        vcpus: e.row.config.vcpus,
+        memory_mib: e.row.config.memory_mib,
+        labels: e.row.labels.clone(),
+        created_at: e.row.created_at.clone(),
+        timeout_at: e.row.timeout_at,
+    }
+}
+
+fn deadline(timeout_s: Option<u64>) -> Result<Option<i64>, ApiError> {
+    match timeout_s {
+        None => Ok(None),
+        Some(t) if (1..=MAX_TIMEOUT_S).contains(&t) => Ok(Some(crate::unix_now() + t as i64)),
+        Some(t) => Err(ApiError::bad_request(format!(
+            "timeout_s = {t} is outside 1..={MAX_TIMEOUT_S}"
+        ))),
+    }
+}
+
+/// Forks `n` children of a snapshot. All or nothing: if one fails, none is kept.
+#[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandboxes,
+    responses(
+        (status = 201, body = SandboxList),
+        (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody), (status = 413, body = ErrorBody),
+        (status = 503, body = ErrorBody)))]
+pub async fn create(
+    State(app): State<App>,
+    JsonBody(req): JsonBody<CreateSandboxes>,
+) -> Result<(StatusCode, Json<SandboxList>), ApiError> {
+    let max = forkd_core::fork::MAX_CHILDREN as u32;
+    if req.n == 0 || req.n > max {
+        return Err(ApiError::bad_request(format!(
+            "n = {} is outside 1..={max}",
+            req.n
+        )));
+    }
+    if req.labels.len() > MAX_LABELS
+        || req
+            .labels
+            .iter()
+            .any(|(k, v)| k.is_empty() || k.len() > MAX_LABEL_LEN || v.len() > MAX_LABEL_LEN)
+    {
+        return Err(ApiError::bad_request(format!(
+            "labels: at most {MAX_LABELS}, keys of 1 to {MAX_LABEL_LEN} bytes, values of at most {MAX_LABEL_LEN}"
+        )));
+    }
+    let timeout_at = deadline(req.timeout_s)?;
+    let tag = Tag::parse(&req.snapshot)?;
+    let snap = app.registry.store().open(&tag)?;
+    let m = &snap.manifest.machine;
+    // A restored VM has exactly its snapshot's vCPUs and RAM (the device state and the
+    // memory image fix both): other numbers cannot be honoured.
+    for (what, asked, has) in [
+        ("vcpus", req.vcpus, m.vcpus),
+        ("memory_mib", req.memory_mib, m.memory_mib),
+    ] {
+        if let Some(a) = asked {
+            if a != has {
+                return Err(ApiError::bad_request(format!(
+                    "{what} = {a}: children of snapshot {tag} have {what} = {has} (the snapshot fixes it)"
+                )));
+            }
+        }
+    }
+    let t = std::time::Instant::now();
+    let entries = app
+        .registry
+        .create(
+            &snap,
+            CreateSpec {
+                count: req.n as usize,
+                labels: req.labels,
+                timeout_at,
+            },
+        )
+        .await?;
+    app.metrics.forks.inc_by(entries.len() as u64);
+    app.metrics.fork_seconds.observe(t.elapsed().as_secs_f64());
+    Ok((
+        StatusCode::CREATED,
+        Json(SandboxList {
+            sandboxes: entries.iter().map(info).collect(),
+        }),
+    ))
+}
+
+/// Filters of the sandbox list.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ListFilter {
+    /// Only children of this snapshot.
+    snapshot: Option<String>,
+    /// Only sandboxes with this label, as `key=value`.
+    label: Option<String>,
+}
+
+/// Lists the sandboxes, oldest first.
+#[utoipa::path(get, path = "/v1/sandboxes", params(ListFilter),
+    responses((status = 200, body = SandboxList), (status = 400, body = ErrorBody)))]
+pub async fn list(
+    State(app): State<App>,
+    QueryParams(f): QueryParams<ListFilter>,
+) -> Result<Json<SandboxList>, ApiError> {
+    let label = match &f.label {
+        None => None,
+        Some(l) => Some(l.split_once('=').ok_or_else(|| {
+            ApiError::bad_request(format!("label filter {l:?} is not key=value"))
+        })?),
+    };
+    let sandboxes = app
+        .registry
+        .list()
+        .iter()
+        .filter(|e| f.snapshot.as_deref().is_none_or(|s| e.row.snapshot == s))
+        .filter(|e| label.is_none_or(|(k, v)| e.row.labels.get(k).map(String::as_str) == Some(v)))
+        .map(info)
+        .collect();
+    Ok(Json(SandboxList { sandboxes }))
+}
+
+/// One sandbox.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}", params(("id" = String, Path)),
+    responses((status = 200, body = SandboxInfo), (status = 404, body = ErrorBody)))]
+pub async fn get(
+    State(app): State<App>,
+    PathParams(id): PathParams<String>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    Ok(Json(info(&app.registry.get(&id)?)))
+}
+
+/// Stops a sandbox and removes its files.
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("id" = String, Path)),
+    responses((status = 204), (status = 404, body = ErrorBody)))]
+pub async fn delete(
+    State(app): State<App>,
+    PathParams(id): PathParams<String>,
+) -> Result<StatusCode, ApiError> {
+    app.registry.delete(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Sets or clears the time after which the daemon stops the sandbox.
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/timeout", params(("id" = String, Path)),
+    request_body = SetTimeout,
+    responses((status = 200, body = SandboxInfo), (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody), (status = 413, body = ErrorBody)))]
+pub async fn set_timeout(
+    State(app): State<App>,
+    PathParams(id): PathParams<String>,
+    JsonBody(req): JsonBody<SetTimeout>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    let at = deadline(req.timeout_s)?;
+    Ok(Json(info(&app.registry.set_timeout(&id, at)?)))
+}

@@ -1,0 +1,207 @@
+//! `/v1/snapshots`: list, inspect, build from a template (a long-running operation),
+//! delete.
+
+use super::error::ErrorBody;
+use super::types::{BuildSnapshotBody, SnapshotInfo, SnapshotList};
+use super::{ApiError, App, JsonBody, PathParams, QueryParams};
+use crate::state::OperationRow;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use forkd_core::snapshot::{Snapshot, SnapshotError, Tag};
+use forkd_core::template::{self, Recipe};
+use serde::Deserialize;
+
+fn info(app: &App, tag: &str, res: Result<Snapshot, SnapshotError>) -> SnapshotInfo {
+    let store = app.registry.store();
+    let dependents = Tag::parse(tag)
+        .map(|t| store.dependents(&t))
+        .unwrap_or_default();
+    let children = app.registry.children_of(tag);
+    match res {
+        Ok(s) => SnapshotInfo {
+            tag: tag.to_owned(),
+            status: "ok".into(),
+            error: None,
+            template: Some(s.manifest.template.clone()),
+            created_at: Some(s.manifest.created_at.clone()),
+            parent: s.manifest.parent.clone(),
+            vcpus: Some(s.manifest.machine.vcpus),
+            memory_mib: Some(s.manifest.machine.memory_mib),
+            accel: Some(s.manifest.machine.accel.to_string()),
+            size_bytes: Some(s.manifest.parts.values().map(|p| p.size).sum()),
+            disk_bytes: Some(s.disk_usage()),
+            dependents,
+            children,
+        },
+        Err(e) => SnapshotInfo {
+            tag: tag.to_owned(),
+            status: "damaged".into(),
+            error: Some(e.to_string()),
+            template: None,
+            created_at: None,
+            parent: None,
+            vcpus: None,
+            memory_mib: None,
+            accel: None,
+            size_bytes: None,
+            disk_bytes: None,
+            dependents,
+            children,
+        },
+    }
+}
+
+/// Every snapshot, by tag (damaged ones too, with their error).
+#[utoipa::path(get, path = "/v1/snapshots", responses((status = 200, body = SnapshotList)))]
+pub async fn list(State(app): State<App>) -> Json<SnapshotList> {
+    let snapshots = app
+        .registry
+        .store()
+        .list()
+        .into_iter()
+        .map(|(tag, res)| info(&app, &tag, res))
+        .collect();
+    Json(SnapshotList { snapshots })
+}
+
+/// One snapshot, with its sizes, parent, dependents and live children.
+#[utoipa::path(get, path = "/v1/snapshots/{tag}", params(("tag" = String, Path)),
+    responses((status = 200, body = SnapshotInfo), (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody)))]
+pub async fn get(
+    State(app): State<App>,
+    PathParams(tag): PathParams<String>,
+) -> Result<Json<SnapshotInfo>, ApiError> {
+    let tag = Tag::parse(&tag)?;
+    match app.registry.store().open(&tag) {
+        Err(e @ SnapshotError::NotFound { .. }) => Err(e.into()),
+        res => Ok(Json(info(&app, tag.as_str(), res))),
+    }
+}
+
+/// `?force=true`
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct DeleteQuery {
+    /// Stop the snapshot's live children first.
+    #[serde(default)]
+    force: bool,
+}
+
+/// Deletes a snapshot. Refused (409, naming them) while children run from it, unless
+/// `force` stops them first, or while other snapshots depend on it.
+#[utoipa::path(delete, path = "/v1/snapshots/{tag}", params(("tag" = String, Path), DeleteQuery),
+    responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody)))]
+pub async fn delete(
+    State(app): State<App>,
+    PathParams(tag): PathParams<String>,
+    QueryParams(q): QueryParams<DeleteQuery>,
+) -> Result<StatusCode, ApiError> {
+    let tag = Tag::parse(&tag)?;
+    let store = app.registry.store();
+    if !store.path(&tag).is_dir() {
+        return Err(SnapshotError::NotFound {
+            tag: tag.to_string(),
+        }
+        .into());
+    }
+    let children = app.registry.children_of(tag.as_str());
+    if q.force {
+        for id in &children {
+            app.registry.delete(id).await?;
+        }
+    }
+    store.remove(&tag, &app.registry.children_of(tag.as_str()))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Builds a template into a snapshot. Answers at once with an operation to poll.
+#[utoipa::path(post, path = "/v1/snapshots", request_body = BuildSnapshotBody,
+    responses((status = 202, body = OperationRow), (status = 400, body = ErrorBody),
+        (status = 409, body = ErrorBody), (status = 413, body = ErrorBody)))]
+pub async fn build(
+    State(app): State<App>,
+    JsonBody(b): JsonBody<BuildSnapshotBody>,
+) -> Result<(StatusCode, Json<OperationRow>), ApiError> {
+    let templates = app.config.home.root().join("templates");
+    let recipe = Recipe::find(&b.template, &[templates])?;
+    let tag = Tag::parse(b.tag.as_deref().unwrap_or(&recipe.name))?;
+    if app.registry.store().exists(&tag) {
+        return Err(SnapshotError::Exists {
+            tag: tag.to_string(),
+        }
+        .into());
+    }
+    let op = OperationRow {
+        id: format!("op-{}", forkd_core::ids::random_hex(8)),
+        kind: "build_snapshot".into(),
+        target: tag.to_string(),
+        status: "running".into(),
+        error: None,
+        created_at: crate::now_rfc3339(),
+        finished_at: None,
+    };
+    app.registry.state().insert_operation(&op)?;
+    let app2 = app.clone();
+    let op_id = op.id.clone();
+    tokio::spawn(async move {
+        let r = build_snapshot(&app2, &recipe, &tag).await;
+        let (status, error) = match &r {
+            Ok(()) => ("succeeded", None),
+            Err(e) => ("failed", Some(e.to_string())),
+        };
+        tracing::info!(op = %op_id, %tag, "snapshot build {status}");
+        if let Err(e) = app2.registry.state().finish_operation(
+            &op_id,
+            status,
+            error.as_deref(),
+            &crate::now_rfc3339(),
+        ) {
+            tracing::warn!(op = %op_id, "recording the end of the build: {e}");
+        }
+    });
+    Ok((StatusCode::ACCEPTED, Json(op)))
+}
+
+async fn build_snapshot(app: &App, recipe: &Recipe, tag: &Tag) -> anyhow::Result<()> {
+    let home = app.config.home.clone();
+    let image = recipe.rootfs_image();
+    let assets = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        let agent = forkd_image::find_agent_binary()?;
+        Ok(forkd_image::ensure_all(
+            &home,
+            image,
+            &agent,
+            &forkd_image::BuildOptions::default(),
+        )?)
+    })
+    .await??;
+    let id = tag.to_string();
+    template::build(
+        &app.config.home,
+        app.registry.store(),
+        recipe,
+        tag,
+        &assets,
+        &template::BuildOptions::default(),
+        &|m| tracing::info!(tag = %id, "{m}"),
+    )
+    .await?;
+    Ok(())
+}
+
+/// A long-running operation.
+#[utoipa::path(get, path = "/v1/operations/{id}", params(("id" = String, Path)),
+    responses((status = 200, body = OperationRow), (status = 404, body = ErrorBody)))]
+pub async fn operation(
+    State(app): State<App>,
+    PathParams(id): PathParams<String>,
+) -> Result<Json<OperationRow>, ApiError> {
+    app.registry
+        .state()
+        .operation(&id)?
+        .map(Json)
+        .ok_or_else(|| ApiError::not_found(format!("no operation {id}")))
+}

@@ -1,0 +1,407 @@
+//! Request and response bodies of the REST API. They are the API's own types (not the
+//! guest protocol's): the REST surface can stay stable while the agent protocol moves,
+//! and each carries its OpenAPI schema.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use utoipa::ToSchema;
+
+/// `POST /v1/sandboxes`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandboxes {
+    /// The snapshot to fork.
+    pub snapshot: String,
+    /// How many children (1 to 256; at most the daemon's free capacity).
+    #[serde(default = "one")]
+    #[schema(minimum = 1, maximum = 256)]
+    pub n: u32,
+    /// vCPUs; a restored VM has its snapshot's, so only that number is accepted.
+    #[serde(default)]
+    pub vcpus: Option<u32>,
+    /// Guest RAM in MiB; a restored VM has its snapshot's, so only that size is accepted.
+    #[serde(default)]
+    pub memory_mib: Option<u32>,
+    /// Labels to find the sandboxes by.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Seconds after which the daemon stops each child (none: it runs until deleted).
+    #[serde(default)]
+    #[schema(minimum = 1)]
+    pub timeout_s: Option<u64>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// A sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SandboxInfo {
+    /// Its id.
+    pub id: String,
+    /// The snapshot it was forked from.
+    pub snapshot: String,
+    /// `running`, or `failed` (its VM exited or its agent stopped answering).
+    pub status: String,
+    /// Why it failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// QEMU's pid on the host.
+    pub pid: u32,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// Guest RAM, MiB.
+    pub memory_mib: u32,
+    /// Its labels.
+    pub labels: BTreeMap<String, String>,
+    /// RFC 3339.
+    pub created_at: String,
+    /// Unix time (seconds) at which the daemon stops it, if set.
+    pub timeout_at: Option<i64>,
+}
+
+/// A list of sandboxes.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SandboxList {
+    /// The sandboxes, oldest first.
+    pub sandboxes: Vec<SandboxInfo>,
+}
+
+/// `PUT /v1/sandboxes/{id}/timeout`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SetTimeout {
+    /// Seconds from now; null removes the deadline.
+    #[schema(minimum = 1)]
+    pub timeout_s: Option<u64>,
+}
+
+/// `POST /v1/sandboxes/{id}/exec`: give `cmd` (an argv, no shell) or `shell` (run with
+/// `/bin/sh -c`), not both.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExecBody {
+    /// Program and arguments.
+    #[serde(default)]
+    pub cmd: Option<Vec<String>>,
+    /// A shell command line.
+    #[serde(default)]
+    pub shell: Option<String>,
+    /// Environment variables added to the defaults.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory (absolute).
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Kill the command after this many seconds.
+    #[serde(default)]
+    #[schema(minimum = 0.001)]
+    pub timeout_s: Option<f64>,
+    /// Text given to the command on stdin.
+    #[serde(default)]
+    pub stdin: Option<String>,
+    /// Stream the output as NDJSON events instead of one JSON result.
+    #[serde(default)]
+    pub stream: bool,
+}
+
+/// How a command ended, with all of its output (the non-streaming form of exec).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ExecResultBody {
+    /// Standard output (invalid UTF-8 replaced).
+    pub stdout: String,
+    /// Standard error (invalid UTF-8 replaced).
+    pub stderr: String,
+    /// The exit code a shell would report (128 + signal for a signal).
+    pub exit_code: i32,
+    /// The signal that ended it, if one did.
+    pub signal: Option<i32>,
+    /// True when the timeout killed it.
+    pub timed_out: bool,
+    /// Wall time in the guest, milliseconds.
+    pub duration_ms: u64,
+}
+
+/// One line of a streamed exec (NDJSON).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ExecEventBody {
+    /// Output on stdout.
+    Stdout {
+        /// The text (invalid UTF-8 replaced).
+        text: String,
+    },
+    /// Output on stderr.
+    Stderr {
+        /// The text (invalid UTF-8 replaced).
+        text: String,
+    },
+    /// The command ended; the last line.
+    Exit {
+        /// As in [`ExecResultBody`].
+        exit_code: i32,
+        /// The signal that ended it, if one did.
+        signal: Option<i32>,
+        /// True when the timeout killed it.
+        timed_out: bool,
+        /// Wall time in the guest, milliseconds.
+        duration_ms: u64,
+    },
+    /// The sandbox failed mid-way; the last line.
+    Error {
+        /// What happened.
+        message: String,
+    },
+}
+
+/// `POST /v1/sandboxes/{id}/code`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunCodeBody {
+    /// The code: statements, optionally ending with an expression whose value is returned.
+    pub code: String,
+    /// The context to run in (default: the sandbox's first context; one is created if
+    /// there is none).
+    #[serde(default)]
+    pub context: Option<String>,
+    /// Interrupt the code after this many seconds.
+    #[serde(default)]
+    #[schema(minimum = 0.001)]
+    pub timeout_s: Option<f64>,
+    /// Stream the events as NDJSON instead of one JSON result.
+    #[serde(default)]
+    pub stream: bool,
+}
+
+/// What a cell produced.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct CodeResult {
+    /// The context it ran in.
+    pub context: String,
+    /// All stdout.
+    pub stdout: String,
+    /// All stderr.
+    pub stderr: String,
+    /// Values: the last expression's, and figures left open.
+    pub results: Vec<CodeValue>,
+    /// The exception, if one was raised.
+    pub error: Option<CodeError>,
+    /// The context's cell counter after the run.
+    pub execution_count: u64,
+}
+
+/// One value of a cell.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct CodeValue {
+    /// `repr()` of the value.
+    pub text: String,
+    /// HTML, for values that have it (a DataFrame).
+    pub html: Option<String>,
+    /// PNG, base64, for a matplotlib figure.
+    pub png: Option<String>,
+}
+
+/// An exception raised by a cell.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct CodeError {
+    /// Class name.
+    pub name: String,
+    /// Message.
+    pub value: String,
+    /// Formatted traceback.
+    pub traceback: String,
+}
+
+impl CodeResult {
+    /// From the agent's collected execution.
+    pub fn from_execution(context: String, x: forkd_proto::context::Execution) -> CodeResult {
+        CodeResult {
+            context,
+            stdout: x.stdout,
+            stderr: x.stderr,
+            results: x
+                .results
+                .into_iter()
+                .map(|r| CodeValue {
+                    text: r.text,
+                    html: r.html,
+                    png: r.png,
+                })
+                .collect(),
+            error: x.error.map(|e| CodeError {
+                name: e.name,
+                value: e.value,
+                traceback: e.traceback,
+            }),
+            execution_count: x.execution_count,
+        }
+    }
+}
+
+/// `POST /v1/sandboxes/{id}/contexts`.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateContextBody {
+    /// Working directory of the interpreter.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Environment variables.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+}
+
+/// A code context.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ContextBody {
+    /// Its id in the sandbox.
+    pub id: String,
+    /// `python`.
+    pub language: String,
+    /// The interpreter's pid in the guest.
+    pub pid: u32,
+    /// Cells run since it started or was reset.
+    pub execution_count: u64,
+}
+
+impl From<forkd_proto::context::ContextInfo> for ContextBody {
+    fn from(c: forkd_proto::context::ContextInfo) -> ContextBody {
+        ContextBody {
+            id: c.id,
+            language: "python".into(),
+            pid: c.pid,
+            execution_count: c.execution_count,
+        }
+    }
+}
+
+/// A file or directory in a sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct FileInfo {
+    /// Absolute path.
+    pub path: String,
+    /// Last component.
+    pub name: String,
+    /// `file`, `dir`, `symlink` or `other`.
+    pub kind: String,
+    /// Bytes.
+    pub size: u64,
+    /// Permission bits.
+    pub mode: u32,
+    /// Modification time, ms since the Unix epoch.
+    pub mtime_ms: i64,
+}
+
+impl From<forkd_proto::files::FileStat> for FileInfo {
+    fn from(s: forkd_proto::files::FileStat) -> FileInfo {
+        let kind = serde_json::to_value(s.kind)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_else(|| "other".into());
+        FileInfo {
+            path: s.path,
+            name: s.name,
+            kind,
+            size: s.size,
+            mode: s.mode,
+            mtime_ms: s.mtime_ms,
+        }
+    }
+}
+
+/// A directory listing.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct FileList {
+    /// The entries, by name.
+    pub entries: Vec<FileInfo>,
+}
+
+/// `POST /v1/sandboxes/{id}/files/mkdir`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PathBody {
+    /// Absolute path in the guest.
+    pub path: String,
+}
+
+/// `POST /v1/sandboxes/{id}/files/rename`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RenameBody {
+    /// Current absolute path.
+    pub from: String,
+    /// New absolute path.
+    pub to: String,
+}
+
+/// A snapshot.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SnapshotInfo {
+    /// Its tag.
+    pub tag: String,
+    /// `ok`, or `damaged` (it will not be forked; see `error`).
+    pub status: String,
+    /// Why it is damaged.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// The template it was built from.
+    pub template: Option<String>,
+    /// RFC 3339.
+    pub created_at: Option<String>,
+    /// The snapshot it is a diff on, if any.
+    pub parent: Option<String>,
+    /// vCPUs of every child.
+    pub vcpus: Option<u32>,
+    /// Guest RAM of every child, MiB.
+    pub memory_mib: Option<u32>,
+    /// `kvm` or `tcg`.
+    pub accel: Option<String>,
+    /// Sum of the parts' sizes, bytes.
+    pub size_bytes: Option<u64>,
+    /// Bytes the parts take on disk (the memory image is sparse).
+    pub disk_bytes: Option<u64>,
+    /// Snapshots that depend on it.
+    pub dependents: Vec<String>,
+    /// Live sandboxes forked from it.
+    pub children: Vec<String>,
+}
+
+/// A list of snapshots.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SnapshotList {
+    /// By tag.
+    pub snapshots: Vec<SnapshotInfo>,
+}
+
+/// `POST /v1/snapshots`: build a template into a snapshot.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BuildSnapshotBody {
+    /// A built-in template (`minimal`, `python`) or one in the daemon's `templates/`.
+    pub template: String,
+    /// The tag (default: the template's name).
+    #[serde(default)]
+    pub tag: Option<String>,
+}
+
+/// `GET /v1/health`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Health {
+    /// `ok`.
+    pub status: String,
+    /// Sandboxes running.
+    pub sandboxes: usize,
+    /// The most the daemon runs.
+    pub capacity: usize,
+}
+
+/// `GET /v1/version`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Version {
+    /// forkd's version.
+    pub forkd: String,
+    /// The guest agent protocol version.
+    pub agent_protocol: u32,
+    /// The QEMU the daemon runs.
+    pub qemu: String,
+}

@@ -1,0 +1,198 @@
+//! A small HTTP client for the daemon's API, over its unix socket or TCP: what the CLI
+//! and the tests use. One connection per request keeps it simple and is cheap locally.
+
+use anyhow::{bail, Context, Result};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde::de::DeserializeOwned;
+use std::path::PathBuf;
+
+/// Where the daemon is.
+#[derive(Debug, Clone)]
+pub enum Endpoint {
+    /// Its unix socket.
+    Unix(PathBuf),
+    /// `host:port` over plain TCP.
+    Tcp(String),
+}
+
+/// A client of one daemon.
+#[derive(Debug, Clone)]
+pub struct Client {
+    endpoint: Endpoint,
+    token: Option<String>,
+}
+
+/// An error answer of the daemon, with its status, code and message.
+#[derive(Debug, thiserror::Error)]
+#[error("{message} ({status}, {code})")]
+pub struct ApiFailure {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// The API's error code.
+    pub code: String,
+    /// The message.
+    pub message: String,
+}
+
+impl Client {
+    /// A client of the daemon at `endpoint`, sending `token` if given.
+    pub fn new(endpoint: Endpoint, token: Option<String>) -> Client {
+        Client { endpoint, token }
+    }
+
+    /// `FORKD_URL` (`unix:/path` or `http://host:port`) and `FORKD_TOKEN`, else the
+    /// default socket of `home`.
+    pub fn from_env(home: &forkd_image::Home) -> Result<Client> {
+        let token = std::env::var("FORKD_TOKEN").ok().filter(|t| !t.is_empty());
+        let endpoint = match std::env::var("FORKD_URL").ok().filter(|u| !u.is_empty()) {
+            None => Endpoint::Unix(crate::config::default_socket(home)),
+            Some(url) => parse_url(&url)?,
+        };
+        Ok(Client::new(endpoint, token))
+    }
+
+    /// The endpoint.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// Sends one request and returns the response with its body unread.
+    pub async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<Response<Incoming>> {
+        let mut req = Request::builder().method(method).uri(path).header(
+            hyper::header::HOST,
+            match &self.endpoint {
+                Endpoint::Unix(_) => "localhost",
+                Endpoint::Tcp(a) => a.as_str(),
+            },
+        );
+        if let Some(t) = &self.token {
+            req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        if body.is_some() {
+            req = req.header(hyper::header::CONTENT_TYPE, "application/json");
+        }
+        let req = req.body(Full::new(Bytes::from(body.unwrap_or_default())))?;
+        match &self.endpoint {
+            Endpoint::Unix(p) => {
+                let s = tokio::net::UnixStream::connect(p).await.with_context(|| {
+                    format!(
+                        "no forkd daemon answers on {} (start one: forkd daemon)",
+                        p.display()
+                    )
+                })?;
+                exchange(s, req).await
+            }
+            Endpoint::Tcp(a) => {
+                let s = tokio::net::TcpStream::connect(a)
+                    .await
+                    .with_context(|| format!("no forkd daemon answers at {a}"))?;
+                exchange(s, req).await
+            }
+        }
+    }
+
+    /// Sends a request with an optional JSON body and reads the whole answer:
+    /// the status and the body.
+    pub async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<(StatusCode, Bytes)> {
+        let body = body.map(serde_json::to_vec).transpose()?;
+        let resp = self.send(method, path, body).await?;
+        let status = resp.status();
+        let bytes = resp.into_body().collect().await?.to_bytes();
+        Ok((status, bytes))
+    }
+
+    /// Like [`Client::call`], decoding a success as `T` and an error as [`ApiFailure`].
+    pub async fn json<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<T> {
+        let (status, bytes) = self.call(method, path, body).await?;
+        if !status.is_success() {
+            return Err(failure(status, &bytes).into());
+        }
+        serde_json::from_slice(&bytes).with_context(|| {
+            format!(
+                "the daemon's answer is not what was expected: {}",
+                String::from_utf8_lossy(&bytes)
+            )
+        })
+    }
+}
+
+/// The [`ApiFailure`] an error body describes.
+pub fn failure(status: StatusCode, body: &[u8]) -> ApiFailure {
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+    ApiFailure {
+        status,
+        code: v["error"]["code"].as_str().unwrap_or("unknown").to_owned(),
+        message: v["error"]["message"]
+            .as_str()
+            .map(str::to_owned)
+            .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned()),
+    }
+}
+
+fn parse_url(url: &str) -> Result<Endpoint> {
+    if let Some(p) = url.strip_prefix("unix:") {
+        return Ok(Endpoint::Unix(PathBuf::from(p)));
+    }
+    if let Some(rest) = url.strip_prefix("http://") {
+        let hostport = rest.trim_end_matches('/');
+        if hostport.is_empty() || hostport.contains('/') {
+            bail!("FORKD_URL {url:?} is not http://HOST:PORT");
+        }
+        return Ok(Endpoint::Tcp(hostport.to_owned()));
+    }
+    bail!("FORKD_URL {url:?} is neither unix:/path/to/socket nor http://HOST:PORT")
+}
+
+async fn exchange<S>(stream: S, req: Request<Full<Bytes>>) -> Result<Response<Incoming>>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .context("talking to the daemon")?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!("daemon connection: {e}");
+        }
+    });
+    sender
+        .send_request(req)
+        .await
+        .context("talking to the daemon")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls() {
+        assert!(
+            matches!(parse_url("unix:/run/forkd.sock").unwrap(), Endpoint::Unix(p) if p == std::path::Path::new("/run/forkd.sock"))
+        );
+        assert!(
+            matches!(parse_url("http://127.0.0.1:7070/").unwrap(), Endpoint::Tcp(a) if a == "127.0.0.1:7070")
+        );
+        assert!(parse_url("ftp://x").is_err());
+        assert!(parse_url("http://").is_err());
+    }
+}

@@ -1,0 +1,170 @@
+//! How the daemon is run: where it listens, who may talk to it, how many sandboxes it
+//! keeps. Checked before anything is opened, so a bad configuration fails at once with a
+//! message that says what to change.
+
+use forkd_image::Home;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+/// Shortest bearer token accepted.
+pub const MIN_TOKEN_LEN: usize = 32;
+
+/// Default ceiling on live sandboxes.
+pub const DEFAULT_MAX_SANDBOXES: usize = 64;
+
+/// The daemon's configuration.
+#[derive(Debug, Clone)]
+pub struct DaemonConfig {
+    /// The data directory (assets, snapshots, sandboxes, the state database).
+    pub home: Home,
+    /// The unix socket the API is served on.
+    pub socket: PathBuf,
+    /// Group given ownership of the socket (mode 0660); the daemon's own group if unset.
+    pub socket_group: Option<String>,
+    /// Also serve on TCP at this address.
+    pub listen: Option<SocketAddr>,
+    /// TLS for the TCP listener.
+    pub tls: Option<TlsFiles>,
+    /// Bearer token required on TCP (the unix socket is guarded by its file mode).
+    pub token: Option<String>,
+    /// Most live sandboxes; creating more answers 503.
+    pub max_sandboxes: usize,
+}
+
+/// PEM files of the TCP listener's certificate chain and private key.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    /// Certificate chain.
+    pub cert: PathBuf,
+    /// Private key.
+    pub key: PathBuf,
+}
+
+/// The configuration cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// refusing to listen on {addr} without a token: anyone who can reach it could run code; pass --token-file (or listen on 127.0.0.1)
+    #[error("refusing to listen on {addr} without a token: anyone who can reach it could run code; pass --token-file (or listen on a loopback address)")]
+    NoToken {
+        /// The address.
+        addr: SocketAddr,
+    },
+    /// the token in {path} is {len} bytes; at least 32 are required
+    #[error("the token in {path} is {len} bytes; at least {MIN_TOKEN_LEN} are required (e.g. `openssl rand -hex 32 > {path}`)")]
+    ShortToken {
+        /// The token file.
+        path: String,
+        /// Its length after trimming.
+        len: usize,
+    },
+    /// cannot read {path}: {source}
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// --max-sandboxes must be at least 1
+    #[error("--max-sandboxes must be at least 1")]
+    NoCapacity,
+}
+
+impl DaemonConfig {
+    /// The defaults for `home`: its socket, no TCP, no token.
+    pub fn new(home: Home) -> DaemonConfig {
+        DaemonConfig {
+            socket: default_socket(&home),
+            home,
+            socket_group: None,
+            listen: None,
+            tls: None,
+            token: None,
+            max_sandboxes: DEFAULT_MAX_SANDBOXES,
+        }
+    }
+
+    /// Reads a token file: its content, trimmed of surrounding white space.
+    pub fn read_token(path: &Path) -> Result<String, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let token = text.trim().to_owned();
+        if token.len() < MIN_TOKEN_LEN {
+            return Err(ConfigError::ShortToken {
+                path: path.display().to_string(),
+                len: token.len(),
+            });
+        }
+        Ok(token)
+    }
+
+    /// Refuses what would be unsafe or cannot work.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_sandboxes == 0 {
+            return Err(ConfigError::NoCapacity);
+        }
+        if let Some(addr) = self.listen {
+            if !addr.ip().is_loopback() && self.token.is_none() {
+                return Err(ConfigError::NoToken { addr });
+            }
+        }
+        Ok(())
+    }
+
+    /// The state database.
+    pub fn database(&self) -> PathBuf {
+        self.home.root().join("forkd.db")
+    }
+
+    /// The audit log.
+    pub fn audit_log(&self) -> PathBuf {
+        self.home.root().join("audit.jsonl")
+    }
+}
+
+/// The daemon's socket in `home`, where clients look for it by default.
+pub fn default_socket(home: &Home) -> PathBuf {
+    home.root().join("forkd.sock")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> DaemonConfig {
+        DaemonConfig::new(Home::new("/nonexistent"))
+    }
+
+    #[test]
+    fn a_public_address_needs_a_token() {
+        let mut c = config();
+        c.listen = Some("0.0.0.0:7070".parse().unwrap());
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("refusing to listen on 0.0.0.0:7070 without a token"),
+            "{e}"
+        );
+        c.token = Some("x".repeat(32));
+        c.validate().unwrap();
+        c.token = None;
+        c.listen = Some("127.0.0.1:7070".parse().unwrap());
+        c.validate().unwrap();
+        c.listen = Some("[::1]:7070".parse().unwrap());
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn short_tokens_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("token");
+        std::fs::write(&p, "short\n").unwrap();
+        let e = DaemonConfig::read_token(&p).unwrap_err().to_string();
+        assert!(e.contains("is 5 bytes; at least 32"), "{e}");
+        std::fs::write(&p, format!("{}\n", "a".repeat(40))).unwrap();
+        assert_eq!(DaemonConfig::read_token(&p).unwrap(), "a".repeat(40));
+        let e = DaemonConfig::read_token(&dir.path().join("none")).unwrap_err();
+        assert!(e.to_string().starts_with("cannot read"), "{e}");
+    }
+}

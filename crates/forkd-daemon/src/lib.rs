@@ -1,0 +1,43 @@
+//! The forkd daemon: one per host. It owns every snapshot and sandbox, keeps what it
+//! needs to find them again in SQLite, and serves the REST API (v1) on a unix socket
+//! and, when asked, on TCP with a bearer token and TLS.
+//!
+//! - [`config`]: how it runs, checked before anything starts.
+//! - [`state`]: the SQLite database (sandboxes, operations).
+//! - [`registry`]: the live sandboxes, the capacity limit, re-adoption after a restart.
+//! - [`api`]: routes, errors, the OpenAPI document.
+//! - [`server`]: listeners, authentication, the audit and metrics middleware.
+//! - [`metrics`], [`audit`]: Prometheus metrics and the hash-chained audit log.
+//! - [`client`]: a small HTTP client over the unix socket or TCP (the CLI and the tests).
+
+pub mod api;
+pub mod audit;
+pub mod client;
+pub mod config;
+pub mod metrics;
+pub mod registry;
+pub mod server;
+pub mod state;
+
+pub use config::DaemonConfig;
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}
+
+/// Now, RFC 3339 (UTC, seconds).
+pub fn now_rfc3339() -> String {
+    forkd_image::timestamp::rfc3339_utc(std::time::SystemTime::now())
+}
+
+/// The QEMU version string, read once.
+pub fn qemu_version() -> String {
+    static VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    VERSION
+        .get_or_init(forkd_core::template::qemu_version)
+        .clone()
+}

@@ -1,0 +1,132 @@
+//! Prometheus metrics (`GET /metrics`, OpenMetrics text): what runs now, what the daemon
+//! has done, and how long forks and execs take.
+
+use crate::registry::Registry as Sandboxes;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// Labels of the error counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    /// The error code the API answered with.
+    pub kind: String,
+}
+
+/// Labels of the build info gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: String,
+    agent_protocol: String,
+}
+
+/// The daemon's metrics.
+pub struct Metrics {
+    registry: Registry,
+    running: Gauge,
+    capacity: Gauge,
+    snapshot_bytes: Gauge,
+    /// Children forked.
+    pub forks: Counter,
+    /// Seconds from a create request to every child answering.
+    pub fork_seconds: Histogram,
+    /// Seconds an exec took, end to end.
+    pub exec_seconds: Histogram,
+    /// Error responses, by code.
+    pub errors: Family<ErrorLabels, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("forkd");
+        let running = Gauge::default();
+        let capacity = Gauge::default();
+        let snapshot_bytes = Gauge::default();
+        let forks = Counter::default();
+        let fork_seconds = Histogram::new(exponential_buckets(0.01, 2.0, 14));
+        let exec_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 18));
+        let errors = Family::<ErrorLabels, Counter>::default();
+        let build = Family::<BuildLabels, Gauge>::default();
+        build
+            .get_or_create(&BuildLabels {
+                version: env!("CARGO_PKG_VERSION").into(),
+                agent_protocol: forkd_proto::PROTOCOL_VERSION.to_string(),
+            })
+            .set(1);
+        registry.register(
+            "sandboxes_running",
+            "Sandboxes running now",
+            running.clone(),
+        );
+        registry.register(
+            "sandboxes_capacity",
+            "Most sandboxes the daemon runs",
+            capacity.clone(),
+        );
+        registry.register(
+            "snapshot_bytes",
+            "Bytes the snapshots take on disk",
+            snapshot_bytes.clone(),
+        );
+        registry.register("forks", "Children forked", forks.clone());
+        registry.register(
+            "fork_seconds",
+            "Time from a create request until every child answered",
+            fork_seconds.clone(),
+        );
+        registry.register(
+            "exec_seconds",
+            "Time an exec took, end to end",
+            exec_seconds.clone(),
+        );
+        registry.register("errors", "Error responses by code", errors.clone());
+        registry.register("build_info", "The daemon's version", build);
+        Metrics {
+            registry,
+            running,
+            capacity,
+            snapshot_bytes,
+            forks,
+            fork_seconds,
+            exec_seconds,
+            errors,
+        }
+    }
+
+    /// Counts one error response.
+    pub fn error(&self, kind: &str) {
+        self.errors
+            .get_or_create(&ErrorLabels { kind: kind.into() })
+            .inc();
+    }
+
+    /// The text exposition, with the gauges read now.
+    pub fn render(&self, sandboxes: &Sandboxes) -> String {
+        self.running.set(sandboxes.running() as i64);
+        self.capacity.set(sandboxes.capacity() as i64);
+        let bytes: u64 = sandboxes
+            .store()
+            .list()
+            .into_iter()
+            .filter_map(|(_, s)| s.ok())
+            .map(|s| s.disk_usage())
+            .sum();
+        self.snapshot_bytes
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        let mut out = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::warn!("encoding the metrics: {e}");
+        }
+        out
+    }
+}

@@ -1,0 +1,372 @@
+//! Running the daemon: open the state, adopt the sandboxes that survived, listen on the
+//! unix socket (and TCP), authenticate, audit, and stop cleanly on a signal without
+//! touching the sandboxes (they run on and are adopted by the next start).
+
+use crate::api::{self, ApiError, App, AppState};
+use crate::audit::{AuditLog, Record};
+use crate::config::DaemonConfig;
+use crate::registry::Registry;
+use crate::state::State;
+use anyhow::{bail, Context, Result};
+use axum::extract::Request;
+use axum::http::{header, Method};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use forkd_core::snapshot::Store;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use std::future::Future;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use subtle::ConstantTimeEq;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, UnixListener};
+
+/// How long in-flight requests get to finish after a shutdown signal.
+const DRAIN: Duration = Duration::from_secs(10);
+
+/// How often expired and dead sandboxes are reaped.
+const REAP_EVERY: Duration = Duration::from_secs(1);
+
+/// Who sent a request: set per connection by the listener.
+#[derive(Debug, Clone)]
+pub struct Principal(pub String);
+
+/// The API error code of a response, for the metrics (set by [`ApiError`]).
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorKind(pub &'static str);
+
+/// Runs the daemon until `shutdown` resolves. `ready` is called once every listener is
+/// bound (with the TCP address actually bound, if any).
+pub async fn run(
+    config: DaemonConfig,
+    shutdown: impl Future<Output = ()> + Send,
+    ready: impl FnOnce(Option<std::net::SocketAddr>),
+) -> Result<()> {
+    config.validate()?;
+    let root = config.home.root().to_owned();
+    std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
+    let state = Arc::new(State::open(&config.database())?);
+    let interrupted = state.interrupt_running_operations(&crate::now_rfc3339())?;
+    if interrupted > 0 {
+        tracing::warn!("{interrupted} operations were interrupted by the last stop");
+    }
+    let audit = Arc::new(AuditLog::open(&config.audit_log()).with_context(|| {
+        format!(
+            "the audit log {} is broken; check it with `forkd audit verify` and move it aside to start a new one",
+            config.audit_log().display()
+        )
+    })?);
+    let registry = Registry::new(
+        config.home.clone(),
+        Store::of_home(&config.home),
+        state,
+        config.max_sandboxes,
+    );
+    let (adopted, gone) = registry.adopt_all().await?;
+    tracing::info!(
+        "adopted {} running sandboxes; {} had stopped while the daemon was down and were removed",
+        adopted.len(),
+        gone.len()
+    );
+
+    let unix = bind_unix(&config.socket, config.socket_group.as_deref()).await?;
+    let tcp = match config.listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("listening on {addr}"))?,
+        ),
+        None => None,
+    };
+    let tls = match &config.tls {
+        Some(files) => Some(crate::server::tls::acceptor(files)?),
+        None => None,
+    };
+    let tcp_addr = tcp.as_ref().and_then(|l| l.local_addr().ok());
+
+    let app: App = Arc::new(AppState {
+        registry,
+        config: config.clone(),
+        metrics: crate::metrics::Metrics::new(),
+    });
+    let reaper = tokio::spawn(reap(app.clone()));
+    let base = api::router(app.clone()).layer(axum::middleware::from_fn_with_state(
+        (app.clone(), audit),
+        observe,
+    ));
+    let token = config.token.clone().map(Arc::new);
+    let tcp_router = base
+        .clone()
+        .layer(axum::middleware::from_fn_with_state(token, authenticate));
+
+    tracing::info!(socket = %config.socket.display(), "listening");
+    if let Some(a) = tcp_addr {
+        tracing::info!(
+            "listening on {a}{}",
+            if tls.is_some() { " (TLS)" } else { "" }
+        );
+    }
+    ready(tcp_addr);
+
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            conn = unix.accept() => match conn {
+                Ok((stream, _)) => {
+                    let who = stream
+                        .peer_cred()
+                        .map(|c| format!("unix:uid={}", c.uid()))
+                        .unwrap_or_else(|_| "unix".into());
+                    serve(&graceful, stream, base.clone(), Principal(who));
+                }
+                Err(e) => tracing::warn!("accepting on the unix socket: {e}"),
+            },
+            conn = accept_tcp(tcp.as_ref()) => match conn {
+                Ok((stream, peer)) => {
+                    let router = tcp_router.clone();
+                    let who = Principal(format!("tcp:{peer}"));
+                    match &tls {
+                        None => serve(&graceful, stream, router, who),
+                        Some(acceptor) => {
+                            let acceptor = acceptor.clone();
+                            let watcher = graceful.watcher();
+                            tokio::spawn(async move {
+                                match acceptor.accept(stream).await {
+                                    Ok(s) => serve_watched(watcher, s, router, who).await,
+                                    Err(e) => tracing::debug!("TLS handshake with {peer}: {e}"),
+                                }
+                            });
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!("accepting on TCP: {e}"),
+            },
+        }
+    }
+    tracing::info!("shutting down: no new connections; sandboxes keep running");
+    drop(unix);
+    let _ = std::fs::remove_file(&config.socket);
+    if tokio::time::timeout(DRAIN, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("requests still running after {DRAIN:?} were cut off");
+    }
+    reaper.abort();
+    Ok(())
+}
+
+async fn accept_tcp(
+    l: Option<&TcpListener>,
+) -> std::io::Result<(tokio::net::TcpStream, std::net::SocketAddr)> {
+    match l {
+        Some(l) => l.accept().await,
+        None => std::future::pending().await,
+    }
+}
+
+fn serve<S>(
+    graceful: &hyper_util::server::graceful::GracefulShutdown,
+    stream: S,
+    router: Router,
+    who: Principal,
+) where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let watcher = graceful.watcher();
+    tokio::spawn(serve_watched(watcher, stream, router, who));
+}
+
+async fn serve_watched<S>(
+    watcher: hyper_util::server::graceful::Watcher,
+    stream: S,
+    router: Router,
+    who: Principal,
+) where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let service = hyper::service::service_fn(move |mut req: Request<hyper::body::Incoming>| {
+        req.extensions_mut().insert(who.clone());
+        tower::ServiceExt::oneshot(router.clone(), req)
+    });
+    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+    if let Err(e) = watcher.watch(conn.into_owned()).await {
+        tracing::debug!("connection ended: {e}");
+    }
+}
+
+/// Binds the unix socket: refuses when another daemon answers on it, replaces a stale
+/// socket file, and gives it mode 0660 (and `group`).
+async fn bind_unix(path: &Path, group: Option<&str>) -> Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    if path.exists() {
+        if tokio::net::UnixStream::connect(path).await.is_ok() {
+            bail!(
+                "another forkd daemon is already listening on {} (stop it first)",
+                path.display()
+            );
+        }
+        std::fs::remove_file(path)
+            .with_context(|| format!("removing the stale socket {}", path.display()))?;
+    }
+    let listener =
+        UnixListener::bind(path).with_context(|| format!("listening on {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .with_context(|| format!("setting the mode of {}", path.display()))?;
+    if let Some(g) = group {
+        let gid = nix::unistd::Group::from_name(g)
+            .with_context(|| format!("looking up group {g}"))?
+            .with_context(|| format!("there is no group {g}"))?
+            .gid;
+        nix::unistd::chown(path, None, Some(gid))
+            .with_context(|| format!("giving {} to group {g}", path.display()))?;
+    }
+    Ok(listener)
+}
+
+/// Bearer-token check for TCP listeners (constant-time comparison). Without a
+/// configured token (allowed on loopback only) every request passes.
+async fn authenticate(
+    axum::extract::State(token): axum::extract::State<Option<Arc<String>>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let Some(token) = token else {
+        return next.run(req).await;
+    };
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        Some(g) if bool::from(g.as_bytes().ct_eq(token.as_bytes())) => next.run(req).await,
+        Some(_) => unauthorized("the bearer token is not valid"),
+        None => unauthorized("this listener requires `Authorization: Bearer <token>`"),
+    }
+}
+
+fn unauthorized(msg: &str) -> Response {
+    let mut r =
+        ApiError::new(axum::http::StatusCode::UNAUTHORIZED, "unauthorized", msg).into_response();
+    r.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        header::HeaderValue::from_static("Bearer"),
+    );
+    r
+}
+
+/// Counts errors by kind and appends an audit record for every mutating request.
+async fn observe(
+    axum::extract::State((app, audit)): axum::extract::State<(App, Arc<AuditLog>)>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let started = Instant::now();
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    let principal = req
+        .extensions()
+        .get::<Principal>()
+        .map(|p| p.0.clone())
+        .unwrap_or_else(|| "unknown".into());
+    let response = next.run(req).await;
+    if let Some(kind) = response.extensions().get::<ErrorKind>() {
+        app.metrics.error(kind.0);
+    }
+    if matches!(
+        method,
+        Method::POST | Method::PUT | Method::DELETE | Method::PATCH
+    ) {
+        let record = Record {
+            time: crate::now_rfc3339(),
+            principal,
+            method: method.to_string(),
+            ids: named_ids(&path),
+            path,
+            status: response.status().as_u16(),
+            latency_us: u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+            prev: String::new(),
+            hash: String::new(),
+        };
+        if let Err(e) = audit.append(record) {
+            // An unaudited mutation must not look like a success.
+            tracing::error!("{e}");
+            return ApiError::internal(format!("the request ran but could not be audited: {e}"))
+                .into_response();
+        }
+    }
+    response
+}
+
+/// The sandbox ids and snapshot tags a path names (`/v1/sandboxes/{id}/...`,
+/// `/v1/snapshots/{tag}`).
+fn named_ids(path: &str) -> Vec<String> {
+    let parts: Vec<&str> = path.split('/').collect();
+    match parts.as_slice() {
+        ["", "v1", "sandboxes" | "snapshots", id, ..] => vec![(*id).to_owned()],
+        _ => Vec::new(),
+    }
+}
+
+/// Every second: stop sandboxes past their timeout, forget those whose VM died.
+async fn reap(app: App) {
+    let mut tick = tokio::time::interval(REAP_EVERY);
+    loop {
+        tick.tick().await;
+        for id in app.registry.reap(crate::unix_now()).await {
+            tracing::info!(%id, "sandbox removed (timed out or its VM exited)");
+        }
+    }
+}
+
+pub mod tls {
+    //! The TCP listener's TLS (rustls with the ring provider).
+
+    use crate::config::TlsFiles;
+    use anyhow::{Context, Result};
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    use std::sync::Arc;
+
+    /// A TLS acceptor from PEM certificate-chain and key files.
+    pub fn acceptor(files: &TlsFiles) -> Result<tokio_rustls::TlsAcceptor> {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&files.cert)
+            .with_context(|| format!("reading {}", files.cert.display()))?
+            .collect::<Result<_, _>>()
+            .with_context(|| format!("{} is not a PEM certificate chain", files.cert.display()))?;
+        if certs.is_empty() {
+            anyhow::bail!("{} holds no certificate", files.cert.display());
+        }
+        let key = PrivateKeyDer::from_pem_file(&files.key)
+            .with_context(|| format!("{} is not a PEM private key", files.key.display()))?;
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .context("TLS protocol versions")?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .context("the TLS certificate and key do not make a usable pair")?;
+        Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn ids_named_by_paths() {
+        assert_eq!(super::named_ids("/v1/sandboxes/sb-12/exec"), vec!["sb-12"]);
+        assert_eq!(super::named_ids("/v1/snapshots/python"), vec!["python"]);
+        assert!(super::named_ids("/v1/sandboxes").is_empty());
+        assert!(super::named_ids("/metrics").is_empty());
+    }
+}

@@ -1,0 +1,423 @@
+//! The daemon's state in SQLite (WAL): the sandboxes it owns and its long-running
+//! operations. Everything needed to find a sandbox again after a restart is here: the
+//! QEMU pid and start time, and the VM's configuration (sockets, overlay, memory file).
+//!
+//! Snapshots are not duplicated here: each is a sealed directory of the store, which is
+//! the one source of truth for what exists and whether it is intact.
+
+use forkd_hypervisor::VmConfig;
+use rusqlite::{params, Connection, OptionalExtension};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+/// Schema migrations, in order. `PRAGMA user_version` records how many have run; a new
+/// version of the daemon appends, never edits.
+const MIGRATIONS: &[&str] = &[
+    // 1: sandboxes and operations.
+    "CREATE TABLE sandboxes (
+        id          TEXT PRIMARY KEY,
+        snapshot    TEXT NOT NULL,
+        pid         INTEGER NOT NULL,
+        start_time  INTEGER NOT NULL,
+        config      TEXT NOT NULL,
+        labels      TEXT NOT NULL,
+        timeout_at  INTEGER,
+        created_at  TEXT NOT NULL
+    );
+    CREATE INDEX sandboxes_snapshot ON sandboxes(snapshot);
+    CREATE TABLE operations (
+        id          TEXT PRIMARY KEY,
+        kind        TEXT NOT NULL,
+        target      TEXT NOT NULL,
+        status      TEXT NOT NULL,
+        error       TEXT,
+        created_at  TEXT NOT NULL,
+        finished_at TEXT
+    );",
+];
+
+/// A state database error.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// the state database {path}: {source}
+    #[error("the state database {path}: {source}")]
+    Open {
+        /// The database file.
+        path: String,
+        /// Why.
+        source: rusqlite::Error,
+    },
+    /// the state database was written by a newer forkd (schema {found}, this one knows {known})
+    #[error("the state database was written by a newer forkd (schema {found}, this one knows up to {known}); run that version or move the database aside")]
+    TooNew {
+        /// The database's schema version.
+        found: i64,
+        /// What this build knows.
+        known: usize,
+    },
+    /// state database: {0}
+    #[error("state database: {0}")]
+    Sql(#[from] rusqlite::Error),
+    /// state database: a stored row is not valid: {0}
+    #[error("state database: a stored row is not valid: {0}")]
+    Row(#[from] serde_json::Error),
+}
+
+/// One sandbox the daemon owns.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxRow {
+    /// The sandbox id.
+    pub id: String,
+    /// The snapshot it was forked from.
+    pub snapshot: String,
+    /// QEMU's pid.
+    pub pid: u32,
+    /// QEMU's start time (clock ticks since boot): with the pid, names the process.
+    pub start_time: u64,
+    /// The VM as it was started.
+    pub config: VmConfig,
+    /// The caller's labels.
+    pub labels: BTreeMap<String, String>,
+    /// Unix time (seconds) after which the daemon stops it, if set.
+    pub timeout_at: Option<i64>,
+    /// RFC 3339.
+    pub created_at: String,
+}
+
+/// One long-running operation (a template build).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct OperationRow {
+    /// The operation id.
+    pub id: String,
+    /// What it does (`build_snapshot`).
+    pub kind: String,
+    /// What it works on (a snapshot tag).
+    pub target: String,
+    /// `running`, `succeeded`, `failed`, or `interrupted` (the daemon stopped under it).
+    pub status: String,
+    /// Why it failed.
+    pub error: Option<String>,
+    /// RFC 3339.
+    pub created_at: String,
+    /// RFC 3339, once finished.
+    pub finished_at: Option<String>,
+}
+
+/// The database. Calls are short (single-row reads and writes on a local file), so they
+/// run inline under one connection's lock.
+pub struct State {
+    conn: Mutex<Connection>,
+}
+
+impl State {
+    /// Opens (creating if needed) the database at `path` and brings its schema up to date.
+    pub fn open(path: &Path) -> Result<State, StateError> {
+        let open_err = |source| StateError::Open {
+            path: path.display().to_string(),
+            source,
+        };
+        let mut conn = Connection::open(path).map_err(open_err)?;
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(open_err)?;
+        conn.pragma_update(None, "synchronous", "FULL")
+            .map_err(open_err)?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))
+            .map_err(open_err)?;
+        let version: i64 = conn
+            .pragma_query_value(None, "user_version", |r| r.get(0))
+            .map_err(open_err)?;
+        if version > MIGRATIONS.len() as i64 {
+            return Err(StateError::TooNew {
+                found: version,
+                known: MIGRATIONS.len(),
+            });
+        }
+        for (i, sql) in MIGRATIONS.iter().enumerate().skip(version as usize) {
+            let tx = conn.transaction()?;
+            tx.execute_batch(sql)?;
+            tx.pragma_update(None, "user_version", (i + 1) as i64)?;
+            tx.commit()?;
+        }
+        Ok(State {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records a sandbox.
+    pub fn insert_sandbox(&self, row: &SandboxRow) -> Result<(), StateError> {
+        self.conn().execute(
+            "INSERT INTO sandboxes (id, snapshot, pid, start_time, config, labels, timeout_at, created_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            params![
+                row.id,
+                row.snapshot,
+                row.pid,
+                row.start_time as i64,
+                serde_json::to_string(&row.config)?,
+                serde_json::to_string(&row.labels)?,
+                row.timeout_at,
+                row.created_at
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Forgets a sandbox; true if there was such a row.
+    pub fn delete_sandbox(&self, id: &str) -> Result<bool, StateError> {
+        Ok(self
+            .conn()
+            .execute("DELETE FROM sandboxes WHERE id = ?1", params![id])?
+            > 0)
+    }
+
+    /// Sets (or clears) a sandbox's deadline; false if there is no such sandbox.
+    pub fn set_timeout(&self, id: &str, timeout_at: Option<i64>) -> Result<bool, StateError> {
+        Ok(self.conn().execute(
+            "UPDATE sandboxes SET timeout_at = ?2 WHERE id = ?1",
+            params![id, timeout_at],
+        )? > 0)
+    }
+
+    /// One sandbox.
+    pub fn sandbox(&self, id: &str) -> Result<Option<SandboxRow>, StateError> {
+        let conn = self.conn();
+        let raw = conn
+            .query_row(
+                &format!("SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE id = ?1"),
+                params![id],
+                raw_sandbox,
+            )
+            .optional()?;
+        raw.map(RawSandbox::decode).transpose()
+    }
+
+    /// Every sandbox, oldest first.
+    pub fn sandboxes(&self) -> Result<Vec<SandboxRow>, StateError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&format!(
+            "SELECT {SANDBOX_COLUMNS} FROM sandboxes ORDER BY created_at, id"
+        ))?;
+        let raws = stmt
+            .query_map([], raw_sandbox)?
+            .collect::<Result<Vec<_>, _>>()?;
+        raws.into_iter().map(RawSandbox::decode).collect()
+    }
+
+    /// Sandboxes whose deadline is at or before `now` (Unix seconds).
+    pub fn expired(&self, now: i64) -> Result<Vec<String>, StateError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(
+            "SELECT id FROM sandboxes WHERE timeout_at IS NOT NULL AND timeout_at <= ?1",
+        )?;
+        let ids = stmt
+            .query_map(params![now], |r| r.get(0))?
+            .collect::<Result<Vec<String>, _>>()?;
+        Ok(ids)
+    }
+
+    /// Records a new running operation.
+    pub fn insert_operation(&self, op: &OperationRow) -> Result<(), StateError> {
+        self.conn().execute(
+            "INSERT INTO operations (id, kind, target, status, error, created_at, finished_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            params![
+                op.id,
+                op.kind,
+                op.target,
+                op.status,
+                op.error,
+                op.created_at,
+                op.finished_at
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Marks an operation finished.
+    pub fn finish_operation(
+        &self,
+        id: &str,
+        status: &str,
+        error: Option<&str>,
+        finished_at: &str,
+    ) -> Result<(), StateError> {
+        self.conn().execute(
+            "UPDATE operations SET status = ?2, error = ?3, finished_at = ?4 WHERE id = ?1",
+            params![id, status, error, finished_at],
+        )?;
+        Ok(())
+    }
+
+    /// One operation.
+    pub fn operation(&self, id: &str) -> Result<Option<OperationRow>, StateError> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT id, kind, target, status, error, created_at, finished_at
+                 FROM operations WHERE id = ?1",
+                params![id],
+                |r| {
+                    Ok(OperationRow {
+                        id: r.get(0)?,
+                        kind: r.get(1)?,
+                        target: r.get(2)?,
+                        status: r.get(3)?,
+                        error: r.get(4)?,
+                        created_at: r.get(5)?,
+                        finished_at: r.get(6)?,
+                    })
+                },
+            )
+            .optional()?)
+    }
+
+    /// Operations left `running` by a daemon that stopped are marked `interrupted`.
+    pub fn interrupt_running_operations(&self, now: &str) -> Result<usize, StateError> {
+        Ok(self.conn().execute(
+            "UPDATE operations SET status = 'interrupted', finished_at = ?1,
+                 error = 'the daemon stopped while it ran'
+             WHERE status = 'running'",
+            params![now],
+        )?)
+    }
+}
+
+const SANDBOX_COLUMNS: &str =
+    "id, snapshot, pid, start_time, config, labels, timeout_at, created_at";
+
+/// A row as stored, before its JSON columns are decoded.
+struct RawSandbox {
+    id: String,
+    snapshot: String,
+    pid: u32,
+    start_time: i64,
+    config: String,
+    labels: String,
+    timeout_at: Option<i64>,
+    created_at: String,
+}
+
+fn raw_sandbox(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSandbox> {
+    Ok(RawSandbox {
+        id: r.get(0)?,
+        snapshot: r.get(1)?,
+        pid: r.get(2)?,
+        start_time: r.get(3)?,
+        config: r.get(4)?,
+        labels: r.get(5)?,
+        timeout_at: r.get(6)?,
+        created_at: r.get(7)?,
+    })
+}
+
+impl RawSandbox {
+    fn decode(self) -> Result<SandboxRow, StateError> {
+        Ok(SandboxRow {
+            id: self.id,
+            snapshot: self.snapshot,
+            pid: self.pid,
+            start_time: self.start_time as u64,
+            config: serde_json::from_str(&self.config)?,
+            labels: serde_json::from_str(&self.labels)?,
+            timeout_at: self.timeout_at,
+            created_at: self.created_at,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use forkd_hypervisor::{Accel, MemoryBackend};
+
+    fn row(id: &str, timeout_at: Option<i64>) -> SandboxRow {
+        SandboxRow {
+            id: id.into(),
+            snapshot: "python".into(),
+            pid: 42,
+            start_time: 7,
+            config: VmConfig {
+                id: id.into(),
+                dir: "/run/x".into(),
+                kernel: "/k".into(),
+                initramfs: "/i".into(),
+                cmdline: "console=ttyS0".into(),
+                root_disk: "/d".into(),
+                vcpus: 1,
+                memory_mib: 512,
+                memory: MemoryBackend::File {
+                    path: "/m".into(),
+                    shared: false,
+                },
+                accel: Accel::Tcg,
+                seccomp: true,
+                detached: true,
+            },
+            labels: [("team".to_string(), "a".to_string())].into(),
+            timeout_at,
+            created_at: "2026-01-01T00:00:00Z".into(),
+        }
+    }
+
+    #[test]
+    fn rows_round_trip_and_survive_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("forkd.db");
+        let s = State::open(&path).unwrap();
+        s.insert_sandbox(&row("sb-1", None)).unwrap();
+        s.insert_sandbox(&row("sb-2", Some(100))).unwrap();
+        assert!(
+            s.insert_sandbox(&row("sb-1", None)).is_err(),
+            "ids are unique"
+        );
+        drop(s);
+        let s = State::open(&path).unwrap();
+        assert_eq!(s.sandbox("sb-1").unwrap(), Some(row("sb-1", None)));
+        assert_eq!(s.sandboxes().unwrap().len(), 2);
+        assert_eq!(s.expired(99).unwrap(), Vec::<String>::new());
+        assert_eq!(s.expired(100).unwrap(), vec!["sb-2".to_string()]);
+        assert!(s.set_timeout("sb-2", None).unwrap());
+        assert!(!s.set_timeout("sb-9", None).unwrap());
+        assert!(s.expired(1000).unwrap().is_empty());
+        assert!(s.delete_sandbox("sb-1").unwrap());
+        assert!(!s.delete_sandbox("sb-1").unwrap());
+        assert_eq!(s.sandbox("sb-1").unwrap(), None);
+    }
+
+    #[test]
+    fn operations_left_running_are_interrupted() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = State::open(&dir.path().join("forkd.db")).unwrap();
+        let op = OperationRow {
+            id: "op-1".into(),
+            kind: "build_snapshot".into(),
+            target: "python".into(),
+            status: "running".into(),
+            error: None,
+            created_at: "t0".into(),
+            finished_at: None,
+        };
+        s.insert_operation(&op).unwrap();
+        assert_eq!(s.interrupt_running_operations("t1").unwrap(), 1);
+        let got = s.operation("op-1").unwrap().unwrap();
+        assert_eq!(got.status, "interrupted");
+        assert_eq!(got.finished_at.as_deref(), Some("t1"));
+    }
+
+    #[test]
+    fn a_newer_schema_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("forkd.db");
+        let c = Connection::open(&path).unwrap();
+        c.pragma_update(None, "user_version", 99).unwrap();
+        drop(c);
+        let e = State::open(&path).err().unwrap().to_string();
+        assert!(e.contains("newer forkd (schema 99"), "{e}");
+    }
+}

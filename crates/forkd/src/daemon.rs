@@ -1,0 +1,99 @@
+//! `forkd daemon` and `forkd audit verify`.
+
+use anyhow::Result;
+use forkd_daemon::config::TlsFiles;
+use forkd_daemon::DaemonConfig;
+use forkd_image::Home;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// Arguments of `forkd daemon`.
+#[derive(clap::Args, Debug)]
+pub struct DaemonArgs {
+    /// The unix socket to serve on (default: forkd.sock in the data directory).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Group that owns the socket (mode 0660).
+    #[arg(long)]
+    socket_group: Option<String>,
+    /// Also serve on TCP at ADDR:PORT (a non-loopback address needs --token-file).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// File holding the bearer token TCP clients must send (at least 32 bytes).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// TLS certificate chain (PEM) for the TCP listener.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM) for the TCP listener.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Most sandboxes at once; more answer 503.
+    #[arg(long, default_value_t = forkd_daemon::config::DEFAULT_MAX_SANDBOXES)]
+    max_sandboxes: usize,
+}
+
+/// `forkd audit ...`.
+#[derive(clap::Subcommand, Debug)]
+pub enum AuditCommand {
+    /// Check every record's hash and its link to the one before.
+    Verify {
+        /// The log (default: audit.jsonl in the data directory).
+        path: Option<PathBuf>,
+    },
+}
+
+/// Runs the daemon until SIGTERM or SIGINT.
+pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
+    let mut config = DaemonConfig::new(home.clone());
+    if let Some(s) = args.socket {
+        config.socket = s;
+    }
+    config.socket_group = args.socket_group;
+    config.listen = args.listen;
+    config.max_sandboxes = args.max_sandboxes;
+    if let Some(t) = &args.token_file {
+        config.token = Some(DaemonConfig::read_token(t)?);
+    }
+    if let (Some(cert), Some(key)) = (args.tls_cert, args.tls_key) {
+        config.tls = Some(TlsFiles { cert, key });
+    }
+    let socket = config.socket.clone();
+    forkd_daemon::server::run(config, shutdown_signal(), |tcp| {
+        eprintln!("forkd daemon: listening on {}", socket.display());
+        if let Some(a) = tcp {
+            eprintln!("forkd daemon: listening on tcp {a}");
+        }
+    })
+    .await
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = int.recv() => {},
+    }
+}
+
+/// `forkd audit verify`.
+pub fn audit(home: &Home, cmd: AuditCommand) -> Result<()> {
+    match cmd {
+        AuditCommand::Verify { path } => {
+            let path = path.unwrap_or_else(|| DaemonConfig::new(home.clone()).audit_log());
+            let (n, last) = forkd_daemon::audit::verify(&path)?;
+            println!(
+                "{}: {n} records, chain intact (last hash {})",
+                path.display(),
+                &last[..16]
+            );
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,595 @@
+//! The daemon, run as a real process (`forkd daemon`) with its own data directory, driven
+//! over its unix socket and over TCP: the API round trip, authentication, restart with
+//! re-adoption, bad input, the capacity limit, metrics and the audit chain.
+
+use forkd_daemon::client::{Client, Endpoint};
+use hyper::{Method, StatusCode};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const TOKEN: &str = "0123456789abcdef0123456789abcdef-test-token";
+
+/// A daemon with a data directory of its own that shares the built guest assets.
+struct Daemon {
+    home: tempfile::TempDir,
+    child: Option<Child>,
+    args: Vec<String>,
+    tcp: Option<String>,
+}
+
+impl Daemon {
+    fn start(extra: &[&str]) -> Daemon {
+        let shared = forkd_image::Home::from_env();
+        let tmp = shared.tmp_dir();
+        std::fs::create_dir_all(&tmp).unwrap();
+        let home = tempfile::Builder::new()
+            .prefix("daemon-test-")
+            .tempdir_in(&tmp)
+            .unwrap();
+        // The same filesystem as the assets, so snapshots hard-link them.
+        std::os::unix::fs::symlink(shared.images_dir(), home.path().join("images")).unwrap();
+        let mut d = Daemon {
+            home,
+            child: None,
+            args: extra.iter().map(|s| s.to_string()).collect(),
+            tcp: None,
+        };
+        if let Some(i) = d.args.iter().position(|a| a == "--listen") {
+            d.tcp = Some(d.args[i + 1].clone());
+        }
+        d.spawn();
+        d
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new(env!("CARGO_BIN_EXE_forkd"))
+            .arg("daemon")
+            .args(&self.args)
+            .env("FORKD_HOME", self.home.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(self.home.path().join("daemon.log")).unwrap())
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if std::os::unix::net::UnixStream::connect(self.socket()).is_ok() {
+                return;
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("the daemon exited ({status}): {}", self.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the daemon did not come up: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.home.path().join("forkd.sock")
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.home.path().join("daemon.log")).unwrap_or_default()
+    }
+
+    fn unix(&self) -> Client {
+        Client::new(Endpoint::Unix(self.socket()), None)
+    }
+
+    fn tcp(&self, token: Option<&str>) -> Client {
+        Client::new(
+            Endpoint::Tcp(self.tcp.clone().expect("listening on TCP")),
+            token.map(str::to_owned),
+        )
+    }
+
+    fn kill9(&mut self) {
+        let mut c = self.child.take().unwrap();
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+
+    /// What the data directory holds (snapshots and sandbox directories), to check that
+    /// refused requests change nothing.
+    fn disk_state(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for sub in ["snapshots", "run/sandboxes"] {
+            if let Ok(d) = std::fs::read_dir(self.home.path().join(sub)) {
+                out.extend(
+                    d.flatten()
+                        .map(|e| format!("{sub}/{}", e.file_name().to_string_lossy())),
+                );
+            }
+        }
+        out.sort();
+        out
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // The sandboxes outlive the daemon by design: stop the ones this test left.
+        let run = self.home.path().join("run/sandboxes");
+        if let Ok(d) = std::fs::read_dir(&run) {
+            for e in d.flatten() {
+                if let Ok(text) = std::fs::read_to_string(e.path().join("sandbox.json")) {
+                    let v: Value = serde_json::from_str(&text).unwrap_or_default();
+                    if let Some(pid) = v["pid"].as_i64() {
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(pid as i32),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn free_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+async fn call(c: &Client, m: Method, path: &str, body: Option<Value>) -> (StatusCode, Value) {
+    let (status, bytes) = c.call(m, path, body.as_ref()).await.unwrap();
+    let v = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()))
+    };
+    (status, v)
+}
+
+/// Builds `template` as snapshot `tag` through the API and waits for the operation.
+async fn build(c: &Client, template: &str, tag: &str) {
+    let (s, op) = call(
+        c,
+        Method::POST,
+        "/v1/snapshots",
+        Some(json!({"template": template, "tag": tag})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{op}");
+    let id = op["id"].as_str().unwrap().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let (s, op) = call(c, Method::GET, &format!("/v1/operations/{id}"), None).await;
+        assert_eq!(s, StatusCode::OK);
+        match op["status"].as_str().unwrap() {
+            "running" => {}
+            "succeeded" => return,
+            other => panic!("building {template}: {other}: {op}"),
+        }
+        assert!(Instant::now() < deadline, "the build did not finish");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+async fn create(c: &Client, tag: &str, n: u32) -> Vec<String> {
+    let (s, v) = call(
+        c,
+        Method::POST,
+        "/v1/sandboxes",
+        Some(json!({"snapshot": tag, "n": n, "labels": {"test": "yes"}})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    v["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+async fn exec(c: &Client, id: &str, shell: &str) -> Value {
+    let (s, v) = call(
+        c,
+        Method::POST,
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(json!({ "shell": shell })),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    v
+}
+
+/// create -> exec -> write and read a file -> run code -> delete, on one client.
+async fn round_trip(c: &Client, tag: &str) {
+    let id = create(c, tag, 1).await.remove(0);
+    let v = exec(c, &id, "echo out; echo err >&2; exit 7").await;
+    assert_eq!(
+        (
+            v["stdout"].as_str(),
+            v["stderr"].as_str(),
+            v["exit_code"].as_i64()
+        ),
+        (Some("out\n"), Some("err\n"), Some(7))
+    );
+
+    let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    let resp = c
+        .send(
+            Method::PUT,
+            &format!("/v1/sandboxes/{id}/files?path=/data/blob.bin"),
+            Some(payload.clone()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let resp = c
+        .send(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/files?path=/data/blob.bin"),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    use http_body_util::BodyExt;
+    let got = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(got == payload, "the file comes back byte for byte");
+    let (s, v) = call(
+        c,
+        Method::GET,
+        &format!("/v1/sandboxes/{id}/files/stat?path=/data/blob.bin"),
+        None,
+    )
+    .await;
+    assert_eq!((s, v["size"].as_u64()), (StatusCode::OK, Some(200_000)));
+
+    let (s, v) = call(
+        c,
+        Method::POST,
+        &format!("/v1/sandboxes/{id}/code"),
+        Some(json!({"code": "x = 20\nx + 22"})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["results"][0]["text"], "42", "{v}");
+    let (s, v) = call(
+        c,
+        Method::POST,
+        &format!("/v1/sandboxes/{id}/code"),
+        Some(json!({"code": "int(pd.Series([x, 1]).sum())"})),
+    )
+    .await;
+    assert_eq!(
+        (s, v["results"][0]["text"].as_str()),
+        (StatusCode::OK, Some("21")),
+        "{v}"
+    );
+
+    let (s, _) = call(c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (s, v) = call(c, Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (StatusCode::NOT_FOUND, Some("not_found"))
+    );
+}
+
+#[test]
+fn api_round_trip_over_unix_socket_and_tcp_with_a_token() {
+    let port = free_port();
+    let home_probe = tempfile::tempdir().unwrap();
+    let token_file = home_probe.path().join("token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let d = Daemon::start(&[
+        "--listen",
+        &port,
+        "--token-file",
+        token_file.to_str().unwrap(),
+    ]);
+    runtime().block_on(async {
+        let unix = d.unix();
+        build(&unix, "python", "py").await;
+        round_trip(&unix, "py").await;
+        round_trip(&d.tcp(Some(TOKEN)), "py").await;
+
+        // TCP without the token, or with a wrong one: 401, and nothing is created.
+        for token in [None, Some("x".repeat(TOKEN.len()))] {
+            let c = d.tcp(token.as_deref());
+            let (s, v) = call(
+                &c,
+                Method::POST,
+                "/v1/sandboxes",
+                Some(json!({"snapshot": "py"})),
+            )
+            .await;
+            assert_eq!(
+                (s, v["error"]["code"].as_str()),
+                (StatusCode::UNAUTHORIZED, Some("unauthorized")),
+                "{v}"
+            );
+            let (s, _) = call(&c, Method::GET, "/v1/sandboxes", None).await;
+            assert_eq!(s, StatusCode::UNAUTHORIZED);
+        }
+        let (_, v) = call(&unix, Method::GET, "/v1/sandboxes", None).await;
+        assert_eq!(v["sandboxes"].as_array().unwrap().len(), 0, "{v}");
+
+        // The metrics count what happened: two forks, and the 401s are not in them
+        // (they never reached the API), but the 404 of the deleted sandbox is.
+        let (s, bytes) = unix.call(Method::GET, "/metrics", None).await.unwrap();
+        assert_eq!(s, StatusCode::OK);
+        let text = String::from_utf8(bytes.to_vec()).unwrap();
+        let metric = |name: &str| -> f64 {
+            text.lines()
+                .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+                .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+                .rsplit(' ')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        assert_eq!(metric("forkd_forks_total"), 2.0);
+        assert_eq!(metric("forkd_sandboxes_running"), 0.0);
+        assert_eq!(metric("forkd_fork_seconds_count"), 2.0);
+        assert!(metric("forkd_exec_seconds_count") >= 2.0);
+        assert!(
+            text.contains("forkd_errors_total{kind=\"not_found\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.trim_end().ends_with("# EOF"),
+            "OpenMetrics text ends with # EOF"
+        );
+    });
+
+    // Every mutating request is in the audit chain; editing one line breaks it.
+    let audit = d.home.path().join("audit.jsonl");
+    let verify = |p: &Path| {
+        Command::new(env!("CARGO_BIN_EXE_forkd"))
+            .args(["audit", "verify"])
+            .arg(p)
+            .output()
+            .unwrap()
+    };
+    let out = verify(&audit);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&audit).unwrap();
+    assert!(text.lines().count() >= 8, "{text}");
+    assert!(text.contains("\"principal\":\"unix:uid="), "{text}");
+    assert!(text.contains("\"principal\":\"tcp:127.0.0.1:"), "{text}");
+    let edited = text.replacen("\"status\":201", "\"status\":200", 1);
+    assert_ne!(edited, text);
+    std::fs::write(&audit, edited).unwrap();
+    let out = verify(&audit);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("edited"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_restarted_daemon_adopts_live_sandboxes_and_clears_dead_ones() {
+    let mut d = Daemon::start(&[]);
+    let ids = runtime().block_on(async {
+        let c = d.unix();
+        build(&c, "minimal", "mini").await;
+        let ids = create(&c, "mini", 3).await;
+        for (i, id) in ids.iter().enumerate() {
+            exec(&c, id, &format!("echo {i} > /state")).await;
+        }
+        ids
+    });
+    d.kill9();
+    // One VM dies while the daemon is down.
+    let dead_dir = d.home.path().join("run/sandboxes").join(&ids[2]);
+    let record: Value =
+        serde_json::from_str(&std::fs::read_to_string(dead_dir.join("sandbox.json")).unwrap())
+            .unwrap();
+    let pid = record["pid"].as_i64().unwrap() as i32;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    while forkd_hypervisor::process::is_alive(pid as u32) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d.spawn();
+    runtime().block_on(async {
+        let c = d.unix();
+        let (_, v) = call(&c, Method::GET, "/v1/sandboxes?label=test=yes", None).await;
+        let listed: Vec<&str> = v["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_str().unwrap())
+            .collect();
+        assert_eq!(listed.len(), 2, "{v}");
+        for (i, id) in ids[..2].iter().enumerate() {
+            assert!(listed.contains(&id.as_str()));
+            let v = exec(&c, id, "cat /state").await;
+            assert_eq!(v["stdout"], format!("{i}\n"), "{id} kept its state");
+        }
+        let (s, _) = call(&c, Method::GET, &format!("/v1/sandboxes/{}", ids[2]), None).await;
+        assert_eq!(s, StatusCode::NOT_FOUND);
+    });
+    assert!(!dead_dir.exists(), "the dead sandbox's files were removed");
+}
+
+#[test]
+fn bad_input_gets_a_clear_4xx_and_changes_nothing() {
+    let d = Daemon::start(&[]);
+    runtime().block_on(async {
+        let c = d.unix();
+        build(&c, "minimal", "mini").await;
+        let before = d.disk_state();
+        let long = "x".repeat(300);
+        for bad in ["../x", "a/b", "", long.as_str()] {
+            let (s, v) = call(&c, Method::POST, "/v1/sandboxes", Some(json!({"snapshot": bad}))).await;
+            assert_eq!(s, StatusCode::BAD_REQUEST, "{bad}: {v}");
+            assert!(v["error"]["message"].as_str().unwrap().contains("invalid snapshot tag"), "{v}");
+            let (s, v) = call(&c, Method::POST, "/v1/snapshots", Some(json!({"template": "minimal", "tag": bad}))).await;
+            assert_eq!(s, StatusCode::BAD_REQUEST, "{bad}: {v}");
+        }
+        for bad in ["..%2Fx", "a%2Fb", long.as_str()] {
+            for m in [Method::GET, Method::DELETE] {
+                let (s, v) = call(&c, m.clone(), &format!("/v1/snapshots/{bad}"), None).await;
+                assert_eq!(s, StatusCode::BAD_REQUEST, "{m} {bad}: {v}");
+            }
+        }
+        for n in [0, 100_000] {
+            let (s, v) = call(&c, Method::POST, "/v1/sandboxes", Some(json!({"snapshot": "mini", "n": n}))).await;
+            assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+            assert!(v["error"]["message"].as_str().unwrap().contains(&format!("n = {n}")), "{v}");
+        }
+        let (s, v) = call(&c, Method::POST, "/v1/sandboxes", Some(json!({"snapshot": "mini", "memory_mib": 4096}))).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("memory_mib = 512"), "{v}");
+        let (s, v) = call(&c, Method::POST, "/v1/sandboxes", Some(json!({"snapshot": "nosuch"}))).await;
+        assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("not_found")), "{v}");
+
+        // Malformed JSON, a wrong field, an unknown sandbox, an unknown route.
+        let resp = c.send(Method::POST, "/v1/sandboxes", Some(b"{\"snapshot\": ".to_vec())).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+        let (s, v) = call(&c, Method::POST, "/v1/sandboxes", Some(json!({"snapshot": "mini", "bogus": 1}))).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST);
+        assert!(v["error"]["message"].as_str().unwrap().contains("bogus"), "{v}");
+        let (s, v) = call(&c, Method::POST, "/v1/sandboxes/sb-0000/exec", Some(json!({"shell": "true"}))).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("sb-0000"), "{v}");
+        let (s, v) = call(&c, Method::GET, "/v1/nothing-here", None).await;
+        assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("not_found")));
+
+        // Too large: a JSON body over 1 MiB, an upload that declares more than the limit.
+        let big = json!({"snapshot": "x".repeat(2 << 20)});
+        let (s, v) = call(&c, Method::POST, "/v1/sandboxes", Some(big)).await;
+        assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::PAYLOAD_TOO_LARGE, Some("too_large")), "{v}");
+        let head = raw_request(
+            &d.socket(),
+            "PUT /v1/sandboxes/sb-0000/files?path=/x HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n",
+        );
+        assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+
+        assert_eq!(d.disk_state(), before, "refused requests change nothing on disk");
+    });
+}
+
+/// Sends a raw HTTP request head and returns what comes back first.
+fn raw_request(socket: &Path, head: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(head.as_bytes()).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = s.read(&mut buf).unwrap();
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+#[test]
+fn thirty_concurrent_creates_with_a_limit_of_ten() {
+    let d = Daemon::start(&["--max-sandboxes", "10"]);
+    runtime().block_on(async {
+        let c = d.unix();
+        build(&c, "minimal", "mini").await;
+        let results = futures::future::join_all((0..30).map(|_| {
+            let c = c.clone();
+            async move {
+                call(
+                    &c,
+                    Method::POST,
+                    "/v1/sandboxes",
+                    Some(json!({"snapshot": "mini"})),
+                )
+                .await
+            }
+        }))
+        .await;
+        let created = results
+            .iter()
+            .filter(|(s, _)| *s == StatusCode::CREATED)
+            .count();
+        let refused: Vec<_> = results
+            .iter()
+            .filter(|(s, _)| *s == StatusCode::SERVICE_UNAVAILABLE)
+            .collect();
+        assert_eq!((created, refused.len()), (10, 20), "{results:?}");
+        assert!(refused
+            .iter()
+            .all(|(_, v)| v["error"]["code"] == "at_capacity"
+                && v["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("limit is 10")));
+        let (_, v) = call(&c, Method::GET, "/v1/sandboxes", None).await;
+        let ids: Vec<String> = v["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(ids.len(), 10);
+        let (_, h) = call(&c, Method::GET, "/v1/health", None).await;
+        assert_eq!(
+            (h["sandboxes"].as_u64(), h["capacity"].as_u64()),
+            (Some(10), Some(10))
+        );
+        for id in &ids {
+            let (s, _) = call(&c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+            assert_eq!(s, StatusCode::NO_CONTENT);
+        }
+    });
+    // Nothing leaked: no sandbox directory, and room for ten again.
+    let left: Vec<_> = std::fs::read_dir(d.home.path().join("run/sandboxes"))
+        .unwrap()
+        .flatten()
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn a_public_address_without_a_token_is_refused() {
+    let out = Command::new(env!("CARGO_BIN_EXE_forkd"))
+        .args(["daemon", "--listen", "0.0.0.0:0", "--socket"])
+        .arg(tempfile::tempdir().unwrap().path().join("s.sock"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("refusing to listen on 0.0.0.0:0 without a token"),
+        "{err}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let short = dir.path().join("token");
+    std::fs::write(&short, "too-short").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_forkd"))
+        .args(["daemon", "--listen", "127.0.0.1:0", "--token-file"])
+        .arg(&short)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at least 32"));
+}
