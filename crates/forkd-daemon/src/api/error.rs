@@ -108,14 +108,26 @@ impl From<SandboxError> for ApiError {
             SandboxError::Snapshot(s) => s.into(),
             SandboxError::NotFound { .. } | SandboxError::Gone { .. } => ApiError::not_found(msg),
             SandboxError::Template { .. } => ApiError::bad_request(msg),
-            // The guest said what was wrong with the request (a missing file, a bad path).
-            SandboxError::Agent(a) => match a.code().map(|c| c.http_status()) {
-                Some(404) => ApiError::not_found(msg),
-                Some(409) => ApiError::conflict(msg),
-                Some(400) => ApiError::bad_request(msg),
-                Some(403) => ApiError::new(StatusCode::FORBIDDEN, "forbidden", msg),
-                _ => ApiError::new(StatusCode::BAD_GATEWAY, "sandbox_failed", msg),
-            },
+            // The guest said what was wrong with the request (a missing file, a bad
+            // path, a program the sandbox does not have): the caller's to fix.
+            SandboxError::Agent(a) => {
+                use forkd_proto::ErrorCode as C;
+                match a.code() {
+                    Some(C::NotFound) => ApiError::not_found(msg),
+                    Some(C::AlreadyExists | C::DirectoryNotEmpty | C::Io) => {
+                        ApiError::conflict(msg)
+                    }
+                    Some(
+                        C::NotADirectory | C::IsADirectory | C::InvalidArgument | C::SpawnFailed,
+                    ) => ApiError::bad_request(msg),
+                    Some(C::PermissionDenied) => {
+                        ApiError::new(StatusCode::FORBIDDEN, "forbidden", msg)
+                    }
+                    Some(C::Internal) | None => {
+                        ApiError::new(StatusCode::BAD_GATEWAY, "sandbox_failed", msg)
+                    }
+                }
+            }
             SandboxError::GuestExited { .. }
             | SandboxError::Unresponsive { .. }
             | SandboxError::Destroyed { .. }

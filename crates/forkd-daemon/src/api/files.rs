@@ -26,6 +26,7 @@ pub const MAX_UPLOAD: u64 = 1 << 30;
 #[into_params(parameter_in = Query)]
 pub struct PathQuery {
     /// Absolute path in the guest.
+    #[param(pattern = "^/")]
     path: String,
 }
 
@@ -34,6 +35,7 @@ pub struct PathQuery {
 #[into_params(parameter_in = Query)]
 pub struct RemoveQuery {
     /// Absolute path in the guest.
+    #[param(pattern = "^/")]
     path: String,
     /// Remove a directory with everything in it.
     #[serde(default)]
@@ -45,6 +47,7 @@ pub struct RemoveQuery {
 #[into_params(parameter_in = Query)]
 pub struct WriteQuery {
     /// Absolute path in the guest; missing parent directories are created.
+    #[param(pattern = "^/")]
     path: String,
     /// Permission bits, octal (default 644).
     mode: Option<String>,

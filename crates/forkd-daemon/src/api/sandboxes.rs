@@ -138,6 +138,7 @@ pub struct ListFilter {
     /// Only children of this snapshot.
     snapshot: Option<String>,
     /// Only sandboxes with this label, as `key=value`.
+    #[param(pattern = "^[^=]+=")]
     label: Option<String>,
 }
 

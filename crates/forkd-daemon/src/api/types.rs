@@ -11,6 +11,7 @@ use utoipa::ToSchema;
 #[serde(deny_unknown_fields)]
 pub struct CreateSandboxes {
     /// The snapshot to fork.
+    #[schema(pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
     pub snapshot: String,
     /// How many children (1 to 256; at most the daemon's free capacity).
     #[serde(default = "one")]
@@ -27,7 +28,7 @@ pub struct CreateSandboxes {
     pub labels: BTreeMap<String, String>,
     /// Seconds after which the daemon stops each child (none: it runs until deleted).
     #[serde(default)]
-    #[schema(minimum = 1)]
+    #[schema(minimum = 1, maximum = 2592000)]
     pub timeout_s: Option<u64>,
 }
 
@@ -73,7 +74,7 @@ pub struct SandboxList {
 #[serde(deny_unknown_fields)]
 pub struct SetTimeout {
     /// Seconds from now; null removes the deadline.
-    #[schema(minimum = 1)]
+    #[schema(minimum = 1, maximum = 2592000)]
     pub timeout_s: Option<u64>,
 }
 
@@ -84,6 +85,7 @@ pub struct SetTimeout {
 pub struct ExecBody {
     /// Program and arguments.
     #[serde(default)]
+    #[schema(min_items = 1)]
     pub cmd: Option<Vec<String>>,
     /// A shell command line.
     #[serde(default)]
@@ -93,10 +95,11 @@ pub struct ExecBody {
     pub env: BTreeMap<String, String>,
     /// Working directory (absolute).
     #[serde(default)]
+    #[schema(pattern = "^/")]
     pub cwd: Option<String>,
     /// Kill the command after this many seconds.
     #[serde(default)]
-    #[schema(minimum = 0.001)]
+    #[schema(minimum = 0.001, maximum = 86400)]
     pub timeout_s: Option<f64>,
     /// Text given to the command on stdin.
     #[serde(default)]
@@ -167,7 +170,7 @@ pub struct RunCodeBody {
     pub context: Option<String>,
     /// Interrupt the code after this many seconds.
     #[serde(default)]
-    #[schema(minimum = 0.001)]
+    #[schema(minimum = 0.001, maximum = 86400)]
     pub timeout_s: Option<f64>,
     /// Stream the events as NDJSON instead of one JSON result.
     #[serde(default)]
@@ -245,6 +248,7 @@ impl CodeResult {
 pub struct CreateContextBody {
     /// Working directory of the interpreter.
     #[serde(default)]
+    #[schema(pattern = "^/")]
     pub cwd: Option<String>,
     /// Environment variables.
     #[serde(default)]
@@ -321,6 +325,7 @@ pub struct FileList {
 #[serde(deny_unknown_fields)]
 pub struct PathBody {
     /// Absolute path in the guest.
+    #[schema(pattern = "^/")]
     pub path: String,
 }
 
@@ -329,8 +334,10 @@ pub struct PathBody {
 #[serde(deny_unknown_fields)]
 pub struct RenameBody {
     /// Current absolute path.
+    #[schema(pattern = "^/")]
     pub from: String,
     /// New absolute path.
+    #[schema(pattern = "^/")]
     pub to: String,
 }
 
@@ -378,9 +385,11 @@ pub struct SnapshotList {
 #[serde(deny_unknown_fields)]
 pub struct BuildSnapshotBody {
     /// A built-in template (`minimal`, `python`) or one in the daemon's `templates/`.
+    #[schema(pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
     pub template: String,
     /// The tag (default: the template's name).
     #[serde(default)]
+    #[schema(pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
     pub tag: Option<String>,
 }
 
