@@ -135,6 +135,48 @@ impl Client {
     }
 }
 
+/// Reads an NDJSON response body line by line.
+pub struct Lines {
+    body: Incoming,
+    buf: Vec<u8>,
+}
+
+impl Lines {
+    /// Lines of `resp`'s body.
+    pub fn new(resp: Response<Incoming>) -> Lines {
+        Lines {
+            body: resp.into_body(),
+            buf: Vec::new(),
+        }
+    }
+
+    /// The next line, parsed; `None` at the end of the body.
+    pub async fn next(&mut self) -> Result<Option<serde_json::Value>> {
+        loop {
+            if let Some(end) = self.buf.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = self.buf.drain(..=end).collect();
+                return Ok(Some(serde_json::from_slice(&line[..end]).with_context(
+                    || {
+                        format!(
+                            "a streamed line is not JSON: {}",
+                            String::from_utf8_lossy(&line)
+                        )
+                    },
+                )?));
+            }
+            match self.body.frame().await {
+                Some(frame) => {
+                    if let Ok(data) = frame.context("reading the daemon's stream")?.into_data() {
+                        self.buf.extend_from_slice(&data);
+                    }
+                }
+                None if self.buf.is_empty() => return Ok(None),
+                None => bail!("the daemon's stream ended in the middle of a line"),
+            }
+        }
+    }
+}
+
 /// The [`ApiFailure`] an error body describes.
 pub fn failure(status: StatusCode, body: &[u8]) -> ApiFailure {
     let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();

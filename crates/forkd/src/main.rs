@@ -5,6 +5,7 @@ mod daemon;
 mod doctor;
 mod image;
 mod quickstart;
+mod remote;
 mod run;
 mod sandboxes;
 mod snapshots;
@@ -53,10 +54,13 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Remove a snapshot (refused while children of it run).
+    /// Remove a snapshot (refused while children of it run, unless --force).
     Rmi {
         /// The snapshot's tag.
         tag: String,
+        /// Stop the snapshot's children first.
+        #[arg(long)]
+        force: bool,
     },
     /// Restore N children of a snapshot; prints their ids. They keep running after
     /// this command exits, until `forkd kill`.
@@ -66,11 +70,7 @@ enum Command {
     /// Run code in one of a sandbox's code contexts (state persists between calls).
     RunCode(sandboxes::RunCodeArgs),
     /// List the sandboxes.
-    Ls {
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
-    },
+    Ls(sandboxes::LsArgs),
     /// Stop sandboxes and remove their files.
     Kill(sandboxes::KillArgs),
     /// Build the assets and the python template (once), fork children, run a pandas
@@ -104,15 +104,29 @@ fn main() {
             Command::Image(cmd) => image::run(&home, cmd).await.map(|()| 0),
             Command::Doctor(args) => doctor::run(&home, args),
             Command::Bench(cmd) => bench::run(&home, cmd).await.map(|()| 0),
-            Command::Template(cmd) => snapshots::template(&home, cmd).await.map(|()| 0),
-            Command::Snapshot(cmd) => snapshots::snapshot(&home, cmd).await.map(|()| 0),
-            Command::Snapshots { json } => snapshots::list(&home, json).map(|()| 0),
-            Command::Rmi { tag } => snapshots::rmi(&home, &tag).map(|()| 0),
-            Command::Fork(args) => sandboxes::fork_cmd(&home, args).await.map(|()| 0),
-            Command::Exec(args) => sandboxes::exec(&home, args).await,
-            Command::RunCode(args) => sandboxes::run_code(&home, args).await,
-            Command::Ls { json } => sandboxes::ls(&home, json).map(|()| 0),
-            Command::Kill(args) => sandboxes::kill(&home, args).await.map(|()| 0),
+            Command::Template(cmd) => snapshots::template(&remote::connect(&home)?, cmd)
+                .await
+                .map(|()| 0),
+            Command::Snapshot(cmd) => snapshots::snapshot(&remote::connect(&home)?, cmd)
+                .await
+                .map(|()| 0),
+            Command::Snapshots { json } => snapshots::list(&remote::connect(&home)?, json)
+                .await
+                .map(|()| 0),
+            Command::Rmi { tag, force } => snapshots::rmi(&remote::connect(&home)?, &tag, force)
+                .await
+                .map(|()| 0),
+            Command::Fork(args) => sandboxes::fork_cmd(&remote::connect(&home)?, args)
+                .await
+                .map(|()| 0),
+            Command::Exec(args) => sandboxes::exec(&remote::connect(&home)?, args).await,
+            Command::RunCode(args) => sandboxes::run_code(&remote::connect(&home)?, args).await,
+            Command::Ls(args) => sandboxes::ls(&remote::connect(&home)?, args)
+                .await
+                .map(|()| 0),
+            Command::Kill(args) => sandboxes::kill(&remote::connect(&home)?, args)
+                .await
+                .map(|()| 0),
             Command::Quickstart(args) => quickstart::run(&home, args).await.map(|()| 0),
             Command::Daemon(args) => daemon::run(&home, args).await.map(|()| 0),
             Command::Audit(cmd) => daemon::audit(&home, cmd).map(|()| 0),
@@ -126,6 +140,14 @@ fn main() {
             eprintln!("forkd: {e:#}");
             std::process::exit(1);
         }
+    }
+}
+
+/// A `KEY=VALUE` argument.
+fn parse_key_val(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("{s:?} is not KEY=VALUE")),
     }
 }
 

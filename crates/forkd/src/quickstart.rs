@@ -1,17 +1,15 @@
-//! `forkd quickstart`: the whole path in one command, with a timing for each step:
-//! guest assets, the `python` template (built once, reused while its inputs are
-//! unchanged), N children forked at once, a pandas cell run in every child, teardown.
+//! `forkd quickstart`: the whole path in one command, through the daemon (started in
+//! the background if none answers), with a timing for each step: guest assets, the
+//! `python` template (built once, then reused), N children forked at once, a pandas
+//! cell run in every child, teardown.
 
 use crate::bench::ms;
 use crate::image::human_size;
 use anyhow::{Context, Result};
-use forkd_core::fork::{fork, ForkOptions};
-use forkd_core::snapshot::manifest::parts;
-use forkd_core::snapshot::{Snapshot, SnapshotError, Store, Tag};
-use forkd_core::template::{self, Recipe};
-use forkd_core::Sandbox;
-use forkd_image::{GuestAssets, Home};
-use forkd_proto::context::RunCodeRequest;
+use forkd_daemon::client::Client;
+use forkd_image::{Home, RootfsImage};
+use hyper::{Method, StatusCode};
+use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
 /// Arguments of `forkd quickstart`.
@@ -24,9 +22,9 @@ pub struct QuickstartArgs {
     /// The snapshot tag of the python template.
     #[arg(long, default_value = "python")]
     tag: String,
-    /// Accelerator: auto, kvm or tcg.
-    #[arg(long, default_value = "auto")]
-    accel: forkd_hypervisor::AccelChoice,
+    /// Rebuild the template even if the snapshot exists.
+    #[arg(long)]
+    rebuild: bool,
 }
 
 /// The pandas cell every child runs: it uses the template's warm `pd` and `np`.
@@ -37,148 +35,133 @@ const CELL: &str = "df = pd.DataFrame({'x': np.arange(1000), 'y': np.random.rand
 /// Runs the quickstart.
 pub async fn run(home: &Home, args: QuickstartArgs) -> Result<()> {
     let t0 = Instant::now();
-    let step = |name: &str, d: Duration| println!("  {name:<44} {:>9.0} ms", ms(d));
-
+    let step = |name: &str, d: Duration| println!("  {name:<46} {:>9.0} ms", ms(d));
     println!("forkd quickstart: data in {}", home.root().display());
+
     let t = Instant::now();
-    let recipe = Recipe::find("python", &[])?;
-    let assets = crate::image::ensure_assets(home, recipe.rootfs_image(), false).await?;
+    crate::image::ensure_assets(home, RootfsImage::Python, false).await?;
     step("guest assets (built once, then reused)", t.elapsed());
 
     let t = Instant::now();
-    let (snap, built) = python_template(home, &recipe, &args, &assets).await?;
+    let (client, started) = crate::remote::ensure_daemon(home).await?;
     step(
-        if built {
-            "python template: boot, import pandas, freeze"
+        if started {
+            "daemon started in the background"
         } else {
-            "python template (reused: inputs unchanged)"
+            "daemon already running"
         },
         t.elapsed(),
     );
 
     let t = Instant::now();
-    let opts = ForkOptions {
-        count: usize::from(args.count),
-        ..Default::default()
+    let tag = forkd_core::snapshot::Tag::parse(&args.tag)?;
+    let (status, body) = client
+        .call(Method::GET, &format!("/v1/snapshots/{tag}"), None)
+        .await?;
+    let usable = status == StatusCode::OK
+        && serde_json::from_slice::<Value>(&body).is_ok_and(|v| v["status"] == "ok");
+    let snap = if usable && !args.rebuild {
+        let snap: Value = serde_json::from_slice(&body)?;
+        step("python template (reused)", t.elapsed());
+        snap
+    } else {
+        let snap = crate::snapshots::build_template(
+            &client,
+            "python",
+            Some(tag.as_str()),
+            status == StatusCode::OK,
+        )
+        .await?;
+        step("python template: boot, import pandas, freeze", t.elapsed());
+        snap
     };
-    let children = fork(home, &snap, &opts).await.context("forking")?;
+
+    let t = Instant::now();
+    let created: Value = client
+        .json(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(
+                &json!({"snapshot": tag.as_str(), "n": args.count, "labels": {"by": "quickstart"}}),
+            ),
+        )
+        .await
+        .context("forking")?;
     step(
         &format!("fork {} children, all answering", args.count),
         t.elapsed(),
     );
-    let firsts: Vec<f64> = children
-        .iter()
-        .map(|c| ms(c.timings().first_answer))
+    let ids: Vec<String> = created["sandboxes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s["id"].as_str().map(str::to_owned))
         .collect();
 
     let t = Instant::now();
-    let runs = futures::future::join_all(children.iter().map(run_cell)).await;
+    let runs = futures::future::join_all(ids.iter().map(|id| run_cell(&client, id))).await;
     step(
-        &format!("run a pandas cell in each of {}", args.count),
+        &format!("run a pandas cell in each of {}", ids.len()),
         t.elapsed(),
     );
 
     let t = Instant::now();
-    let mut outputs = Vec::new();
-    for (c, r) in children.iter().zip(runs) {
-        outputs.push((c.id().to_owned(), r));
-    }
-    for c in children {
-        c.destroy().await?;
+    for id in &ids {
+        let (s, b) = client
+            .call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+            .await?;
+        if s != StatusCode::NO_CONTENT {
+            return Err(forkd_daemon::client::failure(s, &b).into());
+        }
     }
     step("stop every child", t.elapsed());
     step("total", t0.elapsed());
 
-    println!("children (first answer after its QEMU started; cell output):");
+    println!("children (cell output, time of the cell through the API):");
     let mut failed = 0;
-    for ((id, r), first) in outputs.iter().zip(&firsts) {
+    for (id, r) in ids.iter().zip(&runs) {
         match r {
-            Ok((out, cell_ms)) => {
-                println!("  {id}  {first:>6.0} ms  cell {cell_ms:>6.0} ms  {out}")
-            }
+            Ok((out, cell_ms)) => println!("  {id}  {cell_ms:>6.0} ms  {out}"),
             Err(e) => {
                 failed += 1;
-                println!("  {id}  {first:>6.0} ms  FAILED: {e:#}");
+                println!("  {id}  FAILED: {e:#}");
             }
         }
     }
     anyhow::ensure!(failed == 0, "the cell failed in {failed} children");
     println!(
-        "snapshot {} ({} on disk) stays for the next run; `forkd fork --tag {}` forks it",
-        snap.tag,
-        human_size(snap.disk_usage()),
-        snap.tag
+        "snapshot {tag} ({} on disk) stays for the next run; `forkd fork --tag {tag}` forks it",
+        human_size(snap["disk_bytes"].as_u64().unwrap_or(0)),
     );
+    if started {
+        println!(
+            "the daemon keeps running (log: {}/daemon.log)",
+            home.root().display()
+        );
+    }
     Ok(())
 }
 
-/// The python template's snapshot: the existing one if it was made from the current
-/// assets, else a fresh build (replacing a stale or damaged one).
-async fn python_template(
-    home: &Home,
-    recipe: &Recipe,
-    args: &QuickstartArgs,
-    assets: &GuestAssets,
-) -> Result<(Snapshot, bool)> {
-    let store = Store::of_home(home);
-    let tag = Tag::parse(&args.tag)?;
-    match store.open(&tag) {
-        Ok(snap) if made_from(&snap, assets) => return Ok((snap, false)),
-        Ok(_) => println!("  snapshot {tag} was made from older guest assets: rebuilding it"),
-        Err(SnapshotError::NotFound { .. }) => {}
-        Err(e) => println!("  {e}: rebuilding it"),
-    }
-    if store.path(&tag).exists() {
-        let users = forkd_core::catalog::children_of(home, tag.as_str());
-        store.remove(&tag, &users)?;
-    }
-    let opts = template::BuildOptions {
-        accel: args.accel,
-        ..Default::default()
-    };
-    let t0 = Instant::now();
-    let progress = |m: &str| eprintln!("    [{:5.1}s] {m}", t0.elapsed().as_secs_f64());
-    let snap = template::build(home, &store, recipe, &tag, assets, &opts, &progress).await?;
-    Ok((snap, true))
-}
-
-/// True when `snap` was built from exactly these kernel, initramfs and rootfs.
-fn made_from(snap: &Snapshot, assets: &GuestAssets) -> bool {
-    let part = |name: &str| snap.manifest.parts.get(name).map(|p| p.sha256.as_str());
-    part(parts::INITRAMFS) == Some(assets.initramfs.sha256.as_str())
-        && part(parts::ROOTFS) == Some(assets.rootfs.sha256.as_str())
-        && snap.manifest.versions.kernel == assets.kernel.release
-}
-
-/// Runs [`CELL`] in the child's warm context; returns its output on one line and the
-/// time it took.
-async fn run_cell(child: &Sandbox) -> Result<(String, f64)> {
+/// Runs [`CELL`] in the child's warm context; its output on one line and its time.
+async fn run_cell(client: &Client, id: &str) -> Result<(String, f64)> {
     let t = Instant::now();
-    let x = child
-        .call(|a| async move {
-            let ctx = a.list_contexts().await?;
-            let Some(ctx) = ctx.first() else {
-                return Err(forkd_core::agent::AgentError::Malformed(
-                    "the child has no warm code context".into(),
-                ));
-            };
-            a.run_code(
-                &ctx.id,
-                &RunCodeRequest {
-                    code: CELL.into(),
-                    timeout_ms: Some(120_000),
-                },
-            )
-            .await
-        })
+    let x: Value = client
+        .json(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/code"),
+            Some(&json!({ "code": CELL, "timeout_s": 120 })),
+        )
         .await?;
-    if let Some(e) = x.error {
-        anyhow::bail!("{}: {}", e.name, e.value);
+    if !x["error"].is_null() {
+        anyhow::bail!("{}: {}", x["error"]["name"], x["error"]["value"]);
     }
-    let out = format!(
-        "{} -> {}",
-        x.stdout.trim(),
-        x.text().unwrap_or("(no value)")
-    );
-    Ok((out, ms(t.elapsed())))
+    let value = x["results"]
+        .as_array()
+        .and_then(|r| r.last())
+        .and_then(|r| r["text"].as_str())
+        .unwrap_or("(no value)");
+    Ok((
+        format!("{} -> {value}", x["stdout"].as_str().unwrap_or("").trim()),
+        ms(t.elapsed()),
+    ))
 }

@@ -1,16 +1,13 @@
 //! `forkd fork`, `forkd exec`, `forkd run-code`, `forkd ls`, `forkd kill`: sandboxes of
-//! the local catalog, which outlive the command that forked them.
+//! the daemon, through its API.
 
+use crate::remote::{fail, print_json};
 use anyhow::{bail, Context, Result};
-use forkd_core::agent::ExecOutput;
-use forkd_core::fork::{fork, ForkOptions};
-use forkd_core::snapshot::{Store, Tag};
-use forkd_core::{Sandbox, SandboxOptions};
-use forkd_image::Home;
-use forkd_proto::context::{ContextEvent, RunCodeRequest};
-use forkd_proto::exec::{Command, ExecRequest};
+use forkd_daemon::client::{Client, Lines};
+use hyper::{Method, StatusCode};
+use serde_json::{json, Value};
 use std::io::Write;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Arguments of `forkd fork`.
 #[derive(clap::Args, Debug)]
@@ -22,6 +19,12 @@ pub struct ForkArgs {
     #[arg(short = 'n', long = "count", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=forkd_core::fork::MAX_CHILDREN as i64))]
     count: u16,
+    /// A label KEY=VALUE (repeatable), to find the children by.
+    #[arg(long = "label", value_parser = crate::parse_key_val)]
+    labels: Vec<(String, String)>,
+    /// Seconds after which the daemon stops each child.
+    #[arg(long)]
+    timeout: Option<u64>,
     /// Print the children as JSON.
     #[arg(long)]
     json: bool,
@@ -64,12 +67,26 @@ pub struct RunCodeArgs {
     json: bool,
 }
 
+/// Arguments of `forkd ls`.
+#[derive(clap::Args, Debug)]
+pub struct LsArgs {
+    /// Only children of this snapshot.
+    #[arg(long)]
+    snapshot: Option<String>,
+    /// Only sandboxes with this label (KEY=VALUE).
+    #[arg(long)]
+    label: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
 /// Arguments of `forkd kill`.
 #[derive(clap::Args, Debug)]
 pub struct KillArgs {
     /// Sandboxes to stop.
     ids: Vec<String>,
-    /// Stop every sandbox of the catalog.
+    /// Stop every sandbox.
     #[arg(long, conflicts_with = "ids")]
     all: bool,
     /// Print what was stopped as JSON.
@@ -77,174 +94,162 @@ pub struct KillArgs {
     json: bool,
 }
 
-fn attach_options() -> SandboxOptions {
-    SandboxOptions {
-        boot_timeout: Duration::from_secs(30),
-        ..SandboxOptions::default()
+fn path_id(id: &str) -> Result<&str> {
+    // An id goes into a URL path: anything but an id's characters is refused here.
+    if id.is_empty() || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+        bail!("no sandbox {id} (see `forkd ls`)");
     }
+    Ok(id)
 }
 
-pub async fn fork_cmd(home: &Home, args: ForkArgs) -> Result<()> {
-    let tag = Tag::parse(&args.tag)?;
+/// Forks children through the daemon.
+pub async fn fork_cmd(client: &Client, args: ForkArgs) -> Result<()> {
     let t0 = Instant::now();
-    let snap = Store::of_home(home).open(&tag)?;
-    let opts = ForkOptions {
-        count: usize::from(args.count),
-        detached: true,
-        ..ForkOptions::default()
-    };
-    let children = fork(home, &snap, &opts).await?;
-    let total = t0.elapsed();
-    let rows: Vec<serde_json::Value> = children
-        .iter()
-        .map(|c| {
-            serde_json::json!({
-                "id": c.id(),
-                "snapshot": tag.as_str(),
-                "pid": c.pid(),
-                "ready_ms": c.timings().first_answer.as_secs_f64() * 1000.0,
-            })
-        })
+    forkd_core::snapshot::Tag::parse(&args.tag)?;
+    let labels: serde_json::Map<String, Value> = args
+        .labels
+        .into_iter()
+        .map(|(k, v)| (k, Value::String(v)))
         .collect();
-    for c in children {
-        c.release();
+    let mut body = json!({ "snapshot": args.tag, "n": args.count, "labels": labels });
+    if let Some(t) = args.timeout {
+        body["timeout_s"] = t.into();
     }
+    let v: Value = client
+        .json(Method::POST, "/v1/sandboxes", Some(&body))
+        .await?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
-    } else {
-        for r in &rows {
-            println!("{}", r["id"].as_str().unwrap_or(""));
-        }
-        eprintln!(
-            "forked {} of {tag} in {:.0} ms",
-            rows.len(),
-            total.as_secs_f64() * 1000.0
-        );
+        return print_json(&v["sandboxes"]);
     }
+    let list = v["sandboxes"].as_array().cloned().unwrap_or_default();
+    for s in &list {
+        println!("{}", s["id"].as_str().unwrap_or(""));
+    }
+    eprintln!(
+        "forked {} of {} in {:.0} ms",
+        list.len(),
+        args.tag,
+        t0.elapsed().as_secs_f64() * 1000.0
+    );
     Ok(())
 }
 
-pub async fn exec(home: &Home, args: ExecArgs) -> Result<i32> {
-    let sb = Sandbox::attach(home, &args.id, &attach_options()).await?;
-    let mut req = ExecRequest::new(if args.shell {
-        Command::Shell(args.command.join(" "))
+/// Runs a command, streaming its output; returns its exit code.
+pub async fn exec(client: &Client, args: ExecArgs) -> Result<i32> {
+    let id = path_id(&args.id)?;
+    let mut body = if args.shell {
+        json!({ "shell": args.command.join(" ") })
     } else {
-        Command::Argv(args.command.clone())
-    });
+        json!({ "cmd": args.command })
+    };
     if let Some(t) = args.timeout {
         if !(t > 0.0 && t.is_finite()) {
             bail!("--timeout must be a positive number of seconds");
         }
-        req.timeout_ms = Some((t * 1000.0).ceil() as u64);
+        body["timeout_s"] = t.into();
     }
+    let path = format!("/v1/sandboxes/{id}/exec");
     if args.json {
-        let out = sb.exec(req, None).await?;
-        let v = serde_json::json!({
-            "stdout": String::from_utf8_lossy(&out.stdout),
-            "stderr": String::from_utf8_lossy(&out.stderr),
-            "exit": out.status,
-        });
-        println!("{}", serde_json::to_string_pretty(&v)?);
-        sb.release();
-        return Ok(out.status.shell_code());
+        let v: Value = client.json(Method::POST, &path, Some(&body)).await?;
+        print_json(&v)?;
+        return Ok(v["exit_code"].as_i64().unwrap_or(255) as i32);
     }
-    let mut stream = sb.exec_stream(req, None).await?;
-    let mut code = None;
-    while let Some(item) = stream.next().await? {
-        match item {
-            ExecOutput::Stdout(b) => {
+    body["stream"] = true.into();
+    let mut lines = stream(client, &path, &body).await?;
+    while let Some(e) = lines.next().await? {
+        match e["type"].as_str() {
+            Some("stdout") => {
                 let mut o = std::io::stdout();
-                o.write_all(&b)?;
+                o.write_all(e["text"].as_str().unwrap_or("").as_bytes())?;
                 o.flush()?;
             }
-            ExecOutput::Stderr(b) => std::io::stderr().write_all(&b)?,
-            ExecOutput::Started(_) => {}
-            ExecOutput::Exited(s) => code = Some(s.shell_code()),
+            Some("stderr") => eprint!("{}", e["text"].as_str().unwrap_or("")),
+            Some("exit") => return Ok(e["exit_code"].as_i64().unwrap_or(255) as i32),
+            Some("error") => bail!("{}", e["message"].as_str().unwrap_or("the sandbox failed")),
+            _ => {}
         }
     }
-    drop(stream);
-    sb.release();
-    code.context("the command's output ended without an exit status")
+    bail!("the command's output ended without an exit status")
 }
 
-pub async fn run_code(home: &Home, args: RunCodeArgs) -> Result<i32> {
+async fn stream(client: &Client, path: &str, body: &Value) -> Result<Lines> {
+    let resp = client
+        .send(Method::POST, path, Some(serde_json::to_vec(body)?))
+        .await?;
+    if resp.status() != StatusCode::OK {
+        return Err(fail(resp).await);
+    }
+    Ok(Lines::new(resp))
+}
+
+/// Runs a code cell, streaming what it prints; exits 1 when the cell raised.
+pub async fn run_code(client: &Client, args: RunCodeArgs) -> Result<i32> {
+    let id = path_id(&args.id)?;
     let code = if args.code == "-" {
         std::io::read_to_string(std::io::stdin()).context("reading the code from stdin")?
     } else {
         args.code.clone()
     };
-    let sb = Sandbox::attach(home, &args.id, &attach_options()).await?;
-    let context = match args.context.clone() {
-        Some(c) => c,
-        None => {
-            let list = sb.call(|a| async move { a.list_contexts().await }).await?;
-            match list.first() {
-                Some(c) => c.id.clone(),
-                None => {
-                    sb.call(|a| async move { a.create_context(&Default::default()).await })
-                        .await?
-                        .id
-                }
-            }
-        }
-    };
-    let req = RunCodeRequest {
-        code,
-        timeout_ms: args.timeout.map(|t| (t * 1000.0).ceil() as u64),
-    };
-    let ctx = context.clone();
-    let mut stream = sb
-        .call(|a| async move { a.run_code_stream(&ctx, &req).await })
-        .await?;
-    let mut x = forkd_proto::context::Execution::default();
-    while let Some(e) = stream.next().await? {
-        if !args.json {
-            match &e {
-                ContextEvent::Stdout { text } => {
-                    print!("{text}");
-                    std::io::stdout().flush()?;
-                }
-                ContextEvent::Stderr { text } => eprint!("{text}"),
-                ContextEvent::Result { text, png, .. } => match png {
-                    Some(p) => println!("{text} [PNG, {} bytes base64]", p.len()),
-                    None => println!("{text}"),
-                },
-                ContextEvent::Error { traceback, .. } => eprint!("{traceback}"),
-                ContextEvent::Done { .. } => {}
-            }
-        }
-        x.push(e);
+    let mut body = json!({ "code": code, "context": args.context });
+    if let Some(t) = args.timeout {
+        body["timeout_s"] = t.into();
     }
-    sb.release();
+    let path = format!("/v1/sandboxes/{id}/code");
     if args.json {
-        let mut v = serde_json::to_value(&x)?;
-        v["context"] = context.into();
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        let v: Value = client.json(Method::POST, &path, Some(&body)).await?;
+        print_json(&v)?;
+        return Ok(if v["error"].is_null() { 0 } else { 1 });
     }
-    Ok(if x.error.is_some() { 1 } else { 0 })
+    body["stream"] = true.into();
+    let mut lines = stream(client, &path, &body).await?;
+    let mut failed = false;
+    while let Some(e) = lines.next().await? {
+        let text = e["text"].as_str().unwrap_or("");
+        match e["type"].as_str() {
+            Some("stdout") => {
+                print!("{text}");
+                std::io::stdout().flush()?;
+            }
+            Some("stderr") => eprint!("{text}"),
+            Some("result") => match e["png"].as_str() {
+                Some(p) => println!("{text} [PNG, {} bytes base64]", p.len()),
+                None => println!("{text}"),
+            },
+            Some("error") => {
+                failed = true;
+                let tb = e["traceback"].as_str().unwrap_or("");
+                if tb.is_empty() {
+                    eprintln!(
+                        "{}: {}",
+                        e["name"].as_str().unwrap_or(""),
+                        e["value"].as_str().unwrap_or("")
+                    );
+                } else {
+                    eprint!("{tb}");
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(i32::from(failed))
 }
 
-pub fn ls(home: &Home, json: bool) -> Result<()> {
-    let entries = forkd_core::catalog::list(home);
-    if json {
-        let rows: Vec<_> = entries
-            .iter()
-            .map(|e| {
-                serde_json::json!({
-                    "id": e.record.id,
-                    "snapshot": e.record.snapshot,
-                    "status": e.status,
-                    "pid": e.record.pid,
-                    "created_at": e.record.created_at,
-                    "vcpus": e.record.config.vcpus,
-                    "memory_mib": e.record.config.memory_mib,
-                })
-            })
-            .collect();
-        println!("{}", serde_json::to_string_pretty(&rows)?);
-        return Ok(());
+/// Lists the daemon's sandboxes.
+pub async fn ls(client: &Client, args: LsArgs) -> Result<()> {
+    let q: Vec<(&str, &str)> = [("snapshot", &args.snapshot), ("label", &args.label)]
+        .into_iter()
+        .filter_map(|(k, v)| v.as_deref().map(|v| (k, v)))
+        .collect();
+    let path = match serde_urlencoded::to_string(&q)? {
+        q if q.is_empty() => "/v1/sandboxes".to_owned(),
+        q => format!("/v1/sandboxes?{q}"),
+    };
+    let v: Value = client.json(Method::GET, &path, None).await?;
+    if args.json {
+        return print_json(&v["sandboxes"]);
     }
-    if entries.is_empty() {
+    let list = v["sandboxes"].as_array().cloned().unwrap_or_default();
+    if list.is_empty() {
         println!("no sandboxes (fork some: forkd fork --tag python -n 3)");
         return Ok(());
     }
@@ -252,24 +257,28 @@ pub fn ls(home: &Home, json: bool) -> Result<()> {
         "{:16} {:20} {:8} {:>8}  CREATED",
         "ID", "SNAPSHOT", "STATUS", "PID"
     );
-    for e in entries {
+    for s in list {
         println!(
             "{:16} {:20} {:8} {:>8}  {}",
-            e.record.id,
-            e.record.snapshot.as_deref().unwrap_or("-"),
-            e.status,
-            e.record.pid,
-            e.record.created_at
+            s["id"].as_str().unwrap_or(""),
+            s["snapshot"].as_str().unwrap_or(""),
+            s["status"].as_str().unwrap_or(""),
+            s["pid"],
+            s["created_at"].as_str().unwrap_or("")
         );
     }
     Ok(())
 }
 
-pub async fn kill(home: &Home, args: KillArgs) -> Result<()> {
+/// Stops sandboxes.
+pub async fn kill(client: &Client, args: KillArgs) -> Result<()> {
     let ids: Vec<String> = if args.all {
-        forkd_core::catalog::list(home)
+        let v: Value = client.json(Method::GET, "/v1/sandboxes", None).await?;
+        v["sandboxes"]
+            .as_array()
             .into_iter()
-            .map(|e| e.record.id)
+            .flatten()
+            .filter_map(|s| s["id"].as_str().map(str::to_owned))
             .collect()
     } else {
         if args.ids.is_empty() {
@@ -277,12 +286,22 @@ pub async fn kill(home: &Home, args: KillArgs) -> Result<()> {
         }
         args.ids.clone()
     };
-    let results = futures::future::join_all(ids.iter().map(|id| kill_one(home, id))).await;
+    let results = futures::future::join_all(ids.iter().map(|id| async move {
+        let id = path_id(id)?;
+        let (status, body) = client
+            .call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+            .await?;
+        if status != StatusCode::NO_CONTENT {
+            return Err(forkd_daemon::client::failure(status, &body).into());
+        }
+        anyhow::Ok(())
+    }))
+    .await;
     let mut rows = Vec::new();
     let mut failed = 0;
     for (id, r) in ids.iter().zip(results) {
         let (status, detail) = match r {
-            Ok(s) => (s, String::new()),
+            Ok(()) => ("stopped", String::new()),
             Err(e) => {
                 failed += 1;
                 ("error", format!("{e:#}"))
@@ -294,34 +313,13 @@ pub async fn kill(home: &Home, args: KillArgs) -> Result<()> {
                 s => println!("{id} {s}"),
             }
         }
-        rows.push(serde_json::json!({ "id": id, "status": status, "error": detail }));
+        rows.push(json!({ "id": id, "status": status, "error": detail }));
     }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        print_json(&Value::Array(rows))?;
     }
     if failed > 0 {
         bail!("{failed} of {} sandboxes could not be stopped", ids.len());
     }
     Ok(())
-}
-
-async fn kill_one(home: &Home, id: &str) -> Result<&'static str> {
-    let record = forkd_core::catalog::Record::read(home, id)?;
-    let hv = forkd_hypervisor::qemu::Qemu::from_env();
-    use forkd_hypervisor::Hypervisor;
-    match hv
-        .adopt(&record.config, record.pid, record.start_time)
-        .await
-    {
-        Ok(vm) => {
-            vm.stop(Duration::from_secs(3)).await?;
-            forkd_core::sandbox::remove_dir(&record.config.dir)?;
-            Ok("stopped")
-        }
-        Err(forkd_hypervisor::HypervisorError::NotRunning { .. }) => {
-            forkd_core::sandbox::remove_dir(&record.config.dir)?;
-            Ok("gone")
-        }
-        Err(e) => Err(e.into()),
-    }
 }

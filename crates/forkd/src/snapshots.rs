@@ -1,12 +1,16 @@
-//! `forkd template build`, `forkd snapshots`, `forkd snapshot verify`, `forkd rmi`.
+//! `forkd template build`, `forkd snapshots`, `forkd snapshot verify|show`, `forkd rmi`:
+//! snapshots of the daemon, through its API.
 
 use crate::image::human_size;
+use crate::remote::print_json;
 use anyhow::{Context, Result};
-use forkd_core::snapshot::{Snapshot, Store, Tag};
+use forkd_core::snapshot::Tag;
 use forkd_core::template::{self, Recipe};
-use forkd_image::Home;
+use forkd_daemon::client::Client;
+use hyper::{Method, StatusCode};
+use serde_json::{json, Value};
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// `forkd template ...`.
 #[derive(clap::Subcommand, Debug)]
@@ -29,10 +33,7 @@ pub struct BuildArgs {
     /// Replace an existing snapshot of that tag (refused while children use it).
     #[arg(long)]
     force: bool,
-    /// Accelerator: auto, kvm or tcg. Children run with the same.
-    #[arg(long, default_value = "auto")]
-    accel: forkd_hypervisor::AccelChoice,
-    /// Print the snapshot's manifest as JSON.
+    /// Print the snapshot as JSON.
     #[arg(long)]
     json: bool,
 }
@@ -45,14 +46,14 @@ pub enum SnapshotCommand {
         /// The snapshot's tag.
         tag: String,
     },
-    /// Print a snapshot's manifest.
+    /// Print what the daemon knows of a snapshot.
     Show {
         /// The snapshot's tag.
         tag: String,
     },
 }
 
-pub async fn template(home: &Home, cmd: TemplateCommand) -> Result<()> {
+pub async fn template(client: &Client, cmd: TemplateCommand) -> Result<()> {
     match cmd {
         TemplateCommand::Ls => {
             for (name, text) in template::BUILTIN {
@@ -61,7 +62,7 @@ pub async fn template(home: &Home, cmd: TemplateCommand) -> Result<()> {
             }
             Ok(())
         }
-        TemplateCommand::Build(args) => build(home, args).await.map(drop),
+        TemplateCommand::Build(args) => build(client, args).await,
     }
 }
 
@@ -74,91 +75,122 @@ pub fn find_recipe(name: &str) -> Result<Recipe> {
     Ok(Recipe::find(name, &[PathBuf::from("templates")])?)
 }
 
-pub async fn build(home: &Home, args: BuildArgs) -> Result<Snapshot> {
-    let recipe = find_recipe(&args.name)?;
-    let tag = Tag::parse(args.tag.as_deref().unwrap_or(&recipe.name))?;
-    let store = Store::of_home(home);
-    if args.force && store.exists(&tag) {
-        remove(home, &store, &tag)?;
-    }
-    if store.exists(&tag) {
-        return Err(forkd_core::snapshot::SnapshotError::Exists {
-            tag: tag.to_string(),
-        }
-        .into());
-    }
+pub async fn build(client: &Client, args: BuildArgs) -> Result<()> {
     let t0 = Instant::now();
-    let assets = crate::image::ensure_assets(home, recipe.rootfs_image(), false).await?;
-    let opts = template::BuildOptions {
-        accel: args.accel,
-        ..Default::default()
-    };
-    let progress = |m: &str| eprintln!("[{:6.1}s] {m}", t0.elapsed().as_secs_f64());
-    let snap = template::build(home, &store, &recipe, &tag, &assets, &opts, &progress)
-        .await
-        .with_context(|| format!("building template {}", recipe.name))?;
+    let info = build_template(client, &args.name, args.tag.as_deref(), args.force).await?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&snap.manifest)?);
-    } else {
-        println!(
-            "{tag}: {} on disk, built in {:.1} s",
-            human_size(snap.disk_usage()),
-            t0.elapsed().as_secs_f64()
-        );
+        return print_json(&info);
     }
-    Ok(snap)
+    println!(
+        "{}: {} on disk, built in {:.1} s",
+        info["tag"].as_str().unwrap_or(""),
+        human_size(info["disk_bytes"].as_u64().unwrap_or(0)),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
-pub async fn snapshot(home: &Home, cmd: SnapshotCommand) -> Result<()> {
-    let store = Store::of_home(home);
+/// Has the daemon build template `name` (a built-in name or a recipe file, which is
+/// sent along: the daemon may run on another host) as snapshot `tag`, showing progress
+/// while it runs; returns the snapshot as the daemon describes it.
+pub async fn build_template(
+    client: &Client,
+    name: &str,
+    tag: Option<&str>,
+    force: bool,
+) -> Result<Value> {
+    let t0 = Instant::now();
+    let mut body = if name.ends_with(".toml") || name.contains('/') {
+        let recipe = Recipe::load(&PathBuf::from(name))?;
+        let text = std::fs::read_to_string(name).with_context(|| format!("reading {name}"))?;
+        json!({ "template": recipe.name, "recipe": text })
+    } else {
+        json!({ "template": name })
+    };
+    let tag = tag
+        .map(str::to_owned)
+        .unwrap_or_else(|| body["template"].as_str().unwrap_or_default().to_owned());
+    body["tag"] = tag.clone().into();
+    if force {
+        let path = format!("/v1/snapshots/{}?force=true", path_tag(&tag)?);
+        let (status, b) = client.call(Method::DELETE, &path, None).await?;
+        if status != StatusCode::NO_CONTENT && status != StatusCode::NOT_FOUND {
+            return Err(forkd_daemon::client::failure(status, &b).into());
+        }
+    }
+    let op: Value = client
+        .json(Method::POST, "/v1/snapshots", Some(&body))
+        .await?;
+    let id = op["id"].as_str().unwrap_or_default().to_owned();
+    let say = |m: &str| eprintln!("[{:6.1}s] {m}", t0.elapsed().as_secs_f64());
+    say(&format!(
+        "building template {} as {tag} (operation {id})",
+        body["template"].as_str().unwrap_or("")
+    ));
+    let mut last_note = Instant::now();
+    let op = loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let op: Value = client
+            .json(Method::GET, &format!("/v1/operations/{id}"), None)
+            .await?;
+        if op["status"] != "running" {
+            break op;
+        }
+        if last_note.elapsed() > Duration::from_secs(5) {
+            say("still building: booting, warming up and freezing the parent");
+            last_note = Instant::now();
+        }
+    };
+    if op["status"] != "succeeded" {
+        anyhow::bail!(
+            "building {tag}: {}",
+            op["error"]
+                .as_str()
+                .unwrap_or("the operation did not succeed")
+        );
+    }
+    say(&format!("froze the parent into snapshot {tag}"));
+    client
+        .json(
+            Method::GET,
+            &format!("/v1/snapshots/{}", path_tag(&tag)?),
+            None,
+        )
+        .await
+}
+
+/// A tag as a URL path component. Tags are checked by the daemon; this only keeps
+/// what cannot be a tag out of the path.
+fn path_tag(tag: &str) -> Result<String> {
+    Ok(Tag::parse(tag)?.to_string())
+}
+
+pub async fn snapshot(client: &Client, cmd: SnapshotCommand) -> Result<()> {
     match cmd {
         SnapshotCommand::Verify { tag } => {
-            let tag = Tag::parse(&tag)?;
-            let t0 = Instant::now();
-            let snap = tokio::task::spawn_blocking(move || store.verify(&tag)).await??;
+            let path = format!("/v1/snapshots/{}/verify", path_tag(&tag)?);
+            let v: Value = client.json(Method::POST, &path, None).await?;
             println!(
-                "{}: every part matches its digest ({} hashed in {:.1} s)",
-                snap.tag,
-                human_size(snap.manifest.parts.values().map(|p| p.size).sum()),
-                t0.elapsed().as_secs_f64()
+                "{tag}: every part matches its digest ({} hashed in {:.1} s)",
+                human_size(v["bytes"].as_u64().unwrap_or(0)),
+                v["millis"].as_f64().unwrap_or(0.0) / 1000.0
             );
             Ok(())
         }
         SnapshotCommand::Show { tag } => {
-            let snap = store.open(&Tag::parse(&tag)?)?;
-            println!("{}", serde_json::to_string_pretty(&snap.manifest)?);
-            Ok(())
+            let path = format!("/v1/snapshots/{}", path_tag(&tag)?);
+            let v: Value = client.json(Method::GET, &path, None).await?;
+            print_json(&v)
         }
     }
 }
 
 /// `forkd snapshots`.
-pub fn list(home: &Home, json: bool) -> Result<()> {
-    let store = Store::of_home(home);
-    let rows: Vec<serde_json::Value> = store
-        .list()
-        .into_iter()
-        .map(|(tag, res)| match res {
-            Ok(s) => serde_json::json!({
-                "tag": tag,
-                "template": s.manifest.template,
-                "created_at": s.manifest.created_at,
-                "memory_mib": s.manifest.machine.memory_mib,
-                "vcpus": s.manifest.machine.vcpus,
-                "accel": s.manifest.machine.accel,
-                "parent": s.manifest.parent,
-                "disk_bytes": s.disk_usage(),
-                "children": forkd_core::catalog::children_of(home, &tag),
-                "status": "ok",
-            }),
-            Err(e) => {
-                serde_json::json!({ "tag": tag, "status": "damaged", "error": e.to_string() })
-            }
-        })
-        .collect();
+pub async fn list(client: &Client, json: bool) -> Result<()> {
+    let v: Value = client.json(Method::GET, "/v1/snapshots", None).await?;
+    let rows = v["snapshots"].as_array().cloned().unwrap_or_default();
     if json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
-        return Ok(());
+        return print_json(&Value::Array(rows));
     }
     if rows.is_empty() {
         println!("no snapshots (build one: forkd template build python)");
@@ -191,15 +223,16 @@ pub fn list(home: &Home, json: bool) -> Result<()> {
 }
 
 /// `forkd rmi TAG`.
-pub fn rmi(home: &Home, tag: &str) -> Result<()> {
-    let tag = Tag::parse(tag)?;
-    remove(home, &Store::of_home(home), &tag)?;
+pub async fn rmi(client: &Client, tag: &str, force: bool) -> Result<()> {
+    let path = format!(
+        "/v1/snapshots/{}{}",
+        path_tag(tag)?,
+        if force { "?force=true" } else { "" }
+    );
+    let (status, body) = client.call(Method::DELETE, &path, None).await?;
+    if status != StatusCode::NO_CONTENT {
+        return Err(forkd_daemon::client::failure(status, &body).into());
+    }
     println!("removed snapshot {tag}");
-    Ok(())
-}
-
-fn remove(home: &Home, store: &Store, tag: &Tag) -> Result<()> {
-    let users = forkd_core::catalog::children_of(home, tag.as_str());
-    store.remove(tag, &users)?;
     Ok(())
 }

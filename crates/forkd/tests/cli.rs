@@ -1,17 +1,11 @@
 //! The `forkd` command line, run as a user would run it.
 
+mod common;
+
 use std::process::Command;
 
 fn forkd() -> Command {
     Command::new(env!("CARGO_BIN_EXE_forkd"))
-}
-
-/// Held by the tests that start sandboxes: one of them checks that it leaves nothing in
-/// the sandbox directory, which the other's children would otherwise appear in.
-static SANDBOXES: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn sandboxes_lock() -> std::sync::MutexGuard<'static, ()> {
-    SANDBOXES.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn sandboxes_left() -> Vec<String> {
@@ -27,7 +21,6 @@ fn sandboxes_left() -> Vec<String> {
 
 #[test]
 fn run_streams_output_and_exits_with_the_commands_code() {
-    let _serial = sandboxes_lock();
     let before = sandboxes_left();
 
     let out = forkd()
@@ -130,9 +123,9 @@ fn doctor_reports_every_check() {
     }
 }
 
-/// Runs forkd with `args`; returns (exit code, stdout, stderr).
-fn run(args: &[&str]) -> (Option<i32>, String, String) {
-    let out = forkd().args(args).output().unwrap();
+/// Runs `cmd` with `args`; returns (exit code, stdout, stderr).
+fn run_in(mut cmd: Command, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = cmd.args(args).output().unwrap();
     (
         out.status.code(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -144,18 +137,16 @@ fn json(stdout: &str) -> serde_json::Value {
     serde_json::from_str(stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"))
 }
 
-/// The whole local workflow: build a template, fork children that outlive the command,
-/// use them from other forkd processes, and remove the snapshot only once they are gone.
+/// The whole workflow through a daemon: build a template, fork children, use them from
+/// other forkd processes, and remove the snapshot only once they are gone.
 #[test]
 fn template_fork_exec_ls_kill_rmi() {
-    let _serial = sandboxes_lock();
-    let tag = format!("cli-{}", std::process::id());
-    let (code, _, err) = run(&["template", "build", "minimal", "--tag", &tag]);
+    let d = common::Daemon::start(&[]);
+    let run = |args: &[&str]| run_in(d.forkd(), args);
+    let tag = "cli-mini";
+    let (code, _, err) = run(&["template", "build", "minimal", "--tag", tag]);
     assert_eq!(code, Some(0), "{err}");
-    assert!(
-        err.contains("freezing the parent"),
-        "progress is shown: {err}"
-    );
+    assert!(err.contains("froze the parent"), "progress is shown: {err}");
 
     let (code, out, _) = run(&["snapshots", "--json"]);
     assert_eq!(code, Some(0));
@@ -164,16 +155,18 @@ fn template_fork_exec_ls_kill_rmi() {
         .as_array()
         .unwrap()
         .iter()
-        .find(|s| s["tag"] == tag.as_str())
+        .find(|s| s["tag"] == tag)
         .expect("the new snapshot is listed");
     assert_eq!(mine["status"], "ok");
 
     // Building the same tag again is refused, and names the tag.
-    let (code, _, err) = run(&["template", "build", "minimal", "--tag", &tag]);
+    let (code, _, err) = run(&["template", "build", "minimal", "--tag", tag]);
     assert_eq!(code, Some(1));
-    assert!(err.contains(&tag), "{err}");
+    assert!(err.contains(tag) && err.contains("409"), "{err}");
 
-    let (code, out, err) = run(&["fork", "--tag", &tag, "-n", "2", "--json"]);
+    let (code, out, err) = run(&[
+        "fork", "--tag", tag, "-n", "2", "--label", "who=cli", "--json",
+    ]);
     assert_eq!(code, Some(0), "{err}");
     let ids: Vec<String> = json(&out)
         .as_array()
@@ -183,7 +176,8 @@ fn template_fork_exec_ls_kill_rmi() {
         .collect();
     assert_eq!(ids.len(), 2);
 
-    // The children outlived `forkd fork`; each answers from a new process.
+    // The children outlived `forkd fork`; each answers from a new process, with the
+    // command's output streamed and its exit code passed on.
     for (i, id) in ids.iter().enumerate() {
         let (code, out, err) = run(&[
             "exec",
@@ -199,9 +193,10 @@ fn template_fork_exec_ls_kill_rmi() {
     assert_eq!(code, Some(0));
     assert_eq!(json(&out)["stdout"], "0\n");
 
-    let (code, out, _) = run(&["ls", "--json"]);
+    let (code, out, _) = run(&["ls", "--json", "--label", "who=cli"]);
     assert_eq!(code, Some(0));
     let listed = json(&out);
+    assert_eq!(listed.as_array().unwrap().len(), 2, "{out}");
     for id in &ids {
         let row = listed
             .as_array()
@@ -210,11 +205,11 @@ fn template_fork_exec_ls_kill_rmi() {
             .find(|r| r["id"] == id.as_str())
             .unwrap_or_else(|| panic!("{id} is listed: {out}"));
         assert_eq!(row["status"], "running");
-        assert_eq!(row["snapshot"], tag.as_str());
+        assert_eq!(row["snapshot"], tag);
     }
 
     // The snapshot is in use: rmi is refused and names a child.
-    let (code, _, err) = run(&["rmi", &tag]);
+    let (code, _, err) = run(&["rmi", tag]);
     assert_eq!(code, Some(1));
     assert!(err.contains("in use") && err.contains(&ids[0]), "{err}");
 
@@ -233,38 +228,40 @@ fn template_fork_exec_ls_kill_rmi() {
     assert!(err.contains(&ids[0]), "{err}");
 
     // A damaged snapshot (a truncated part) is refused before any child starts.
-    let home = forkd_image::Home::from_env();
-    let state = home.root().join("snapshots").join(&tag).join("state.bin");
+    let state = d.home.path().join("snapshots").join(tag).join("state.bin");
     std::fs::OpenOptions::new()
         .write(true)
         .open(&state)
         .unwrap()
         .set_len(100)
         .unwrap();
-    let (code, _, err) = run(&["fork", "--tag", &tag]);
+    let (code, _, err) = run(&["fork", "--tag", tag]);
     assert_eq!(code, Some(1));
     assert!(
         err.contains("damaged") && err.contains("state.bin is 100 bytes"),
         "{err}"
     );
     let (_, out, _) = run(&["ls", "--json"]);
-    assert!(
-        !out.contains(&tag),
+    assert_eq!(
+        json(&out).as_array().unwrap().len(),
+        0,
         "no child of the damaged snapshot: {out}"
     );
-    let (code, _, err) = run(&["snapshot", "verify", &tag]);
+    let (code, _, err) = run(&["snapshot", "verify", tag]);
     assert_eq!(code, Some(1));
     assert!(err.contains("state.bin"), "{err}");
 
-    let (code, _, err) = run(&["rmi", &tag]);
+    let (code, _, err) = run(&["rmi", tag]);
     assert_eq!(code, Some(0), "{err}");
-    let (code, _, err) = run(&["fork", "--tag", &tag]);
+    let (code, _, err) = run(&["fork", "--tag", tag]);
     assert_eq!(code, Some(1));
     assert!(err.contains(&format!("no snapshot {tag}")), "{err}");
 }
 
 #[test]
 fn bad_tags_and_ids_are_refused_clearly() {
+    let d = common::Daemon::start(&[]);
+    let run = |args: &[&str]| run_in(d.forkd(), args);
     for bad in ["../x", "a/b", ""] {
         let (code, _, err) = run(&["fork", "--tag", bad]);
         assert_eq!(code, Some(1), "{bad}: {err}");
@@ -285,4 +282,18 @@ fn bad_tags_and_ids_are_refused_clearly() {
         assert_eq!(code, Some(2), "{err}");
         assert!(err.contains(n) && err.contains("1..=256"), "{err}");
     }
+    // With no daemon at all, the message says how to start one.
+    let (code, _, err) = run_in(
+        {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_forkd"));
+            c.env("FORKD_HOME", d.home.path().join("elsewhere"));
+            c
+        },
+        &["ls"],
+    );
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("no forkd daemon answers") && err.contains("forkd daemon"),
+        "{err}"
+    );
 }

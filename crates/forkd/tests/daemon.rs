@@ -2,153 +2,18 @@
 //! over its unix socket and over TCP: the API round trip, authentication, restart with
 //! re-adoption, bad input, the capacity limit, metrics and the audit chain.
 
-use forkd_daemon::client::{Client, Endpoint};
+mod common;
+
+use forkd_daemon::client::Client;
 use hyper::{Method, StatusCode};
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "0123456789abcdef0123456789abcdef-test-token";
 
-/// A daemon with a data directory of its own that shares the built guest assets.
-struct Daemon {
-    home: tempfile::TempDir,
-    child: Option<Child>,
-    args: Vec<String>,
-    tcp: Option<String>,
-}
-
-impl Daemon {
-    fn start(extra: &[&str]) -> Daemon {
-        let shared = forkd_image::Home::from_env();
-        let tmp = shared.tmp_dir();
-        std::fs::create_dir_all(&tmp).unwrap();
-        let home = tempfile::Builder::new()
-            .prefix("daemon-test-")
-            .tempdir_in(&tmp)
-            .unwrap();
-        // The same filesystem as the assets, so snapshots hard-link them.
-        std::os::unix::fs::symlink(shared.images_dir(), home.path().join("images")).unwrap();
-        let mut d = Daemon {
-            home,
-            child: None,
-            args: extra.iter().map(|s| s.to_string()).collect(),
-            tcp: None,
-        };
-        if let Some(i) = d.args.iter().position(|a| a == "--listen") {
-            d.tcp = Some(d.args[i + 1].clone());
-        }
-        d.spawn();
-        d
-    }
-
-    fn spawn(&mut self) {
-        let child = Command::new(env!("CARGO_BIN_EXE_forkd"))
-            .arg("daemon")
-            .args(&self.args)
-            .env("FORKD_HOME", self.home.path())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(self.home.path().join("daemon.log")).unwrap())
-            .spawn()
-            .unwrap();
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if std::os::unix::net::UnixStream::connect(self.socket()).is_ok() {
-                return;
-            }
-            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("the daemon exited ({status}): {}", self.log());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the daemon did not come up: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn socket(&self) -> PathBuf {
-        self.home.path().join("forkd.sock")
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.home.path().join("daemon.log")).unwrap_or_default()
-    }
-
-    fn unix(&self) -> Client {
-        Client::new(Endpoint::Unix(self.socket()), None)
-    }
-
-    fn tcp(&self, token: Option<&str>) -> Client {
-        Client::new(
-            Endpoint::Tcp(self.tcp.clone().expect("listening on TCP")),
-            token.map(str::to_owned),
-        )
-    }
-
-    fn kill9(&mut self) {
-        let mut c = self.child.take().unwrap();
-        c.kill().unwrap();
-        c.wait().unwrap();
-    }
-
-    /// What the data directory holds (snapshots and sandbox directories), to check that
-    /// refused requests change nothing.
-    fn disk_state(&self) -> Vec<String> {
-        let mut out = Vec::new();
-        for sub in ["snapshots", "run/sandboxes"] {
-            if let Ok(d) = std::fs::read_dir(self.home.path().join(sub)) {
-                out.extend(
-                    d.flatten()
-                        .map(|e| format!("{sub}/{}", e.file_name().to_string_lossy())),
-                );
-            }
-        }
-        out.sort();
-        out
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        // The sandboxes outlive the daemon by design: stop the ones this test left.
-        let run = self.home.path().join("run/sandboxes");
-        if let Ok(d) = std::fs::read_dir(&run) {
-            for e in d.flatten() {
-                if let Ok(text) = std::fs::read_to_string(e.path().join("sandbox.json")) {
-                    let v: Value = serde_json::from_str(&text).unwrap_or_default();
-                    if let Some(pid) = v["pid"].as_i64() {
-                        let _ = nix::sys::signal::kill(
-                            nix::unistd::Pid::from_raw(pid as i32),
-                            nix::sys::signal::Signal::SIGKILL,
-                        );
-                    }
-                }
-            }
-        }
-    }
-}
-
-fn free_port() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().to_string()
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
+use common::{free_port, runtime, Daemon};
 
 async fn call(c: &Client, m: Method, path: &str, body: Option<Value>) -> (StatusCode, Value) {
     let (status, bytes) = c.call(m, path, body.as_ref()).await.unwrap();
@@ -608,8 +473,9 @@ fn schemathesis_finds_no_server_error_and_no_schema_violation() {
     });
     let dir = tempfile::tempdir().unwrap();
     // The fixtures must survive the run: their deletion is left out, and the ids that
-    // path parameters take are the real ones. Creating sandboxes is left out too: it
-    // starts real VMs, and past the limit it answers 503 by design (tested above).
+    // path parameters take are the real ones. Creating sandboxes and building
+    // snapshots are left out too: they start real VMs (creating answers 503 past the
+    // limit by design, tested above).
     std::fs::write(
         dir.path().join("schemathesis.toml"),
         format!("[parameters]\n\"path.id\" = \"{id}\"\n\"path.tag\" = \"mini\"\n"),
@@ -625,6 +491,8 @@ fn schemathesis_finds_no_server_error_and_no_schema_violation() {
             "DELETE",
             "--exclude-operation-id",
             "create",
+            "--exclude-operation-id",
+            "build",
             "--max-examples",
             "15",
             "--workers",

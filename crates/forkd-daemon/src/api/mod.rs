@@ -101,6 +101,7 @@ pub fn router(app: App) -> Router {
             "/v1/snapshots/{tag}",
             get(snapshots::get).delete(snapshots::delete),
         )
+        .route("/v1/snapshots/{tag}/verify", post(snapshots::verify))
         .route("/v1/operations/{id}", get(snapshots::operation))
         .route(
             "/v1/sandboxes",
@@ -150,6 +151,7 @@ pub fn router(app: App) -> Router {
         snapshots::get,
         snapshots::delete,
         snapshots::build,
+        snapshots::verify,
         snapshots::operation,
         sandboxes::create,
         sandboxes::list,

@@ -2,7 +2,7 @@
 //! delete.
 
 use super::error::ErrorBody;
-use super::types::{BuildSnapshotBody, SnapshotInfo, SnapshotList};
+use super::types::{BuildSnapshotBody, SnapshotInfo, SnapshotList, Verified};
 use super::{ApiError, App, JsonBody, PathParams, QueryParams};
 use crate::state::OperationRow;
 use axum::extract::State;
@@ -125,8 +125,10 @@ pub async fn build(
     State(app): State<App>,
     JsonBody(b): JsonBody<BuildSnapshotBody>,
 ) -> Result<(StatusCode, Json<OperationRow>), ApiError> {
-    let templates = app.config.home.root().join("templates");
-    let recipe = Recipe::find(&b.template, &[templates])?;
+    let recipe = match &b.recipe {
+        Some(text) => Recipe::parse(&b.template, text)?,
+        None => Recipe::find(&b.template, &[app.config.home.root().join("templates")])?,
+    };
     let tag = Tag::parse(b.tag.as_deref().unwrap_or(&recipe.name))?;
     if app.registry.store().exists(&tag) {
         return Err(SnapshotError::Exists {
@@ -204,4 +206,25 @@ pub async fn operation(
         .operation(&id)?
         .map(Json)
         .ok_or_else(|| ApiError::not_found(format!("no operation {id}")))
+}
+
+/// Re-hashes every part of a snapshot against its manifest (slow: reads every byte).
+#[utoipa::path(post, path = "/v1/snapshots/{tag}/verify", params(("tag" = String, Path)),
+    responses((status = 200, body = Verified), (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn verify(
+    State(app): State<App>,
+    PathParams(tag): PathParams<String>,
+) -> Result<Json<Verified>, ApiError> {
+    let tag = Tag::parse(&tag)?;
+    let store = app.registry.store().clone();
+    let t = std::time::Instant::now();
+    let snap = tokio::task::spawn_blocking(move || store.verify(&tag))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
+    Ok(Json(Verified {
+        tag: snap.tag.to_string(),
+        bytes: snap.manifest.parts.values().map(|p| p.size).sum(),
+        millis: u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX),
+    }))
 }

@@ -387,10 +387,25 @@ pub struct BuildSnapshotBody {
     /// A built-in template (`minimal`, `python`) or one in the daemon's `templates/`.
     #[schema(pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
     pub template: String,
+    /// The recipe itself (TOML), for a template the daemon does not have; `template`
+    /// then names it.
+    #[serde(default)]
+    pub recipe: Option<String>,
     /// The tag (default: the template's name).
     #[serde(default)]
     #[schema(pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
     pub tag: Option<String>,
+}
+
+/// `POST /v1/snapshots/{tag}/verify`: every part re-hashed against its digest.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Verified {
+    /// The tag.
+    pub tag: String,
+    /// Bytes hashed.
+    pub bytes: u64,
+    /// How long it took, milliseconds.
+    pub millis: u64,
 }
 
 /// `GET /v1/health`.

@@ -1,0 +1,162 @@
+//! A real daemon for the tests: `forkd daemon` as a process, with a data directory of
+//! its own that shares the built guest assets.
+#![allow(dead_code)]
+
+use forkd_daemon::client::{Client, Endpoint};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A daemon with a data directory of its own that shares the built guest assets.
+pub struct Daemon {
+    pub home: tempfile::TempDir,
+    child: Option<Child>,
+    args: Vec<String>,
+    tcp: Option<String>,
+}
+
+impl Daemon {
+    pub fn start(extra: &[&str]) -> Daemon {
+        let shared = forkd_image::Home::from_env();
+        let tmp = shared.tmp_dir();
+        std::fs::create_dir_all(&tmp).unwrap();
+        let home = tempfile::Builder::new()
+            .prefix("daemon-test-")
+            .tempdir_in(&tmp)
+            .unwrap();
+        // The same filesystem as the assets, so snapshots hard-link them.
+        std::os::unix::fs::symlink(shared.images_dir(), home.path().join("images")).unwrap();
+        let mut d = Daemon {
+            home,
+            child: None,
+            args: extra.iter().map(|s| s.to_string()).collect(),
+            tcp: None,
+        };
+        if let Some(i) = d.args.iter().position(|a| a == "--listen") {
+            d.tcp = Some(d.args[i + 1].clone());
+        }
+        d.spawn();
+        d
+    }
+
+    pub fn spawn(&mut self) {
+        let child = Command::new(env!("CARGO_BIN_EXE_forkd"))
+            .arg("daemon")
+            .args(&self.args)
+            .env("FORKD_HOME", self.home.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(self.home.path().join("daemon.log")).unwrap())
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if std::os::unix::net::UnixStream::connect(self.socket()).is_ok() {
+                return;
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("the daemon exited ({status}): {}", self.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the daemon did not come up: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.home.path().join("forkd.sock")
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.home.path().join("daemon.log")).unwrap_or_default()
+    }
+
+    pub fn unix(&self) -> Client {
+        Client::new(Endpoint::Unix(self.socket()), None)
+    }
+
+    pub fn tcp(&self, token: Option<&str>) -> Client {
+        Client::new(
+            Endpoint::Tcp(self.tcp.clone().expect("listening on TCP")),
+            token.map(str::to_owned),
+        )
+    }
+
+    pub fn kill9(&mut self) {
+        let mut c = self.child.take().unwrap();
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+
+    /// What the data directory holds (snapshots and sandbox directories), to check that
+    /// refused requests change nothing.
+    pub fn disk_state(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for sub in ["snapshots", "run/sandboxes"] {
+            if let Ok(d) = std::fs::read_dir(self.home.path().join(sub)) {
+                out.extend(
+                    d.flatten()
+                        .map(|e| format!("{sub}/{}", e.file_name().to_string_lossy())),
+                );
+            }
+        }
+        out.sort();
+        out
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SIGTERM: the daemon stops and ends what it owns in-process (a template
+            // build's parent VM).
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(c.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+            let _ = c.wait();
+        }
+        // Sandboxes outlive the daemon by design: stop every VM of this data directory.
+        let home = self.home.path().to_string_lossy().into_owned();
+        if let Ok(procs) = std::fs::read_dir("/proc") {
+            for p in procs.flatten() {
+                let Ok(pid) = p.file_name().to_string_lossy().parse::<i32>() else {
+                    continue;
+                };
+                let cmdline = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+                if String::from_utf8_lossy(&cmdline).contains(&home) {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+            }
+        }
+    }
+}
+
+pub fn free_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+impl Daemon {
+    /// A `forkd` command aimed at this daemon (its data directory, so its socket).
+    pub fn forkd(&self) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_forkd"));
+        c.env("FORKD_HOME", self.home.path());
+        c
+    }
+}
