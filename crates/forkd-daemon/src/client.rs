@@ -17,6 +17,13 @@ pub enum Endpoint {
     Unix(PathBuf),
     /// `host:port` over plain TCP.
     Tcp(String),
+    /// `host:port` over TLS, trusting the CA certificates in `ca` (PEM).
+    Https {
+        /// `host:port`.
+        addr: String,
+        /// The CA bundle.
+        ca: PathBuf,
+    },
 }
 
 /// A client of one daemon.
@@ -44,15 +51,15 @@ impl Client {
         Client { endpoint, token }
     }
 
-    /// `FORKD_URL` (`unix:/path` or `http://host:port`) and `FORKD_TOKEN`, else the
-    /// default socket of `home`.
+    /// `FORKD_URL` (`unix:/path`, `http://host:port` or `https://host:port` with the
+    /// CA bundle in `FORKD_CA`) and `FORKD_TOKEN`, else the default socket of `home`.
     pub fn from_env(home: &forkd_image::Home) -> Result<Client> {
-        let token = std::env::var("FORKD_TOKEN").ok().filter(|t| !t.is_empty());
-        let endpoint = match std::env::var("FORKD_URL").ok().filter(|u| !u.is_empty()) {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let endpoint = match var("FORKD_URL") {
             None => Endpoint::Unix(crate::config::default_socket(home)),
-            Some(url) => parse_url(&url)?,
+            Some(url) => parse_url(&url, var("FORKD_CA").map(PathBuf::from))?,
         };
-        Ok(Client::new(endpoint, token))
+        Ok(Client::new(endpoint, var("FORKD_TOKEN")))
     }
 
     /// The endpoint.
@@ -71,7 +78,7 @@ impl Client {
             hyper::header::HOST,
             match &self.endpoint {
                 Endpoint::Unix(_) => "localhost",
-                Endpoint::Tcp(a) => a.as_str(),
+                Endpoint::Tcp(a) | Endpoint::Https { addr: a, .. } => a.as_str(),
             },
         );
         if let Some(t) = &self.token {
@@ -95,6 +102,21 @@ impl Client {
                 let s = tokio::net::TcpStream::connect(a)
                     .await
                     .with_context(|| format!("no forkd daemon answers at {a}"))?;
+                exchange(s, req).await
+            }
+            Endpoint::Https { addr, ca } => {
+                let connector = tls_connector(ca)?;
+                let host = addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h);
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                let name = rustls::pki_types::ServerName::try_from(host.to_owned())
+                    .with_context(|| format!("{host} is not a valid TLS server name"))?;
+                let s = tokio::net::TcpStream::connect(addr)
+                    .await
+                    .with_context(|| format!("no forkd daemon answers at {addr}"))?;
+                let s = connector
+                    .connect(name, s)
+                    .await
+                    .with_context(|| format!("TLS with {addr}"))?;
                 exchange(s, req).await
             }
         }
@@ -190,7 +212,42 @@ pub fn failure(status: StatusCode, body: &[u8]) -> ApiFailure {
     }
 }
 
-fn parse_url(url: &str) -> Result<Endpoint> {
+/// A TLS client trusting the CA certificates of the PEM file `ca`.
+fn tls_connector(ca: &std::path::Path) -> Result<tokio_rustls::TlsConnector> {
+    use rustls::pki_types::{pem::PemObject, CertificateDer};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in
+        CertificateDer::pem_file_iter(ca).with_context(|| format!("reading {}", ca.display()))?
+    {
+        roots
+            .add(cert.with_context(|| format!("{} is not a PEM bundle", ca.display()))?)
+            .with_context(|| format!("a certificate of {} is not usable", ca.display()))?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    Ok(tokio_rustls::TlsConnector::from(std::sync::Arc::new(
+        config,
+    )))
+}
+
+fn parse_url(url: &str, ca: Option<PathBuf>) -> Result<Endpoint> {
+    if let Some(rest) = url.strip_prefix("https://") {
+        let addr = rest.trim_end_matches('/');
+        if addr.is_empty() || addr.contains('/') {
+            bail!("FORKD_URL {url:?} is not https://HOST:PORT");
+        }
+        let Some(ca) = ca else {
+            bail!("FORKD_URL is https: set FORKD_CA to the PEM file of the CA that signed the daemon's certificate");
+        };
+        return Ok(Endpoint::Https {
+            addr: addr.to_owned(),
+            ca,
+        });
+    }
     if let Some(p) = url.strip_prefix("unix:") {
         return Ok(Endpoint::Unix(PathBuf::from(p)));
     }
@@ -201,7 +258,7 @@ fn parse_url(url: &str) -> Result<Endpoint> {
         }
         return Ok(Endpoint::Tcp(hostport.to_owned()));
     }
-    bail!("FORKD_URL {url:?} is neither unix:/path/to/socket nor http://HOST:PORT")
+    bail!("FORKD_URL {url:?} is none of unix:/path/to/socket, http://HOST:PORT, https://HOST:PORT")
 }
 
 async fn exchange<S>(stream: S, req: Request<Full<Bytes>>) -> Result<Response<Incoming>>
@@ -229,12 +286,17 @@ mod tests {
     #[test]
     fn urls() {
         assert!(
-            matches!(parse_url("unix:/run/forkd.sock").unwrap(), Endpoint::Unix(p) if p == std::path::Path::new("/run/forkd.sock"))
+            matches!(parse_url("unix:/run/forkd.sock", None).unwrap(), Endpoint::Unix(p) if p == std::path::Path::new("/run/forkd.sock"))
         );
         assert!(
-            matches!(parse_url("http://127.0.0.1:7070/").unwrap(), Endpoint::Tcp(a) if a == "127.0.0.1:7070")
+            matches!(parse_url("http://127.0.0.1:7070/", None).unwrap(), Endpoint::Tcp(a) if a == "127.0.0.1:7070")
         );
-        assert!(parse_url("ftp://x").is_err());
-        assert!(parse_url("http://").is_err());
+        assert!(parse_url("ftp://x", None).is_err());
+        assert!(parse_url("http://", None).is_err());
+        let e = parse_url("https://h:1", None).unwrap_err().to_string();
+        assert!(e.contains("FORKD_CA"), "{e}");
+        assert!(
+            matches!(parse_url("https://h:1", Some("/ca.pem".into())).unwrap(), Endpoint::Https { addr, .. } if addr == "h:1")
+        );
     }
 }

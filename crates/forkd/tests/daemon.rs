@@ -520,3 +520,109 @@ fn schemathesis_finds_no_server_error_and_no_schema_violation() {
         .count();
     assert!(ok_on_sandbox > 0, "no successful call on {id}:\n{report}");
 }
+
+/// TCP with TLS and a token: the CLI reaches the daemon through FORKD_URL, FORKD_CA and
+/// FORKD_TOKEN; a client that does not trust the certificate gets no answer.
+#[test]
+fn tls_listener_with_a_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let certified = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    let (cert, key, token) = (
+        dir.path().join("cert.pem"),
+        dir.path().join("key.pem"),
+        dir.path().join("token"),
+    );
+    std::fs::write(&cert, certified.cert.pem()).unwrap();
+    std::fs::write(&key, certified.signing_key.serialize_pem()).unwrap();
+    std::fs::write(&token, TOKEN).unwrap();
+    let port = free_port().rsplit_once(':').unwrap().1.to_owned();
+    let listen = format!("127.0.0.1:{port}");
+    let d = Daemon::start(&[
+        "--listen",
+        &listen,
+        "--token-file",
+        token.to_str().unwrap(),
+        "--tls-cert",
+        cert.to_str().unwrap(),
+        "--tls-key",
+        key.to_str().unwrap(),
+    ]);
+    let url = format!("https://localhost:{port}");
+    let forkd = |token: &str, ca: &Path| {
+        let out = d
+            .forkd()
+            .env("FORKD_URL", &url)
+            .env("FORKD_CA", ca)
+            .env("FORKD_TOKEN", token)
+            .args(["snapshots", "--json"])
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, out, err) = forkd(TOKEN, &cert);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(out.trim(), "[]");
+    let (code, _, err) = forkd("wrong-token-wrong-token-wrong-token", &cert);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("401") && err.contains("not valid"), "{err}");
+    // A CA that did not sign the daemon's certificate: the handshake fails.
+    let other = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    let other_ca = dir.path().join("other.pem");
+    std::fs::write(&other_ca, other.cert.pem()).unwrap();
+    let (code, _, err) = forkd(TOKEN, &other_ca);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("TLS"), "{err}");
+    // Plain HTTP on the TLS port gets nothing it could mistake for an answer.
+    let plain = runtime().block_on(async {
+        Client::new(
+            forkd_daemon::client::Endpoint::Tcp(listen.clone()),
+            Some(TOKEN.into()),
+        )
+        .call(Method::GET, "/v1/health", None)
+        .await
+    });
+    assert!(plain.is_err(), "{plain:?}");
+}
+
+/// The README's main job from a data directory that holds only the cached guest
+/// assets: no daemon, no snapshot. quickstart starts the daemon, builds the python
+/// template through it, forks, runs pandas in every child and prints the timings.
+#[test]
+fn quickstart_from_an_empty_data_directory() {
+    let shared = forkd_image::Home::from_env();
+    let home = tempfile::Builder::new()
+        .prefix("quickstart-test-")
+        .tempdir_in(shared.tmp_dir())
+        .unwrap();
+    std::os::unix::fs::symlink(shared.images_dir(), home.path().join("images")).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_forkd"))
+        .env("FORKD_HOME", home.path())
+        .env_remove("FORKD_URL")
+        .args(["quickstart", "-n", "3"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    // Whatever happened, stop the daemon it started and every VM of this directory.
+    let daemon = Daemon::adopt(home);
+    assert!(out.status.success(), "{stdout}\n{stderr}\n{}", daemon.log());
+    for step in [
+        "daemon started in the background",
+        "python template: boot, import pandas, freeze",
+        "fork 3 children, all answering",
+        "run a pandas cell in each of 3",
+        "total",
+    ] {
+        assert!(stdout.contains(step), "missing {step:?} in:\n{stdout}");
+    }
+    assert_eq!(
+        stdout.matches("1000 rows -> 499500.0").count(),
+        3,
+        "{stdout}"
+    );
+    assert!(stderr.contains("froze the parent"), "{stderr}");
+}

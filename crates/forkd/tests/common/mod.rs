@@ -153,6 +153,17 @@ pub fn runtime() -> tokio::runtime::Runtime {
 }
 
 impl Daemon {
+    /// Takes charge of a data directory where something else (`forkd quickstart`)
+    /// started a daemon: dropping the result stops it and every VM of the directory.
+    pub fn adopt(home: tempfile::TempDir) -> Daemon {
+        Daemon {
+            home,
+            child: None,
+            args: Vec::new(),
+            tcp: None,
+        }
+    }
+
     /// A `forkd` command aimed at this daemon (its data directory, so its socket).
     pub fn forkd(&self) -> Command {
         let mut c = Command::new(env!("CARGO_BIN_EXE_forkd"));
