@@ -5,7 +5,7 @@
 //! (its seal: one `stat` per part), never re-hashed.
 
 use crate::error::SandboxError;
-use crate::sandbox::{sandboxes_dir, DirGuard, Launch, Sandbox, SandboxOptions};
+use crate::sandbox::{new_sandbox_dir, Launch, Sandbox, SandboxOptions};
 use crate::snapshot::manifest::parts;
 use crate::snapshot::Snapshot;
 use forkd_hypervisor::qemu::disk;
@@ -92,13 +92,7 @@ async fn fork_one(
     opts: &ForkOptions,
 ) -> Result<Sandbox, SandboxError> {
     let m = &snap.manifest.machine;
-    let id = crate::ids::sandbox_id();
-    let dir = sandboxes_dir(home).join(&id);
-    std::fs::create_dir_all(&dir).map_err(|source| SandboxError::Io {
-        context: format!("creating {}", dir.display()),
-        source,
-    })?;
-    let guard = DirGuard(Some(dir.clone()));
+    let (id, dir, guard) = new_sandbox_dir(home)?;
     let overlay = dir.join("root.qcow2");
     disk::create_overlay(&snap.part(parts::DISK), "qcow2", &overlay).await?;
     let config = VmConfig {

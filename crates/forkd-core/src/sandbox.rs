@@ -116,10 +116,7 @@ impl Sandbox {
         assets: &GuestAssets,
         opts: &SandboxOptions,
     ) -> Result<Sandbox, SandboxError> {
-        let id = crate::ids::sandbox_id();
-        let dir = sandboxes_dir(home).join(&id);
-        create_dir(&dir)?;
-        let guard = DirGuard(Some(dir.clone()));
+        let (id, dir, guard) = new_sandbox_dir(home)?;
         let overlay = dir.join("root.qcow2");
         disk::create_overlay(&assets.rootfs.path, "raw", &overlay).await?;
         let config = VmConfig {
@@ -593,11 +590,16 @@ async fn connect_agent(
     Ok(agent)
 }
 
-fn create_dir(dir: &Path) -> Result<(), SandboxError> {
-    std::fs::create_dir_all(dir).map_err(|source| SandboxError::Io {
+/// A fresh sandbox id and its runtime directory, created and guarded: if the guard is
+/// dropped before the sandbox is launched, the directory goes with it.
+pub(crate) fn new_sandbox_dir(home: &Home) -> Result<(String, PathBuf, DirGuard), SandboxError> {
+    let id = crate::ids::sandbox_id();
+    let dir = sandboxes_dir(home).join(&id);
+    std::fs::create_dir_all(&dir).map_err(|source| SandboxError::Io {
         context: format!("creating {}", dir.display()),
         source,
-    })
+    })?;
+    Ok((id, dir.clone(), DirGuard(Some(dir))))
 }
 
 /// Where sandbox runtime directories live.

@@ -10,7 +10,7 @@
 //! `x-ignore-shared`. QEMU quits, and the directory is hashed, sealed and published.
 
 use crate::error::SandboxError;
-use crate::sandbox::{kernel_cmdline, sandboxes_dir, DirGuard, Launch, Sandbox, SandboxOptions};
+use crate::sandbox::{kernel_cmdline, new_sandbox_dir, Launch, Sandbox, SandboxOptions};
 use crate::snapshot::manifest::{parts, BuildTimes, Machine, Manifest, Versions, FORMAT};
 use crate::snapshot::{Snapshot, Store, Tag};
 use forkd_hypervisor::qemu::{disk, Qemu};
@@ -200,12 +200,7 @@ pub async fn build(
     disk::create_relative_overlay(parts::ROOTFS, "raw", &staging.part(parts::DISK)).await?;
 
     let accel = accel::resolve(opts.accel)?;
-    let id = crate::ids::sandbox_id();
-    let dir = sandboxes_dir(home).join(&id);
-    std::fs::create_dir_all(&dir).map_err(|source| SandboxError::Io {
-        context: format!("creating {}", dir.display()),
-        source,
-    })?;
+    let (id, dir, guard) = new_sandbox_dir(home)?;
     let config = VmConfig {
         id: id.clone(),
         dir: dir.clone(),
@@ -235,13 +230,7 @@ pub async fn build(
         "booting the parent ({} vCPU, {} MiB, {accel})",
         recipe.vcpus, recipe.memory_mib
     ));
-    let parent = Sandbox::launch(
-        config.clone(),
-        Launch::Boot,
-        &sopts,
-        DirGuard(Some(dir.clone())),
-    )
-    .await?;
+    let parent = Sandbox::launch(config.clone(), Launch::Boot, &sopts, guard).await?;
     let boot = t0.elapsed();
     let t_warm = Instant::now();
     let warmed = warm(&parent, recipe, progress).await;

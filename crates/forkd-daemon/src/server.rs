@@ -66,10 +66,14 @@ pub async fn run(
         config.max_sandboxes,
     );
     let (adopted, gone) = registry.adopt_all().await?;
+    // Directories of sandboxes whose VM is gone and that no daemon owns (a `forkd run`
+    // killed outright, say): nothing will ever clean them otherwise.
+    let pruned = forkd_core::catalog::prune(&config.home);
     tracing::info!(
-        "adopted {} running sandboxes; {} had stopped while the daemon was down and were removed",
+        "adopted {} running sandboxes; {} had stopped while the daemon was down and were removed; {} stale sandbox directories pruned",
         adopted.len(),
-        gone.len()
+        gone.len(),
+        pruned.len()
     );
 
     let unix = bind_unix(&config.socket, config.socket_group.as_deref()).await?;

@@ -141,6 +141,19 @@ impl QemuVm {
             // Own process group: a Ctrl-C meant for the CLI must not reach the VM
             // directly; the CLI tears it down itself.
             cmd.process_group(0);
+            // A VM this process owns dies with it even when it is killed outright
+            // (kill -9 of `forkd run`, or of a daemon in the middle of a template
+            // build), instead of running on with nobody to stop it. The signal follows
+            // the spawning *thread*: spawns come from the runtime's threads, which live
+            // as long as the process does.
+            // SAFETY: runs in the forked child before exec and only calls prctl(2),
+            // which is async-signal-safe.
+            unsafe {
+                cmd.pre_exec(|| {
+                    nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+                        .map_err(std::io::Error::from)
+                });
+            }
         }
         if let Some(file) = &incoming {
             let raw = file.as_raw_fd();
