@@ -459,7 +459,8 @@ fn a_public_address_without_a_token_is_refused() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("at least 32"));
 }
 
-/// schemathesis (from PyPI; `.ci/run` installs it) fuzzes every operation of
+/// schemathesis (from PyPI; `./dev test` installs it and names the Python that has it in
+/// `FORKD_TEST_PYTHON`) fuzzes every operation of
 /// /v1/openapi.json against a daemon that has a snapshot and a live sandbox: no answer
 /// may be a 5xx or differ from the document (status, content type, headers, schema).
 #[test]
@@ -481,9 +482,12 @@ fn schemathesis_finds_no_server_error_and_no_schema_violation() {
         format!("[parameters]\n\"path.id\" = \"{id}\"\n\"path.tag\" = \"mini\"\n"),
     )
     .unwrap();
-    let out = Command::new("schemathesis")
+    // Through the interpreter, not a `schemathesis` script: pip's scripts directory is
+    // not on every PATH (a pyenv shim appears only after a rehash).
+    let python = std::env::var("FORKD_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = Command::new(&python)
         .current_dir(dir.path())
-        .args(["run", &format!("http://{port}/v1/openapi.json")])
+        .args(["-m", "schemathesis.cli", "run", &format!("http://{port}/v1/openapi.json")])
         .args([
             "--checks",
             "not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,response_schema_conformance",
@@ -501,7 +505,7 @@ fn schemathesis_finds_no_server_error_and_no_schema_violation() {
             "1",
         ])
         .output()
-        .unwrap_or_else(|e| panic!("running schemathesis (pip install schemathesis): {e}"));
+        .unwrap_or_else(|e| panic!("running {python} -m schemathesis.cli (./dev test installs it): {e}"));
     let report = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
