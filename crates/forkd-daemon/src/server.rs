@@ -50,8 +50,13 @@ pub async fn run(
     std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
     let state = Arc::new(State::open(&config.database())?);
     let interrupted = state.interrupt_running_operations(&crate::now_rfc3339())?;
-    if interrupted > 0 {
-        tracing::warn!("{interrupted} operations were interrupted by the last stop");
+    let store = Store::of_home(&config.home);
+    for target in &interrupted {
+        // What a build interrupted by the stop had written is of no use to anyone.
+        if let Ok(tag) = forkd_core::snapshot::Tag::parse(target) {
+            store.remove_staging_of(&tag);
+        }
+        tracing::warn!(%target, "a snapshot build was interrupted by the last stop");
     }
     let audit = Arc::new(AuditLog::open(&config.audit_log()).with_context(|| {
         format!(
@@ -59,12 +64,7 @@ pub async fn run(
             config.audit_log().display()
         )
     })?);
-    let registry = Registry::new(
-        config.home.clone(),
-        Store::of_home(&config.home),
-        state,
-        config.max_sandboxes,
-    );
+    let registry = Registry::new(config.home.clone(), store, state, config.max_sandboxes);
     let (adopted, gone) = registry.adopt_all().await?;
     // Directories of sandboxes whose VM is gone and that no daemon owns (a `forkd run`
     // killed outright, say): nothing will ever clean them otherwise.

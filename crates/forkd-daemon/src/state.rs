@@ -277,14 +277,24 @@ impl State {
             .optional()?)
     }
 
-    /// Operations left `running` by a daemon that stopped are marked `interrupted`.
-    pub fn interrupt_running_operations(&self, now: &str) -> Result<usize, StateError> {
-        Ok(self.conn().execute(
+    /// Operations left `running` by a daemon that stopped are marked `interrupted`;
+    /// returns their targets.
+    pub fn interrupt_running_operations(&self, now: &str) -> Result<Vec<String>, StateError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let targets = {
+            let mut stmt = tx.prepare("SELECT target FROM operations WHERE status = 'running'")?;
+            let rows = stmt.query_map([], |r| r.get(0))?;
+            rows.collect::<Result<Vec<String>, _>>()?
+        };
+        tx.execute(
             "UPDATE operations SET status = 'interrupted', finished_at = ?1,
                  error = 'the daemon stopped while it ran'
              WHERE status = 'running'",
             params![now],
-        )?)
+        )?;
+        tx.commit()?;
+        Ok(targets)
     }
 }
 
@@ -404,7 +414,11 @@ mod tests {
             finished_at: None,
         };
         s.insert_operation(&op).unwrap();
-        assert_eq!(s.interrupt_running_operations("t1").unwrap(), 1);
+        assert_eq!(
+            s.interrupt_running_operations("t1").unwrap(),
+            vec!["python"]
+        );
+        assert!(s.interrupt_running_operations("t2").unwrap().is_empty());
         let got = s.operation("op-1").unwrap().unwrap();
         assert_eq!(got.status, "interrupted");
         assert_eq!(got.finished_at.as_deref(), Some("t1"));

@@ -123,6 +123,18 @@ async fn round_trip(c: &Client, tag: &str) {
     )
     .await;
     assert_eq!((s, v["size"].as_u64()), (StatusCode::OK, Some(200_000)));
+    // A directory, also behind a symlink (/lib), is refused with a status; a symlink to
+    // a file is followed.
+    for dir in ["/data", "/lib"] {
+        let path = format!("/v1/sandboxes/{id}/files?path={dir}");
+        let (s, v) = call(c, Method::GET, &path, None).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{dir}: {v}");
+    }
+    let path = format!("/v1/sandboxes/{id}/files?path=/etc/os-release");
+    let resp = c.send(Method::GET, &path, None).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let text = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(String::from_utf8_lossy(&text).contains("Debian"));
 
     let (s, v) = call(
         c,
@@ -358,6 +370,29 @@ fn bad_input_gets_a_clear_4xx_and_changes_nothing() {
         assert!(head.starts_with("HTTP/1.1 413"), "{head}");
 
         assert_eq!(d.disk_state(), before, "refused requests change nothing on disk");
+
+        // Timeouts: a sandbox created with one is stopped and removed once it passes; a
+        // deadline can be cleared.
+        let (s, v) = call(&c, Method::POST, "/v1/sandboxes", Some(json!({"snapshot": "mini", "n": 2, "timeout_s": 2}))).await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        let ids: Vec<String> = v["sandboxes"].as_array().unwrap().iter().map(|s| s["id"].as_str().unwrap().to_owned()).collect();
+        assert!(v["sandboxes"][0]["timeout_at"].as_i64().is_some(), "{v}");
+        let (s, v) = call(&c, Method::PUT, &format!("/v1/sandboxes/{}/timeout", ids[1]), Some(json!({"timeout_s": null}))).await;
+        assert_eq!((s, &v["timeout_at"]), (StatusCode::OK, &Value::Null), "{v}");
+        let (s, _) = call(&c, Method::PUT, &format!("/v1/sandboxes/{}/timeout", ids[1]), Some(json!({"timeout_s": 0}))).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let (s, _) = call(&c, Method::GET, &format!("/v1/sandboxes/{}", ids[0]), None).await;
+            if s == StatusCode::NOT_FOUND {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the timed-out sandbox is still there");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert!(!d.home.path().join("run/sandboxes").join(&ids[0]).exists());
+        let (s, _) = call(&c, Method::GET, &format!("/v1/sandboxes/{}", ids[1]), None).await;
+        assert_eq!(s, StatusCode::OK, "the sandbox whose deadline was cleared runs on");
     });
 }
 
@@ -476,7 +511,8 @@ fn schemathesis_finds_no_server_error_and_no_schema_violation() {
     // The fixtures must survive the run: their deletion is left out, and the ids that
     // path parameters take are the real ones. Creating sandboxes and building
     // snapshots are left out too: they start real VMs (creating answers 503 past the
-    // limit by design, tested above).
+    // limit by design, tested above); so is setting a timeout, which would stop the
+    // fixture a second later (tested above).
     std::fs::write(
         dir.path().join("schemathesis.toml"),
         format!("[parameters]\n\"path.id\" = \"{id}\"\n\"path.tag\" = \"mini\"\n"),
@@ -497,6 +533,8 @@ fn schemathesis_finds_no_server_error_and_no_schema_violation() {
             "create",
             "--exclude-operation-id",
             "build",
+            "--exclude-operation-id",
+            "set_timeout",
             "--max-examples",
             "15",
             "--workers",

@@ -10,6 +10,7 @@ use forkd_proto::routes;
 use http::Method;
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
+use hyper::body::Incoming;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// How a file is written.
@@ -80,13 +81,7 @@ impl AgentClient {
         path: &str,
         out: &mut (impl AsyncWrite + Unpin),
     ) -> Result<u64, AgentError> {
-        let q = PathQuery {
-            path: path.to_owned(),
-        };
-        let resp = self
-            .send(Method::GET, &with_query(routes::FILES, &q), super::empty())
-            .await?;
-        let mut body = resp.into_body();
+        let mut body = self.open_file(path).await?;
         let mut total = 0u64;
         while let Some(frame) = body.frame().await {
             let frame = frame?;
@@ -105,6 +100,19 @@ impl AgentClient {
             source,
         })?;
         Ok(total)
+    }
+
+    /// Opens the file at `path` for reading: returns once the agent has answered, so a
+    /// missing file or a directory is an error here, and the contents follow as the
+    /// body's data frames.
+    pub async fn open_file(&self, path: &str) -> Result<Incoming, AgentError> {
+        let q = PathQuery {
+            path: path.to_owned(),
+        };
+        let resp = self
+            .send(Method::GET, &with_query(routes::FILES, &q), super::empty())
+            .await?;
+        Ok(resp.into_body())
     }
 
     /// Reads the whole file at `path` into memory.

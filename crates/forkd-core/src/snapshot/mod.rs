@@ -281,6 +281,23 @@ impl Store {
         })
     }
 
+    /// Removes what unfinished builds of `tag` left in the staging area (a build
+    /// interrupted by a crash). Only for tags no build is writing now.
+    pub fn remove_staging_of(&self, tag: &Tag) {
+        let Ok(entries) = std::fs::read_dir(self.root.join(STAGING)) else {
+            return;
+        };
+        let prefix = format!("{tag}-");
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            // `{tag}-{8 hex}`: an exact match, so that tag `a` spares `a-b-1234abcd`.
+            let rest = name.strip_prefix(&prefix).unwrap_or_default();
+            if rest.len() == 8 && rest.chars().all(|c| c.is_ascii_hexdigit()) {
+                let _ = remove_tree(&e.path());
+            }
+        }
+    }
+
     /// Opens a snapshot for forking: reads the manifest and checks the seal (sizes,
     /// inodes and modification times; no hashing).
     pub fn open(&self, tag: &Tag) -> Result<Snapshot, SnapshotError> {
@@ -505,5 +522,27 @@ fn remove_tree(dir: &Path) -> Result<(), SnapshotError> {
             context: format!("removing {}", dir.display()),
             source: e,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leftovers_of_interrupted_builds_are_removed_by_exact_tag() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::at(dir.path());
+        let staging = dir.path().join(STAGING);
+        for name in ["a-0123abcd", "a-b-0123abcd", "a-nothex!", "ab-0123abcd"] {
+            std::fs::create_dir_all(staging.join(name)).unwrap();
+        }
+        store.remove_staging_of(&Tag::parse("a").unwrap());
+        let mut left: Vec<String> = std::fs::read_dir(&staging)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["a-b-0123abcd", "a-nothex!", "ab-0123abcd"]);
     }
 }

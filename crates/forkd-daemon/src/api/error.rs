@@ -106,7 +106,10 @@ impl From<SandboxError> for ApiError {
         let msg = e.to_string();
         match e {
             SandboxError::Snapshot(s) => s.into(),
-            SandboxError::NotFound { .. } | SandboxError::Gone { .. } => ApiError::not_found(msg),
+            // Destroyed: deleted (or timed out) while this request was on its way.
+            SandboxError::NotFound { .. }
+            | SandboxError::Gone { .. }
+            | SandboxError::Destroyed { .. } => ApiError::not_found(msg),
             SandboxError::Template { .. } => ApiError::bad_request(msg),
             // The guest said what was wrong with the request (a missing file, a bad
             // path, a program the sandbox does not have): the caller's to fix.
@@ -130,7 +133,6 @@ impl From<SandboxError> for ApiError {
             }
             SandboxError::GuestExited { .. }
             | SandboxError::Unresponsive { .. }
-            | SandboxError::Destroyed { .. }
             | SandboxError::BootTimeout { .. } => {
                 ApiError::new(StatusCode::BAD_GATEWAY, "sandbox_failed", msg)
             }

@@ -9,7 +9,6 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use forkd_core::agent::WriteOptions;
-use forkd_proto::files::FileKind;
 use futures::TryStreamExt;
 use serde::Deserialize;
 use std::pin::Pin;
@@ -65,30 +64,14 @@ pub async fn read(
 ) -> Result<Response, ApiError> {
     let sandbox = app.registry.get(&id)?.sandbox;
     let path = guest_path(&q.path)?.to_owned();
-    // Answer a missing file or a directory with a status, before the body starts.
-    let p = path.clone();
-    let st = sandbox.call(|a| async move { a.stat(&p).await }).await?;
-    if st.kind == FileKind::Dir {
-        return Err(ApiError::bad_request(format!(
-            "{path} is a directory (list it with files/list)"
-        )));
-    }
-    let (mut writer, reader) = tokio::io::duplex(256 * 1024);
-    tokio::spawn(async move {
-        let p = path.clone();
-        let r = sandbox
-            .call(|a| async move { a.read_file(&p, &mut writer).await })
-            .await;
-        if let Err(e) = r {
-            tracing::warn!("download of {path} ended early: {e}");
-        }
-    });
+    // The agent answers (or refuses: a missing file, a directory) before the body
+    // starts, so errors still get their status.
+    let body = sandbox
+        .call(|a| async move { a.open_file(&path).await })
+        .await?;
     Ok((
-        [
-            (header::CONTENT_TYPE, "application/octet-stream".to_string()),
-            (header::CONTENT_LENGTH, st.size.to_string()),
-        ],
-        Body::from_stream(tokio_util::io::ReaderStream::new(reader)),
+        [(header::CONTENT_TYPE, "application/octet-stream")],
+        Body::new(body),
     )
         .into_response())
 }

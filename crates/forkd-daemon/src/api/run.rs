@@ -161,10 +161,27 @@ pub async fn exec(
     Ok(ndjson(lines))
 }
 
+/// A context id given by a client: the agent's ids are short and plain, and anything
+/// else cannot name one (nor go into the agent's request line).
+fn context_id(c: &str) -> Result<&str, ApiError> {
+    if c.is_empty()
+        || c.len() > 64
+        || !c
+            .chars()
+            .all(|ch| ch.is_ascii_alphanumeric() || ch == '-' || ch == '_')
+    {
+        return Err(ApiError::not_found(format!(
+            "no context {:?}",
+            c.chars().take(80).collect::<String>()
+        )));
+    }
+    Ok(c)
+}
+
 /// The context a cell runs in: the one named, else the sandbox's first, else a new one.
 async fn pick_context(sandbox: &Sandbox, named: Option<String>) -> Result<String, ApiError> {
     if let Some(c) = named {
-        return Ok(c);
+        return Ok(context_id(&c)?.to_owned());
     }
     let list = sandbox
         .call(|a| async move { a.list_contexts().await })
@@ -273,6 +290,7 @@ pub async fn reset_context(
     PathParams((id, context)): PathParams<(String, String)>,
 ) -> Result<Json<ContextBody>, ApiError> {
     let sandbox = app.registry.get(&id)?.sandbox;
+    context_id(&context)?;
     let c = sandbox
         .call(|a| async move { a.reset_context(&context).await })
         .await?;
@@ -288,6 +306,7 @@ pub async fn delete_context(
     PathParams((id, context)): PathParams<(String, String)>,
 ) -> Result<axum::http::StatusCode, ApiError> {
     let sandbox = app.registry.get(&id)?.sandbox;
+    context_id(&context)?;
     sandbox
         .call(|a| async move { a.delete_context(&context).await })
         .await?;
