@@ -16,7 +16,7 @@ pub const GENESIS: &str = "00000000000000000000000000000000000000000000000000000
 pub struct Record {
     /// RFC 3339 with milliseconds.
     pub time: String,
-    /// Who asked: `unix:uid=N` on the socket, `token@ADDR` on TCP.
+    /// Who asked: `unix:uid=N` on the socket, `tcp:ADDR` on TCP.
     pub principal: String,
     /// HTTP method.
     pub method: String,
@@ -104,14 +104,18 @@ impl AuditLog {
         record.hash = record.digest();
         let mut line = serde_json::to_vec(&record).expect("records serialize");
         line.push(b'\n');
-        inner
-            .0
-            .write_all(&line)
-            .and_then(|()| inner.0.sync_data())
-            .map_err(|source| AuditError::Io {
-                path: self.path.display().to_string(),
-                source,
-            })?;
+        let io = |source| AuditError::Io {
+            path: self.path.display().to_string(),
+            source,
+        };
+        let before = inner.0.metadata().map_err(io)?.len();
+        let written = inner.0.write_all(&line).and_then(|()| inner.0.sync_data());
+        if let Err(e) = written {
+            // A torn or unsynced line would break the chain for every later record:
+            // cut the file back to where this record began.
+            let _ = inner.0.set_len(before);
+            return Err(io(e));
+        }
         inner.1 = record.hash;
         Ok(())
     }

@@ -58,6 +58,9 @@ struct Slots {
     live: HashMap<String, Entry>,
     /// Slots promised to forks in progress.
     reserved: usize,
+    /// Forks in progress, by snapshot tag: they use the snapshot as much as its
+    /// children do.
+    forking: HashMap<String, usize>,
 }
 
 /// What a create request asks for.
@@ -75,11 +78,19 @@ pub struct CreateSpec {
 struct Reservation<'a> {
     registry: &'a Registry,
     count: usize,
+    tag: String,
 }
 
 impl Drop for Reservation<'_> {
     fn drop(&mut self) {
-        self.registry.slots().reserved -= self.count;
+        let mut slots = self.registry.slots();
+        slots.reserved -= self.count;
+        if let Some(n) = slots.forking.get_mut(&self.tag) {
+            *n -= 1;
+            if *n == 0 {
+                slots.forking.remove(&self.tag);
+            }
+        }
     }
 }
 
@@ -145,9 +156,11 @@ impl Registry {
                 });
             }
             slots.reserved += spec.count;
+            *slots.forking.entry(snap.tag.to_string()).or_default() += 1;
             Reservation {
                 registry: self,
                 count: spec.count,
+                tag: snap.tag.to_string(),
             }
         };
         let opts = ForkOptions {
@@ -217,6 +230,16 @@ impl Registry {
             .collect()
     }
 
+    /// What keeps the snapshot `tag` in use: its live children, and forks of it in
+    /// progress (named as such).
+    pub fn users_of(&self, tag: &str) -> Vec<String> {
+        let mut users = self.children_of(tag);
+        if let Some(n) = self.slots().forking.get(tag) {
+            users.push(format!("{n} fork(s) in progress"));
+        }
+        users
+    }
+
     /// Stops the sandbox `id` and forgets it.
     pub async fn delete(&self, id: &str) -> Result<(), RegistryError> {
         let entry = self
@@ -279,6 +302,9 @@ impl Registry {
                     if let Ok(sb) = other {
                         let _ = sb.stop().await;
                     }
+                    // A VM that still runs but could not be taken over (its agent did
+                    // not answer) must not outlive its record: nothing would ever stop it.
+                    kill_if_same_process(row.pid, row.start_time);
                     let _ = forkd_core::sandbox::remove_dir(&row.config.dir);
                     self.state.delete_sandbox(&row.id)?;
                     gone.push(row.id);
@@ -312,5 +338,18 @@ impl Registry {
             }
         }
         removed
+    }
+}
+
+/// SIGKILLs `pid` if it is still the process that started at `start_time`.
+fn kill_if_same_process(pid: u32, start_time: u64) {
+    use forkd_hypervisor::process;
+    if process::start_time(pid) == Some(start_time) {
+        if let Ok(pid) = i32::try_from(pid) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
     }
 }

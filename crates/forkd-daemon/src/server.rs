@@ -27,6 +27,16 @@ use tokio::net::{TcpListener, UnixListener};
 /// How long in-flight requests get to finish after a shutdown signal.
 const DRAIN: Duration = Duration::from_secs(10);
 
+/// How long a client gets for the TLS handshake and for a request's head.
+const HANDSHAKE: Duration = Duration::from_secs(30);
+
+/// Accepting failed (out of descriptors, most likely): say so and pause, rather than
+/// spin on an error that will repeat at once.
+async fn accept_failed(listener: &str, e: std::io::Error) {
+    tracing::warn!("accepting on {listener}: {e}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
 /// How often expired and dead sandboxes are reaped.
 const REAP_EVERY: Duration = Duration::from_secs(1);
 
@@ -97,14 +107,14 @@ pub async fn run(
         metrics: crate::metrics::Metrics::new(),
     });
     let reaper = tokio::spawn(reap(app.clone()));
-    let base = api::router(app.clone()).layer(axum::middleware::from_fn_with_state(
-        (app.clone(), audit),
-        observe,
-    ));
+    // The audit and metrics layer is the outermost one, so that refused
+    // authentications are recorded too.
+    let observed = axum::middleware::from_fn_with_state((app.clone(), audit), observe);
+    let base = api::router(app.clone()).layer(observed.clone());
     let token = config.token.clone().map(Arc::new);
-    let tcp_router = base
-        .clone()
-        .layer(axum::middleware::from_fn_with_state(token, authenticate));
+    let tcp_router = api::router(app.clone())
+        .layer(axum::middleware::from_fn_with_state(token, authenticate))
+        .layer(observed);
 
     tracing::info!(socket = %config.socket.display(), "listening");
     if let Some(a) = tcp_addr {
@@ -128,7 +138,7 @@ pub async fn run(
                         .unwrap_or_else(|_| "unix".into());
                     serve(&graceful, stream, base.clone(), Principal(who));
                 }
-                Err(e) => tracing::warn!("accepting on the unix socket: {e}"),
+                Err(e) => accept_failed("the unix socket", e).await,
             },
             conn = accept_tcp(tcp.as_ref()) => match conn {
                 Ok((stream, peer)) => {
@@ -140,15 +150,16 @@ pub async fn run(
                             let acceptor = acceptor.clone();
                             let watcher = graceful.watcher();
                             tokio::spawn(async move {
-                                match acceptor.accept(stream).await {
-                                    Ok(s) => serve_watched(watcher, s, router, who).await,
-                                    Err(e) => tracing::debug!("TLS handshake with {peer}: {e}"),
+                                match tokio::time::timeout(HANDSHAKE, acceptor.accept(stream)).await {
+                                    Ok(Ok(s)) => serve_watched(watcher, s, router, who).await,
+                                    Ok(Err(e)) => tracing::debug!("TLS handshake with {peer}: {e}"),
+                                    Err(_) => tracing::debug!("TLS handshake with {peer} timed out"),
                                 }
                             });
                         }
                     }
                 }
-                Err(e) => tracing::warn!("accepting on TCP: {e}"),
+                Err(e) => accept_failed("TCP", e).await,
             },
         }
     }
@@ -198,7 +209,12 @@ async fn serve_watched<S>(
         req.extensions_mut().insert(who.clone());
         tower::ServiceExt::oneshot(router.clone(), req)
     });
-    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    // A client that opens a connection and sends nothing must not hold it forever.
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HANDSHAKE);
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
     if let Err(e) = watcher.watch(conn.into_owned()).await {
         tracing::debug!("connection ended: {e}");

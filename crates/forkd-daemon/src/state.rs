@@ -277,6 +277,22 @@ impl State {
             .optional()?)
     }
 
+    /// The running operation on `target`, if any.
+    pub fn running_operation_on(&self, target: &str) -> Result<Option<OperationRow>, StateError> {
+        let id: Option<String> = self
+            .conn()
+            .query_row(
+                "SELECT id FROM operations WHERE target = ?1 AND status = 'running' LIMIT 1",
+                params![target],
+                |r| r.get(0),
+            )
+            .optional()?;
+        match id {
+            Some(id) => self.operation(&id),
+            None => Ok(None),
+        }
+    }
+
     /// Operations left `running` by a daemon that stopped are marked `interrupted`;
     /// returns their targets.
     pub fn interrupt_running_operations(&self, now: &str) -> Result<Vec<String>, StateError> {

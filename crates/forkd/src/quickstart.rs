@@ -22,7 +22,7 @@ pub struct QuickstartArgs {
     /// The snapshot tag of the python template.
     #[arg(long, default_value = "python")]
     tag: String,
-    /// Rebuild the template even if the snapshot exists.
+    /// Rebuild the template even if the snapshot exists (refused while children use it).
     #[arg(long)]
     rebuild: bool,
 }
@@ -95,8 +95,9 @@ pub async fn run(home: &Home, args: QuickstartArgs) -> Result<()> {
         .as_array()
         .into_iter()
         .flatten()
-        .filter_map(|s| s["id"].as_str().map(str::to_owned))
-        .collect();
+        .filter_map(|s| s["id"].as_str())
+        .map(|id| crate::sandboxes::path_id(id).map(str::to_owned))
+        .collect::<Result<_>>()?;
 
     let t = Instant::now();
     let runs = futures::future::join_all(ids.iter().map(|id| run_cell(&client, id))).await;

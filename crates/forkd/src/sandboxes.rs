@@ -94,8 +94,9 @@ pub struct KillArgs {
     json: bool,
 }
 
-fn path_id(id: &str) -> Result<&str> {
-    // An id goes into a URL path: anything but an id's characters is refused here.
+/// An id (of a sandbox or an operation) about to go into a URL path: anything but an
+/// id's characters is refused here, whoever supplied it.
+pub(crate) fn path_id(id: &str) -> Result<&str> {
     if id.is_empty() || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
         bail!("no sandbox {id} (see `forkd ls`)");
     }

@@ -92,12 +92,13 @@ pub async fn build(client: &Client, args: BuildArgs) -> Result<()> {
 
 /// Has the daemon build template `name` (a built-in name or a recipe file, which is
 /// sent along: the daemon may run on another host) as snapshot `tag`, showing progress
-/// while it runs; returns the snapshot as the daemon describes it.
+/// while it runs; returns the snapshot as the daemon describes it. With `replace`, an
+/// existing snapshot of that tag is removed first (refused while children use it).
 pub async fn build_template(
     client: &Client,
     name: &str,
     tag: Option<&str>,
-    force: bool,
+    replace: bool,
 ) -> Result<Value> {
     let t0 = Instant::now();
     let mut body = if name.ends_with(".toml") || name.contains('/') {
@@ -111,8 +112,9 @@ pub async fn build_template(
         .map(str::to_owned)
         .unwrap_or_else(|| body["template"].as_str().unwrap_or_default().to_owned());
     body["tag"] = tag.clone().into();
-    if force {
-        let path = format!("/v1/snapshots/{}?force=true", path_tag(&tag)?);
+    if replace {
+        // Refused (409, naming them) while children run from it.
+        let path = format!("/v1/snapshots/{}", path_tag(&tag)?);
         let (status, b) = client.call(Method::DELETE, &path, None).await?;
         if status != StatusCode::NO_CONTENT && status != StatusCode::NOT_FOUND {
             return Err(forkd_daemon::client::failure(status, &b).into());
@@ -121,7 +123,7 @@ pub async fn build_template(
     let op: Value = client
         .json(Method::POST, "/v1/snapshots", Some(&body))
         .await?;
-    let id = op["id"].as_str().unwrap_or_default().to_owned();
+    let id = crate::sandboxes::path_id(op["id"].as_str().unwrap_or_default())?.to_owned();
     let say = |m: &str| eprintln!("[{:6.1}s] {m}", t0.elapsed().as_secs_f64());
     say(&format!(
         "building template {} as {tag} (operation {id})",

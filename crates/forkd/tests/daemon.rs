@@ -206,8 +206,8 @@ fn api_round_trip_over_unix_socket_and_tcp_with_a_token() {
         let (_, v) = call(&unix, Method::GET, "/v1/sandboxes", None).await;
         assert_eq!(v["sandboxes"].as_array().unwrap().len(), 0, "{v}");
 
-        // The metrics count what happened: two forks, and the 401s are not in them
-        // (they never reached the API), but the 404 of the deleted sandbox is.
+        // The metrics count what happened: two forks, the 404s of the deleted
+        // sandboxes, and the four refused authentications.
         let (s, bytes) = unix.call(Method::GET, "/metrics", None).await.unwrap();
         assert_eq!(s, StatusCode::OK);
         let text = String::from_utf8(bytes.to_vec()).unwrap();
@@ -227,6 +227,10 @@ fn api_round_trip_over_unix_socket_and_tcp_with_a_token() {
         assert!(metric("forkd_exec_seconds_count") >= 2.0);
         assert!(
             text.contains("forkd_errors_total{kind=\"not_found\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("forkd_errors_total{kind=\"unauthorized\"} 4"),
             "{text}"
         );
         assert!(
@@ -254,6 +258,12 @@ fn api_round_trip_over_unix_socket_and_tcp_with_a_token() {
     assert!(text.lines().count() >= 8, "{text}");
     assert!(text.contains("\"principal\":\"unix:uid="), "{text}");
     assert!(text.contains("\"principal\":\"tcp:127.0.0.1:"), "{text}");
+    // The refused POSTs are on record too.
+    let refused = text
+        .lines()
+        .filter(|l| l.contains("\"method\":\"POST\"") && l.contains("\"status\":401"))
+        .count();
+    assert_eq!(refused, 2, "{text}");
     let edited = text.replacen("\"status\":201", "\"status\":200", 1);
     assert_ne!(edited, text);
     std::fs::write(&audit, edited).unwrap();

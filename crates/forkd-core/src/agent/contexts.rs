@@ -10,6 +10,10 @@ use http::Method;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
+/// Largest single event accepted from the agent (the driver sends output in pieces far
+/// smaller than this; a line without end would otherwise grow without limit).
+const MAX_EVENT: usize = 64 << 20;
+
 /// The streamed events of one run.
 pub struct RunStream {
     body: Incoming,
@@ -30,6 +34,11 @@ impl RunStream {
                     .map_err(|e| AgentError::Malformed(format!("bad run event: {e}")))?;
                 self.done = matches!(event, ContextEvent::Done { .. });
                 return Ok(Some(event));
+            }
+            if self.buf.len() > MAX_EVENT {
+                return Err(AgentError::Malformed(format!(
+                    "a run event is larger than {MAX_EVENT} bytes"
+                )));
             }
             match self.body.frame().await {
                 Some(Ok(f)) => {

@@ -16,9 +16,19 @@ use axum::Json;
 use bytes::Bytes;
 use forkd_core::agent::ExecOutput;
 use forkd_core::Sandbox;
-use forkd_proto::context::{CreateContextRequest, RunCodeRequest};
+use forkd_proto::context::{ContextEvent, CreateContextRequest, RunCodeRequest};
 use forkd_proto::exec::{Command, ExecRequest, ExitStatus};
 use std::sync::Arc;
+
+/// Most output a non-streaming run collects, per stream.
+const MAX_COLLECTED: usize = 16 << 20;
+
+/// Appends what fits under [`MAX_COLLECTED`]; true when something was cut.
+fn push_capped(buf: &mut Vec<u8>, more: &[u8]) -> bool {
+    let room = MAX_COLLECTED.saturating_sub(buf.len());
+    buf.extend_from_slice(&more[..more.len().min(room)]);
+    more.len() > room
+}
 
 /// Longest timeout a run accepts: one day.
 const MAX_RUN_TIMEOUT_S: f64 = 86_400.0;
@@ -106,24 +116,41 @@ pub async fn exec(
     let req = exec_request(&body)?;
     let stdin = body.stdin.map(String::into_bytes);
     let started = std::time::Instant::now();
+    let stdin = stdin.map(|b| Box::new(std::io::Cursor::new(b)) as forkd_core::agent::Stdin);
+    let mut stream = sandbox.exec_stream(req, stdin).await?;
     if !body.stream {
-        let out = sandbox.exec(req, stdin).await?;
+        // Collected up to a limit: one command's output must not exhaust the daemon.
+        let (mut stdout, mut stderr, mut truncated) = (Vec::new(), Vec::new(), false);
+        let mut status = None;
+        while let Some(item) = stream.next().await? {
+            match item {
+                ExecOutput::Stdout(b) => truncated |= push_capped(&mut stdout, &b),
+                ExecOutput::Stderr(b) => truncated |= push_capped(&mut stderr, &b),
+                ExecOutput::Started(_) => {}
+                ExecOutput::Exited(s) => status = Some(s),
+            }
+        }
+        let s = status.ok_or_else(|| {
+            ApiError::new(
+                axum::http::StatusCode::BAD_GATEWAY,
+                "sandbox_failed",
+                "the command's output ended without an exit status",
+            )
+        })?;
         app.metrics
             .exec_seconds
             .observe(started.elapsed().as_secs_f64());
-        let s = out.status;
         return Ok(Json(ExecResultBody {
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            stdout: String::from_utf8_lossy(&stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&stderr).into_owned(),
             exit_code: s.shell_code(),
             signal: s.signal,
             timed_out: s.timed_out,
             duration_ms: s.duration_ms,
+            truncated,
         })
         .into_response());
     }
-    let stdin = stdin.map(|b| Box::new(std::io::Cursor::new(b)) as forkd_core::agent::Stdin);
-    let stream = sandbox.exec_stream(req, stdin).await?;
     let app2 = app.clone();
     let lines = futures::stream::unfold(Some(stream), move |state| {
         let app = app2.clone();
@@ -215,15 +242,39 @@ pub async fn run_code(
     };
     let context = pick_context(&sandbox, body.context).await?;
     let ctx = context.clone();
-    if !body.stream {
-        let x = sandbox
-            .call(|a| async move { a.run_code(&ctx, &req).await })
-            .await?;
-        return Ok(Json(CodeResult::from_execution(context, x)).into_response());
-    }
-    let stream = sandbox
+    let mut stream = sandbox
         .call(|a| async move { a.run_code_stream(&ctx, &req).await })
         .await?;
+    if !body.stream {
+        // Collected up to a limit, like exec.
+        let mut x = forkd_proto::context::Execution::default();
+        let mut kept = 0usize;
+        let mut truncated = false;
+        while let Some(e) = stream
+            .next()
+            .await
+            .map_err(forkd_core::SandboxError::from)?
+        {
+            let size = match &e {
+                ContextEvent::Stdout { text } | ContextEvent::Stderr { text } => text.len(),
+                ContextEvent::Result { text, html, png } => {
+                    text.len()
+                        + html.as_ref().map_or(0, String::len)
+                        + png.as_ref().map_or(0, String::len)
+                }
+                _ => 0,
+            };
+            if kept + size > MAX_COLLECTED {
+                truncated = true;
+                continue;
+            }
+            kept += size;
+            x.push(e);
+        }
+        let mut result = CodeResult::from_execution(context, x);
+        result.truncated = truncated;
+        return Ok(Json(result).into_response());
+    }
     let lines = futures::stream::unfold(Some(stream), |state| async move {
         let mut stream = state?;
         match stream.next().await {

@@ -110,17 +110,17 @@ pub async fn create(
         }
     }
     let t = std::time::Instant::now();
-    let entries = app
-        .registry
-        .create(
-            &snap,
-            CreateSpec {
-                count: req.n as usize,
-                labels: req.labels,
-                timeout_at,
-            },
-        )
-        .await?;
+    let spec = CreateSpec {
+        count: req.n as usize,
+        labels: req.labels,
+        timeout_at,
+    };
+    // In a task of its own: a client that hangs up mid-fork must not cancel it half
+    // way, leaving children that run with no record.
+    let app2 = app.clone();
+    let entries = tokio::spawn(async move { app2.registry.create(&snap, spec).await })
+        .await
+        .map_err(|e| ApiError::internal(format!("the fork task failed: {e}")))??;
     app.metrics.forks.inc_by(entries.len() as u64);
     app.metrics.fork_seconds.observe(t.elapsed().as_secs_f64());
     Ok((

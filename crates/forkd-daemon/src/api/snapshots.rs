@@ -4,12 +4,14 @@
 use super::error::ErrorBody;
 use super::types::{BuildSnapshotBody, SnapshotInfo, SnapshotList, Verified};
 use super::{ApiError, App, JsonBody, PathParams, QueryParams};
+use crate::registry::RegistryError;
 use crate::state::OperationRow;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 use forkd_core::snapshot::{Snapshot, SnapshotError, Tag};
 use forkd_core::template::{self, Recipe};
+use forkd_core::SandboxError;
 use serde::Deserialize;
 
 fn info(app: &App, tag: &str, res: Result<Snapshot, SnapshotError>) -> SnapshotInfo {
@@ -107,13 +109,16 @@ pub async fn delete(
         }
         .into());
     }
-    let children = app.registry.children_of(tag.as_str());
     if q.force {
-        for id in &children {
-            app.registry.delete(id).await?;
+        for id in app.registry.children_of(tag.as_str()) {
+            // One that went away meanwhile (deleted, timed out) is as good as stopped.
+            match app.registry.delete(&id).await {
+                Ok(()) | Err(RegistryError::Sandbox(SandboxError::NotFound { .. })) => {}
+                Err(e) => return Err(e.into()),
+            }
         }
     }
-    store.remove(&tag, &app.registry.children_of(tag.as_str()))?;
+    store.remove(&tag, &app.registry.users_of(tag.as_str()))?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -135,6 +140,12 @@ pub async fn build(
             tag: tag.to_string(),
         }
         .into());
+    }
+    if let Some(op) = app.registry.state().running_operation_on(tag.as_str())? {
+        return Err(ApiError::conflict(format!(
+            "snapshot {tag} is being built already (operation {})",
+            op.id
+        )));
     }
     let op = OperationRow {
         id: format!("op-{}", forkd_core::ids::random_hex(8)),

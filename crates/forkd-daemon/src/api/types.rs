@@ -124,6 +124,9 @@ pub struct ExecResultBody {
     pub timed_out: bool,
     /// Wall time in the guest, milliseconds.
     pub duration_ms: u64,
+    /// True when the output passed the daemon's limit (16 MiB per stream) and was cut;
+    /// use `stream` for more.
+    pub truncated: bool,
 }
 
 /// One line of a streamed exec (NDJSON).
@@ -192,6 +195,9 @@ pub struct CodeResult {
     pub error: Option<CodeError>,
     /// The context's cell counter after the run.
     pub execution_count: u64,
+    /// True when the output passed the daemon's limit (16 MiB) and was cut; use
+    /// `stream` for more.
+    pub truncated: bool,
 }
 
 /// One value of a cell.
@@ -238,6 +244,7 @@ impl CodeResult {
                 traceback: e.traceback,
             }),
             execution_count: x.execution_count,
+            truncated: false,
         }
     }
 }
