@@ -119,15 +119,6 @@ pub fn list(home: &Home) -> Vec<Entry> {
     out
 }
 
-/// Live sandboxes forked from snapshot `tag`.
-pub fn children_of(home: &Home, tag: &str) -> Vec<String> {
-    list(home)
-        .into_iter()
-        .filter(|e| e.status == "running" && e.record.snapshot.as_deref() == Some(tag))
-        .map(|e| e.record.id)
-        .collect()
-}
-
 /// Removes the directories of sandboxes whose VM has exited; returns their ids.
 pub fn prune(home: &Home) -> Vec<String> {
     list(home)

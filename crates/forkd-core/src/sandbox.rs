@@ -9,7 +9,6 @@ use forkd_image::{GuestAssets, Home};
 use forkd_proto::exec::ExecRequest;
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -50,7 +49,8 @@ impl Default for SandboxOptions {
 pub struct BootTimings {
     /// Until QEMU's control socket answered.
     pub hypervisor_ready: Duration,
-    /// Until the guest agent's first answer (handshake plus one ping).
+    /// Until the guest agent's first answer: the handshake plus one ping for a boot, plus
+    /// the resume hook for a restored child.
     pub first_answer: Duration,
 }
 
@@ -73,7 +73,7 @@ struct Inner {
     failure: Mutex<Option<Failure>>,
     watchdog: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// Whether dropping the last handle stops the VM and removes its files.
-    owned: AtomicBool,
+    owned: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -270,24 +270,11 @@ impl Sandbox {
             cancel: CancellationToken::new(),
             failure: Mutex::new(None),
             watchdog: Mutex::new(None),
-            owned: AtomicBool::new(owned && !config.detached),
+            owned: owned && !config.detached,
         });
         let watchdog = tokio::spawn(watch(Arc::downgrade(&inner)));
         *lock(&inner.watchdog) = Some(watchdog);
         Sandbox { inner }
-    }
-
-    /// Lets the sandbox go on without this handle: the watchdog stops, the agent session
-    /// closes, and dropping the handle no longer stops the VM. Only a detached VM (see
-    /// [`forkd_hypervisor::VmConfig::detached`]) outlives this process; the sandbox is
-    /// found again with [`Sandbox::attach`].
-    pub fn release(self) {
-        self.inner.owned.store(false, Ordering::SeqCst);
-        self.inner.set_failure(Failure::Destroyed);
-        if let Some(w) = lock(&self.inner.watchdog).take() {
-            w.abort();
-        }
-        self.inner.agent.close();
     }
 
     /// Closes the agent session, stops the watchdog, and saves the paused VM's device
@@ -426,7 +413,7 @@ impl Drop for Sandbox {
     fn drop(&mut self) {
         // The watchdog holds the sandbox while it waits on the VM: stop it, and kill the
         // VM and remove the files here rather than when the last reference goes.
-        if !self.inner.owned.load(Ordering::SeqCst) {
+        if !self.inner.owned {
             return;
         }
         self.inner.set_failure(Failure::Destroyed);
@@ -496,7 +483,7 @@ impl Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        if !self.owned.load(Ordering::SeqCst) {
+        if !self.owned {
             return;
         }
         self.vm.kill();
@@ -564,9 +551,9 @@ async fn watch(inner: std::sync::Weak<Inner>) {
 /// first answer then takes longer.
 const QUIESCE: Duration = Duration::from_millis(300);
 
-/// Connects to the agent and pings it; for a restored child (`resume_as` its id), runs
-/// the resume hook first, so that nothing reaches the child before its clock, RNG and
-/// hostname are its own.
+/// Connects to the agent and waits for its first answer: a ping, or for a restored
+/// child (`resume_as` its id) the resume hook, so that nothing reaches the child before
+/// its clock, RNG and hostname are its own.
 async fn connect_agent(
     socket: &Path,
     timeout: Duration,
@@ -585,8 +572,10 @@ async fn connect_agent(
                 hostname: id.to_owned(),
             })
             .await?;
+    } else {
+        agent.ping().await?;
     }
-    agent.ping().await?;
+    // (The handshake checked the protocol; the resume hook's answer is the first one.)
     Ok(agent)
 }
 

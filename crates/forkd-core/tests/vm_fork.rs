@@ -86,7 +86,13 @@ async fn damaged_snapshots_and_bad_tags_are_refused_before_any_child_starts() {
         .verify(&snap.tag)
         .expect("a fresh snapshot verifies");
     // Other tests fork in parallel: count only this snapshot's children.
-    let children_of = |tag: &Tag| forkd_core::catalog::children_of(&home(), tag.as_str());
+    let children_of = |tag: &Tag| -> Vec<String> {
+        forkd_core::catalog::list(&home())
+            .into_iter()
+            .filter(|e| e.record.snapshot.as_deref() == Some(tag.as_str()))
+            .map(|e| e.record.id)
+            .collect()
+    };
 
     // A part whose contents changed (same size): the seal no longer matches, and
     // verification names the digest.

@@ -137,6 +137,15 @@ impl Client {
         Ok((status, bytes))
     }
 
+    /// `DELETE path`: Ok on 204, the daemon's [`ApiFailure`] otherwise.
+    pub async fn delete(&self, path: &str) -> Result<()> {
+        let (status, body) = self.call(Method::DELETE, path, None).await?;
+        if status != StatusCode::NO_CONTENT {
+            return Err(failure(status, &body).into());
+        }
+        Ok(())
+    }
+
     /// Like [`Client::call`], decoding a success as `T` and an error as [`ApiFailure`].
     pub async fn json<T: DeserializeOwned>(
         &self,

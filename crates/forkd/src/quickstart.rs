@@ -108,12 +108,7 @@ pub async fn run(home: &Home, args: QuickstartArgs) -> Result<()> {
 
     let t = Instant::now();
     for id in &ids {
-        let (s, b) = client
-            .call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
-            .await?;
-        if s != StatusCode::NO_CONTENT {
-            return Err(forkd_daemon::client::failure(s, &b).into());
-        }
+        client.delete(&format!("/v1/sandboxes/{id}")).await?;
     }
     step("stop every child", t.elapsed());
     step("total", t0.elapsed());

@@ -288,14 +288,9 @@ pub async fn kill(client: &Client, args: KillArgs) -> Result<()> {
         args.ids.clone()
     };
     let results = futures::future::join_all(ids.iter().map(|id| async move {
-        let id = path_id(id)?;
-        let (status, body) = client
-            .call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
-            .await?;
-        if status != StatusCode::NO_CONTENT {
-            return Err(forkd_daemon::client::failure(status, &body).into());
-        }
-        anyhow::Ok(())
+        client
+            .delete(&format!("/v1/sandboxes/{}", path_id(id)?))
+            .await
     }))
     .await;
     let mut rows = Vec::new();

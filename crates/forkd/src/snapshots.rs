@@ -6,7 +6,7 @@ use crate::remote::print_json;
 use anyhow::{Context, Result};
 use forkd_core::snapshot::Tag;
 use forkd_core::template::{self, Recipe};
-use forkd_daemon::client::Client;
+use forkd_daemon::client::{ApiFailure, Client};
 use hyper::{Method, StatusCode};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -114,10 +114,16 @@ pub async fn build_template(
     body["tag"] = tag.clone().into();
     if replace {
         // Refused (409, naming them) while children run from it.
-        let path = format!("/v1/snapshots/{}", path_tag(&tag)?);
-        let (status, b) = client.call(Method::DELETE, &path, None).await?;
-        if status != StatusCode::NO_CONTENT && status != StatusCode::NOT_FOUND {
-            return Err(forkd_daemon::client::failure(status, &b).into());
+        match client
+            .delete(&format!("/v1/snapshots/{}", path_tag(&tag)?))
+            .await
+        {
+            Ok(()) => {}
+            // Nothing to replace.
+            Err(e)
+                if e.downcast_ref::<ApiFailure>()
+                    .is_some_and(|f| f.status == StatusCode::NOT_FOUND) => {}
+            Err(e) => return Err(e),
         }
     }
     let op: Value = client
@@ -231,10 +237,7 @@ pub async fn rmi(client: &Client, tag: &str, force: bool) -> Result<()> {
         path_tag(tag)?,
         if force { "?force=true" } else { "" }
     );
-    let (status, body) = client.call(Method::DELETE, &path, None).await?;
-    if status != StatusCode::NO_CONTENT {
-        return Err(forkd_daemon::client::failure(status, &body).into());
-    }
+    client.delete(&path).await?;
     println!("removed snapshot {tag}");
     Ok(())
 }

@@ -114,9 +114,10 @@ pub async fn exec(
 ) -> Result<Response, ApiError> {
     let sandbox = app.registry.get(&id)?.sandbox;
     let req = exec_request(&body)?;
-    let stdin = body.stdin.map(String::into_bytes);
+    let stdin = body
+        .stdin
+        .map(|s| Box::new(std::io::Cursor::new(s.into_bytes())) as forkd_core::agent::Stdin);
     let started = std::time::Instant::now();
-    let stdin = stdin.map(|b| Box::new(std::io::Cursor::new(b)) as forkd_core::agent::Stdin);
     let mut stream = sandbox.exec_stream(req, stdin).await?;
     if !body.stream {
         // Collected up to a limit: one command's output must not exhaust the daemon.
