@@ -242,22 +242,22 @@ impl Registry {
 
     /// Stops the sandbox `id` and forgets it.
     pub async fn delete(&self, id: &str) -> Result<(), RegistryError> {
-        let entry = self
-            .slots()
-            .live
-            .remove(id)
-            .ok_or_else(|| SandboxError::NotFound { id: id.to_owned() })?;
+        let entry = self.get(id)?;
         self.remove(&entry).await
     }
 
+    /// Stops a sandbox, removes its files and its row, and only then forgets it: once
+    /// the API answers 404 for it, nothing of it is left. (Two removals of one sandbox
+    /// at once are harmless: stopping and removing are idempotent.)
     async fn remove(&self, entry: &Entry) -> Result<(), RegistryError> {
-        self.slots().live.remove(&entry.row.id);
         let stopped = entry.sandbox.stop().await;
-        self.state.delete_sandbox(&entry.row.id)?;
         if stopped.is_err() {
             // Whatever stop could not do, the directory still goes.
             let _ = forkd_core::sandbox::remove_dir(&entry.row.config.dir);
         }
+        let forgotten = self.state.delete_sandbox(&entry.row.id);
+        self.slots().live.remove(&entry.row.id);
+        forgotten?;
         Ok(())
     }
 
