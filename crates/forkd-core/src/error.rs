@@ -36,10 +36,10 @@ pub enum SandboxError {
         /// The tail of the guest's serial console.
         console: String,
     },
-    /// sandbox {id}: the guest agent stopped answering (no answer to a ping within {secs} s); the sandbox was torn down
+    /// The agent does not answer; the sandbox is kept.
     #[error(
-        "sandbox {id}: the guest agent stopped answering (no answer to a ping within {secs} s); \
-         the sandbox was torn down"
+        "sandbox {id} is unresponsive: its guest agent has not answered a ping within {secs} s \
+         (a busy guest or host); the sandbox is kept: retry later, or delete it"
     )]
     Unresponsive {
         /// The sandbox.
@@ -52,6 +52,14 @@ pub enum SandboxError {
     Destroyed {
         /// The sandbox.
         id: String,
+    },
+    /// The sandbox exists but is not in a state that serves requests.
+    #[error("sandbox {id} is {state}: it does not take requests now")]
+    NotReady {
+        /// The sandbox.
+        id: String,
+        /// Its state.
+        state: crate::lifecycle::SandboxState,
     },
     /// {0}
     #[error(transparent)]

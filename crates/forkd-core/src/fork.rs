@@ -8,8 +8,9 @@ use crate::error::SandboxError;
 use crate::sandbox::{new_sandbox_dir, Launch, Sandbox, SandboxOptions};
 use crate::snapshot::manifest::parts;
 use crate::snapshot::Snapshot;
-use forkd_hypervisor::qemu::disk;
-use forkd_hypervisor::{accel, Accel, AccelChoice, MemoryBackend, VmConfig};
+use forkd_hypervisor::{
+    accel, Accel, AccelChoice, DiskFormat, DiskLayer, Hypervisor, MemoryBackend, VmConfig,
+};
 use forkd_image::Home;
 use std::time::Duration;
 
@@ -44,12 +45,41 @@ impl Default for ForkOptions {
     }
 }
 
+/// What the owner of the children hears as a fork goes, so that it can record each
+/// child before anything of it exists on the host and forget it if it fails: a process
+/// killed at any point of a fork then leaves nothing its next start cannot find.
+pub trait ForkObserver: Send + Sync {
+    /// A child is about to be made: `config` names its id and runtime directory, which
+    /// exists (empty); its disk layer and VM do not yet. An error stops this child.
+    fn planned(&self, config: &VmConfig) -> Result<(), SandboxError>;
+    /// The child answers; it is about to be handed to the caller. An error stops it.
+    fn ready(&self, child: &Sandbox) -> Result<(), SandboxError>;
+    /// The child `id` failed (or was stopped because a sibling failed); its VM is gone
+    /// and its files removed.
+    fn discarded(&self, id: &str);
+}
+
+/// Records nothing: for callers that own their children's handles (tests, benchmarks).
+pub struct Unrecorded;
+
+impl ForkObserver for Unrecorded {
+    fn planned(&self, _: &VmConfig) -> Result<(), SandboxError> {
+        Ok(())
+    }
+    fn ready(&self, _: &Sandbox) -> Result<(), SandboxError> {
+        Ok(())
+    }
+    fn discarded(&self, _: &str) {}
+}
+
 /// Restores `opts.count` children of `snap` in parallel. All or nothing: if one fails,
 /// the others are stopped and the first error is returned.
 pub async fn fork(
+    hv: &dyn Hypervisor,
     home: &Home,
     snap: &Snapshot,
     opts: &ForkOptions,
+    observer: &dyn ForkObserver,
 ) -> Result<Vec<Sandbox>, SandboxError> {
     if opts.count == 0 || opts.count > MAX_CHILDREN {
         return Err(SandboxError::Template {
@@ -64,8 +94,10 @@ pub async fn fork(
         // A KVM snapshot cannot run under TCG (and the other way round).
         accel::resolve(AccelChoice::Kvm)?;
     }
-    let results =
-        futures::future::join_all((0..opts.count).map(|_| fork_one(home, snap, opts))).await;
+    let results = futures::future::join_all(
+        (0..opts.count).map(|_| fork_one(hv, home, snap, opts, observer)),
+    )
+    .await;
     let mut children = Vec::with_capacity(results.len());
     let mut first_err = None;
     for r in results {
@@ -79,7 +111,9 @@ pub async fn fork(
         None => Ok(children),
         Some(e) => {
             for c in children {
+                let id = c.id().to_owned();
                 let _ = c.destroy().await;
+                observer.discarded(&id);
             }
             Err(e)
         }
@@ -87,21 +121,22 @@ pub async fn fork(
 }
 
 async fn fork_one(
+    hv: &dyn Hypervisor,
     home: &Home,
     snap: &Snapshot,
     opts: &ForkOptions,
+    observer: &dyn ForkObserver,
 ) -> Result<Sandbox, SandboxError> {
     let m = &snap.manifest.machine;
     let (id, dir, guard) = new_sandbox_dir(home)?;
     let overlay = dir.join("root.qcow2");
-    disk::create_overlay(&snap.part(parts::DISK), "qcow2", &overlay).await?;
     let config = VmConfig {
         id,
         dir,
         kernel: snap.part(parts::KERNEL),
         initramfs: snap.part(parts::INITRAMFS),
         cmdline: m.cmdline.clone(),
-        root_disk: overlay,
+        root_disk: overlay.clone(),
         vcpus: m.vcpus,
         memory_mib: m.memory_mib,
         memory: MemoryBackend::File {
@@ -112,6 +147,47 @@ async fn fork_one(
         seccomp: opts.seccomp,
         detached: opts.detached,
     };
+    observer.planned(&config)?;
+    let id = config.id.clone();
+    let child = async {
+        hv.create_disk_layer(DiskLayer {
+            path: &overlay,
+            base: &snap.part(parts::DISK),
+            base_format: DiskFormat::Layer,
+            relative: false,
+        })
+        .await?;
+        launch_child(hv, snap, opts, config, guard).await
+    }
+    .await;
+    let checked = match child {
+        Ok(c) => match observer.ready(&c) {
+            Ok(()) => Ok(c),
+            Err(e) => {
+                // Not recorded means not owned: this child goes.
+                let _ = c.destroy().await;
+                Err(e)
+            }
+        },
+        Err(e) => Err(e),
+    };
+    match checked {
+        Ok(c) => Ok(c),
+        Err(e) => {
+            observer.discarded(&id);
+            Err(e)
+        }
+    }
+}
+
+async fn launch_child(
+    hv: &dyn Hypervisor,
+    snap: &Snapshot,
+    opts: &ForkOptions,
+    config: VmConfig,
+    guard: crate::sandbox::DirGuard,
+) -> Result<Sandbox, SandboxError> {
+    let m = &snap.manifest.machine;
     let sopts = SandboxOptions {
         vcpus: m.vcpus,
         memory_mib: m.memory_mib,
@@ -121,6 +197,7 @@ async fn fork_one(
         seccomp: opts.seccomp,
     };
     Sandbox::launch(
+        hv,
         config,
         Launch::Restore {
             state: snap.part(parts::STATE),

@@ -8,8 +8,10 @@
 pub mod agent;
 pub mod catalog;
 pub mod error;
+pub mod failpoint;
 pub mod fork;
 pub mod ids;
+pub mod lifecycle;
 pub mod sandbox;
 pub mod snapshot;
 pub mod template;

@@ -3,12 +3,14 @@
 
 use crate::agent::{AgentClient, AgentError, ExecOutput, ExecResult, ExecStream};
 use crate::error::SandboxError;
-use forkd_hypervisor::qemu::{disk, Qemu};
-use forkd_hypervisor::{accel, AccelChoice, Hypervisor, MemoryBackend, Vm, VmConfig};
+use forkd_hypervisor::{
+    accel, AccelChoice, DiskFormat, DiskLayer, Hypervisor, MemoryBackend, Vm, VmConfig, VmStatus,
+};
 use forkd_image::{GuestAssets, Home};
 use forkd_proto::exec::ExecRequest;
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -24,8 +26,8 @@ pub struct SandboxOptions {
     pub accel: AccelChoice,
     /// How long the guest may take from QEMU's start to the agent's first answer.
     pub boot_timeout: Duration,
-    /// The guest agent is declared unresponsive (and the sandbox torn down) when it has
-    /// not answered a ping for this long.
+    /// The guest agent is declared unresponsive (requests to it fail, the sandbox is
+    /// kept) when it has not answered a ping for this long.
     pub agent_timeout: Duration,
     /// QEMU's seccomp filter.
     pub seccomp: bool,
@@ -71,6 +73,8 @@ struct Inner {
     /// Fired when the sandbox fails or is destroyed; every pending call then returns.
     cancel: CancellationToken,
     failure: Mutex<Option<Failure>>,
+    /// Set by the watchdog while the agent does not answer its pings.
+    unresponsive: AtomicBool,
     watchdog: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// Whether dropping the last handle stops the VM and removes its files.
     owned: bool,
@@ -78,7 +82,6 @@ struct Inner {
 
 #[derive(Debug, Clone)]
 enum Failure {
-    Unresponsive,
     Exited(String, String),
     Destroyed,
 }
@@ -110,15 +113,22 @@ pub enum Launch {
 }
 
 impl Sandbox {
-    /// Boots a sandbox from `assets` and waits for its agent.
+    /// Boots a sandbox from `assets` on `hv` and waits for its agent.
     pub async fn boot(
+        hv: &dyn Hypervisor,
         home: &Home,
         assets: &GuestAssets,
         opts: &SandboxOptions,
     ) -> Result<Sandbox, SandboxError> {
         let (id, dir, guard) = new_sandbox_dir(home)?;
         let overlay = dir.join("root.qcow2");
-        disk::create_overlay(&assets.rootfs.path, "raw", &overlay).await?;
+        hv.create_disk_layer(DiskLayer {
+            path: &overlay,
+            base: &assets.rootfs.path,
+            base_format: DiskFormat::Raw,
+            relative: false,
+        })
+        .await?;
         let config = VmConfig {
             id: id.clone(),
             dir: dir.clone(),
@@ -133,13 +143,14 @@ impl Sandbox {
             seccomp: opts.seccomp,
             detached: false,
         };
-        Sandbox::launch(config, Launch::Boot, opts, guard).await
+        Sandbox::launch(hv, config, Launch::Boot, opts, guard).await
     }
 
     /// Starts the VM `config` describes (its directory already made and guarded by
     /// `guard`), connects to its agent and, for a restore, runs the resume hook. The
     /// sandbox's catalog record is written before it is returned.
     pub(crate) async fn launch(
+        hv: &dyn Hypervisor,
         config: VmConfig,
         how: Launch,
         opts: &SandboxOptions,
@@ -147,11 +158,14 @@ impl Sandbox {
     ) -> Result<Sandbox, SandboxError> {
         let id = config.id.clone();
         let started = Instant::now();
-        let hv = Qemu::from_env();
         let vm = match &how {
             Launch::Boot => hv.boot(&config).await?,
             Launch::Restore { state, .. } => hv.restore(&config, state).await?,
         };
+        crate::failpoint::hit(match how {
+            Launch::Boot => "build.after_boot",
+            Launch::Restore { .. } => "fork.after_vm_start",
+        });
         let hypervisor_ready = started.elapsed();
         let agent_socket = config.agent_socket();
         let restored = matches!(how, Launch::Restore { .. });
@@ -212,12 +226,12 @@ impl Sandbox {
     /// [`SandboxError::NotFound`] when there is no such sandbox, and with
     /// [`SandboxError::Gone`] (after removing its files) when its QEMU has died.
     pub async fn attach(
+        hv: &dyn Hypervisor,
         home: &Home,
         id: &str,
         opts: &SandboxOptions,
     ) -> Result<Sandbox, SandboxError> {
         let record = crate::catalog::Record::read(home, id)?;
-        let hv = Qemu::from_env();
         let vm = match hv
             .adopt(&record.config, record.pid, record.start_time)
             .await
@@ -269,6 +283,7 @@ impl Sandbox {
             agent_timeout,
             cancel: CancellationToken::new(),
             failure: Mutex::new(None),
+            unresponsive: AtomicBool::new(false),
             watchdog: Mutex::new(None),
             owned: owned && !config.detached,
         });
@@ -303,10 +318,16 @@ impl Sandbox {
         &self.inner.config
     }
 
-    /// Why the sandbox stopped working (its VM exited, its agent stopped answering, it
-    /// was destroyed), or `None` while it is healthy.
+    /// Why the sandbox stopped working (its VM exited or broke, it was destroyed), or
+    /// `None` while it lives.
     pub fn failure(&self) -> Option<SandboxError> {
         self.inner.failure_error()
+    }
+
+    /// True while the guest agent does not answer the watchdog's pings. The sandbox is
+    /// kept; it answers requests again once the agent does.
+    pub fn is_unresponsive(&self) -> bool {
+        self.inner.unresponsive.load(Ordering::SeqCst)
     }
 
     /// The sandbox's runtime directory (sockets, overlay, logs).
@@ -355,6 +376,12 @@ impl Sandbox {
     {
         if let Some(e) = self.inner.failure_error() {
             return Err(e);
+        }
+        if self.is_unresponsive() {
+            return Err(SandboxError::Unresponsive {
+                id: self.inner.id.clone(),
+                secs: self.inner.agent_timeout.as_secs_f64(),
+            });
         }
         let fut = f(self.inner.agent.clone());
         tokio::select! {
@@ -467,10 +494,6 @@ impl Inner {
     fn failure_error(&self) -> Option<SandboxError> {
         let id = self.id.clone();
         lock(&self.failure).clone().map(|f| match f {
-            Failure::Unresponsive => SandboxError::Unresponsive {
-                id,
-                secs: self.agent_timeout.as_secs_f64(),
-            },
             Failure::Exited(reason, console) => SandboxError::GuestExited {
                 id,
                 reason,
@@ -491,9 +514,12 @@ impl Drop for Inner {
     }
 }
 
-/// Pings the agent every third of the agent timeout; a ping unanswered for two thirds of
-/// it, or QEMU exiting, fails the sandbox and tears it down. Holds only a weak reference
-/// so that dropping the sandbox ends it.
+/// Pings the agent every third of the agent timeout. A ping unanswered for two thirds of
+/// it makes the sandbox unresponsive (requests fail, the VM is kept) until one is
+/// answered again. The sandbox fails only on proof that its VM is gone or broken: QEMU
+/// exited, or QMP reports the guest panicked, shut down or hit an internal error. A busy
+/// or unreachable control socket proves nothing. Holds only a weak reference so that
+/// dropping the sandbox ends it.
 async fn watch(inner: std::sync::Weak<Inner>) {
     let Some(strong) = inner.upgrade() else {
         return;
@@ -526,21 +552,37 @@ async fn watch(inner: std::sync::Weak<Inner>) {
                 return;
             }
         }
-        let ok = matches!(
+        let answered = matches!(
             tokio::time::timeout(period * 2, agent.ping()).await,
             Ok(Ok(_))
         );
-        if !ok {
-            let Some(i) = inner.upgrade() else { return };
-            if i.cancel.is_cancelled() {
-                return;
+        let Some(i) = inner.upgrade() else { return };
+        if i.cancel.is_cancelled() {
+            return;
+        }
+        if answered {
+            if i.unresponsive.swap(false, Ordering::SeqCst) {
+                tracing::info!(id = %i.id, "guest agent answers again");
             }
-            tracing::warn!(id = %i.id, "guest agent unresponsive; tearing the sandbox down");
+            continue;
+        }
+        // No answer: is the VM broken, or only slow? Ask the hypervisor, briefly: a
+        // stopped or overloaded QEMU does not answer QMP either, which proves nothing.
+        let status = tokio::time::timeout(period, i.vm.status()).await;
+        if let Ok(Ok(
+            st @ (VmStatus::GuestPanicked | VmStatus::Shutdown | VmStatus::InternalError),
+        )) = status
+        {
+            tracing::warn!(id = %i.id, "the VM is {st:?}; ending the sandbox");
+            let console = i.vm.console_tail(30);
             i.vm.kill();
             i.vm.wait_exit().await;
             let _ = std::fs::remove_dir_all(&i.config.dir);
-            i.set_failure(Failure::Unresponsive);
+            i.set_failure(Failure::Exited(format!("the guest is {st:?}"), console));
             return;
+        }
+        if !i.unresponsive.swap(true, Ordering::SeqCst) {
+            tracing::warn!(id = %i.id, "guest agent unresponsive (VM status: {status:?}); keeping the sandbox");
         }
     }
 }

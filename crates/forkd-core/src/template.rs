@@ -13,8 +13,9 @@ use crate::error::SandboxError;
 use crate::sandbox::{kernel_cmdline, new_sandbox_dir, Launch, Sandbox, SandboxOptions};
 use crate::snapshot::manifest::{parts, BuildTimes, Machine, Manifest, Versions, FORMAT};
 use crate::snapshot::{Snapshot, Store, Tag};
-use forkd_hypervisor::qemu::{disk, Qemu};
-use forkd_hypervisor::{accel, Accel, AccelChoice, MemoryBackend, VmConfig};
+use forkd_hypervisor::{
+    accel, Accel, AccelChoice, DiskFormat, DiskLayer, Hypervisor, MemoryBackend, VmConfig,
+};
 use forkd_image::{GuestAssets, Home, RootfsImage};
 use forkd_proto::context::{CreateContextRequest, Language, RunCodeRequest};
 use forkd_proto::exec::{Command, ExecRequest};
@@ -181,8 +182,11 @@ impl Default for BuildOptions {
 }
 
 /// Builds `recipe` into the snapshot `tag` of `store`, from `assets` (whose rootfs must
-/// be the recipe's image). `progress` hears each step.
+/// be the recipe's image), on `hv`. `progress` hears each step.
+// Each argument is a different thing the build needs; bundling them would only rename them.
+#[allow(clippy::too_many_arguments)]
 pub async fn build(
+    hv: &dyn Hypervisor,
     home: &Home,
     store: &Store,
     recipe: &Recipe,
@@ -197,7 +201,13 @@ pub async fn build(
     link_or_copy(&assets.kernel.vmlinuz.path, &staging.part(parts::KERNEL))?;
     link_or_copy(&assets.initramfs.path, &staging.part(parts::INITRAMFS))?;
     link_or_copy(&assets.rootfs.path, &staging.part(parts::ROOTFS))?;
-    disk::create_relative_overlay(parts::ROOTFS, "raw", &staging.part(parts::DISK)).await?;
+    hv.create_disk_layer(DiskLayer {
+        path: &staging.part(parts::DISK),
+        base: std::path::Path::new(parts::ROOTFS),
+        base_format: DiskFormat::Raw,
+        relative: true,
+    })
+    .await?;
 
     let accel = accel::resolve(opts.accel)?;
     let (id, dir, guard) = new_sandbox_dir(home)?;
@@ -230,7 +240,7 @@ pub async fn build(
         "booting the parent ({} vCPU, {} MiB, {accel})",
         recipe.vcpus, recipe.memory_mib
     ));
-    let parent = Sandbox::launch(config.clone(), Launch::Boot, &sopts, guard).await?;
+    let parent = Sandbox::launch(hv, config.clone(), Launch::Boot, &sopts, guard).await?;
     let boot = t0.elapsed();
     let t_warm = Instant::now();
     let warmed = warm(&parent, recipe, progress).await;
@@ -270,7 +280,7 @@ pub async fn build(
             initramfs_sha256: assets.initramfs.sha256.clone(),
             forkd: env!("CARGO_PKG_VERSION").into(),
             agent_protocol: forkd_proto::PROTOCOL_VERSION,
-            qemu: qemu_version(),
+            qemu: hypervisor_version(hv),
         },
         parts: Default::default(),
         contexts,
@@ -395,12 +405,9 @@ fn link_or_copy(from: &Path, to: &Path) -> Result<(), SandboxError> {
         })
 }
 
-/// The installed QEMU's version, `unknown (why)` when it cannot be read.
-pub fn qemu_version() -> String {
-    let q = Qemu::from_env();
-    forkd_hypervisor::qemu::version::installed_version(q.binary())
-        .map(|v| format!("{}.{}.{}", v.0, v.1, v.2))
-        .unwrap_or_else(|e| format!("unknown ({e})"))
+/// The hypervisor's version, `unknown (why)` when it cannot be read.
+pub fn hypervisor_version(hv: &dyn Hypervisor) -> String {
+    hv.version().unwrap_or_else(|e| format!("unknown ({e})"))
 }
 
 fn ms(d: Duration) -> u64 {

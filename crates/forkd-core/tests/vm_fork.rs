@@ -4,8 +4,7 @@
 
 mod common;
 
-use common::{build_template, fork_options, home, sh, TestStore};
-use forkd_core::fork::fork;
+use common::{build_template, fork, fork_options, home, sh, TestStore};
 use forkd_core::snapshot::manifest::parts;
 use forkd_core::snapshot::Tag;
 use forkd_core::template::Recipe;

@@ -3,8 +3,7 @@
 
 mod common;
 
-use common::{build_template, fork_options, home, TestStore};
-use forkd_core::fork::fork;
+use common::{build_template, fork, fork_options, home, TestStore};
 use forkd_core::template::Recipe;
 use forkd_core::Sandbox;
 use forkd_proto::context::{Execution, RunCodeRequest};

@@ -3,6 +3,7 @@
 //! and, when asked, on TCP with a bearer token and TLS.
 //!
 //! - [`config`]: how it runs, checked before anything starts.
+//! - [`owner`]: the lock that makes a daemon the one owner of its data directory.
 //! - [`state`]: the SQLite database (sandboxes, operations).
 //! - [`registry`]: the live sandboxes, the capacity limit, re-adoption after a restart.
 //! - [`api`]: routes, errors, the OpenAPI document.
@@ -15,6 +16,7 @@ pub mod audit;
 pub mod client;
 pub mod config;
 pub mod metrics;
+pub mod owner;
 pub mod registry;
 pub mod server;
 pub mod state;
@@ -34,10 +36,10 @@ pub fn now_rfc3339() -> String {
     forkd_image::timestamp::rfc3339_utc(std::time::SystemTime::now())
 }
 
-/// The QEMU version string, read once.
-pub fn qemu_version() -> String {
+/// The hypervisor's version string, read once.
+pub fn hypervisor_version(hv: &dyn forkd_hypervisor::Hypervisor) -> String {
     static VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     VERSION
-        .get_or_init(forkd_core::template::qemu_version)
+        .get_or_init(|| forkd_core::template::hypervisor_version(hv))
         .clone()
 }

@@ -18,6 +18,11 @@ pub struct ErrorLabels {
 
 /// Labels of the build info gauge.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: String,
     agent_protocol: String,
@@ -27,6 +32,7 @@ struct BuildLabels {
 pub struct Metrics {
     registry: Registry,
     running: Gauge,
+    by_state: Family<StateLabels, Gauge>,
     capacity: Gauge,
     snapshot_bytes: Gauge,
     /// Children forked.
@@ -50,6 +56,7 @@ impl Metrics {
     pub fn new() -> Metrics {
         let mut registry = Registry::with_prefix("forkd");
         let running = Gauge::default();
+        let by_state = Family::<StateLabels, Gauge>::default();
         let capacity = Gauge::default();
         let snapshot_bytes = Gauge::default();
         let forks = Counter::default();
@@ -67,6 +74,11 @@ impl Metrics {
             "sandboxes_running",
             "Sandboxes running now",
             running.clone(),
+        );
+        registry.register(
+            "sandboxes",
+            "Sandboxes by lifecycle state (starting, running, unresponsive, stopping, failed)",
+            by_state.clone(),
         );
         registry.register(
             "sandboxes_capacity",
@@ -94,6 +106,7 @@ impl Metrics {
         Metrics {
             registry,
             running,
+            by_state,
             capacity,
             snapshot_bytes,
             forks,
@@ -113,6 +126,14 @@ impl Metrics {
     /// The text exposition, with the gauges read now.
     pub fn render(&self, sandboxes: &Sandboxes) -> String {
         self.running.set(sandboxes.running() as i64);
+        let counts = sandboxes.count_by_state();
+        for state in forkd_core::lifecycle::SandboxState::ALL {
+            self.by_state
+                .get_or_create(&StateLabels {
+                    state: state.as_str().into(),
+                })
+                .set(counts.get(&state).copied().unwrap_or(0) as i64);
+        }
         self.capacity.set(sandboxes.capacity() as i64);
         let bytes: u64 = sandboxes
             .store()

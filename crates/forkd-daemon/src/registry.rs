@@ -1,18 +1,26 @@
 //! The sandboxes the daemon owns: the live handles, their rows in the state database,
 //! and the ceiling on how many may run.
 //!
-//! Every child is forked detached, so it outlives the daemon: a restart finds it in the
-//! database and adopts it again ([`Registry::adopt_all`]). A sandbox leaves the registry
-//! when it is deleted, when its timeout passes, or when its VM dies.
+//! A child's row is written (state `starting`) before anything of it exists on the host
+//! and updated after every change (see [`forkd_core::lifecycle`]), so a daemon killed at
+//! any point leaves nothing its next start cannot find: [`Registry::adopt_all`] adopts
+//! the children that were handed out and removes the ones that were not. Every child is
+//! forked detached, so it outlives the daemon. A sandbox leaves the registry when it is
+//! deleted, when its timeout passes, or when its VM is gone or broken, never because its
+//! agent or control socket is slow.
 
-use crate::state::{SandboxRow, State, StateError};
-use forkd_core::fork::{fork, ForkOptions};
+use crate::state::{OperationRow, SandboxRow, State, StateError};
+use forkd_core::failpoint;
+use forkd_core::fork::{fork, ForkObserver, ForkOptions};
+use forkd_core::lifecycle::SandboxState;
 use forkd_core::snapshot::{Snapshot, Store};
 use forkd_core::{Sandbox, SandboxError, SandboxOptions};
+use forkd_hypervisor::{Hypervisor, VmConfig};
 use forkd_image::Home;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Why the registry refused or failed.
 #[derive(Debug, thiserror::Error)]
@@ -35,17 +43,28 @@ pub enum RegistryError {
     State(#[from] StateError),
 }
 
-/// A sandbox as the registry reports it.
+/// A sandbox the daemon holds a handle on.
 #[derive(Clone)]
 pub struct Entry {
-    /// Its row.
+    /// Its row (its state as last persisted).
     pub row: SandboxRow,
     /// The live handle.
     pub sandbox: Arc<Sandbox>,
 }
 
+/// A sandbox as a listing shows it: every recorded one, with its handle when the daemon
+/// holds one (not while it starts, nor while a restarted daemon cannot reach it yet).
+#[derive(Clone)]
+pub struct Listed {
+    /// Its row.
+    pub row: SandboxRow,
+    /// The live handle, if any.
+    pub sandbox: Option<Arc<Sandbox>>,
+}
+
 /// The live sandboxes.
 pub struct Registry {
+    hv: Arc<dyn Hypervisor>,
     home: Home,
     store: Store,
     state: Arc<State>,
@@ -53,9 +72,24 @@ pub struct Registry {
     slots: Mutex<Slots>,
 }
 
+/// A sandbox whose VM runs but that a restarted daemon could not take over (its QMP
+/// socket or agent did not answer): kept, shown as unresponsive, retried.
+#[derive(Clone)]
+struct Unattached {
+    row: SandboxRow,
+    next_try: Instant,
+}
+
+/// How long to wait before trying again to take over an unattached sandbox.
+const REATTACH_EVERY: Duration = Duration::from_secs(10);
+
 #[derive(Default)]
 struct Slots {
     live: HashMap<String, Entry>,
+    /// Recorded, VM being started: not handed out yet.
+    starting: HashMap<String, SandboxRow>,
+    /// Running, not taken over yet.
+    unattached: HashMap<String, Unattached>,
     /// Slots promised to forks in progress.
     reserved: usize,
     /// Forks in progress, by snapshot tag: they use the snapshot as much as its
@@ -103,9 +137,16 @@ fn attach_options() -> SandboxOptions {
 }
 
 impl Registry {
-    /// An empty registry.
-    pub fn new(home: Home, store: Store, state: Arc<State>, max: usize) -> Registry {
+    /// An empty registry whose VMs run on `hv`.
+    pub fn new(
+        hv: Arc<dyn Hypervisor>,
+        home: Home,
+        store: Store,
+        state: Arc<State>,
+        max: usize,
+    ) -> Registry {
         Registry {
+            hv,
             home,
             store,
             state,
@@ -116,6 +157,11 @@ impl Registry {
 
     fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
         self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The hypervisor the VMs run on.
+    pub fn hypervisor(&self) -> &Arc<dyn Hypervisor> {
+        &self.hv
     }
 
     /// The snapshot store.
@@ -133,13 +179,25 @@ impl Registry {
         self.max
     }
 
-    /// Sandboxes running now.
+    /// Sandboxes that hold a VM (or are starting one).
     pub fn running(&self) -> usize {
-        self.slots().live.len()
+        let slots = self.slots();
+        slots.live.len() + slots.starting.len() + slots.unattached.len()
     }
 
-    /// Forks `spec.count` children of `snap` and records them. Refused at once, before
-    /// anything starts, when they would not fit under the limit.
+    /// How many sandboxes are in each state.
+    pub fn count_by_state(&self) -> HashMap<SandboxState, usize> {
+        let mut counts = HashMap::new();
+        for l in self.list() {
+            *counts.entry(l.row.state).or_default() += 1;
+        }
+        counts
+    }
+
+    /// Forks `spec.count` children of `snap` and records them: each child's row is
+    /// written before its VM starts and says `running` once it answers. Refused at once,
+    /// before anything starts, when they would not fit under the limit. The fork is an
+    /// operation (kind `fork`) whose progress counts the children ready.
     pub async fn create(
         &self,
         snap: &Snapshot,
@@ -147,7 +205,7 @@ impl Registry {
     ) -> Result<Vec<Entry>, RegistryError> {
         let _reservation = {
             let mut slots = self.slots();
-            let live = slots.live.len() + slots.reserved;
+            let live = slots.live.len() + slots.unattached.len() + slots.reserved;
             if live + spec.count > self.max {
                 return Err(RegistryError::AtCapacity {
                     live,
@@ -163,65 +221,113 @@ impl Registry {
                 tag: snap.tag.to_string(),
             }
         };
+        let op = OperationRow {
+            id: format!("op-{}", forkd_core::ids::random_hex(8)),
+            kind: "fork".into(),
+            target: snap.tag.to_string(),
+            status: "running".into(),
+            error: None,
+            created_at: crate::now_rfc3339(),
+            finished_at: None,
+            done: 0,
+            total: spec.count as u64,
+        };
+        self.state.insert_operation(&op)?;
+        let recorder = Recorder {
+            registry: self,
+            spec: &spec,
+            tag: snap.tag.to_string(),
+            op: op.id.clone(),
+            done: AtomicU64::new(0),
+        };
         let opts = ForkOptions {
             count: spec.count,
             detached: true,
             ..ForkOptions::default()
         };
-        let children = fork(&self.home, snap, &opts).await?;
-        let mut out = Vec::with_capacity(children.len());
-        let mut children = children.into_iter();
-        while let Some(child) = children.next() {
-            let row = SandboxRow {
-                id: child.id().to_owned(),
-                snapshot: snap.tag.to_string(),
-                pid: child.pid().unwrap_or(0),
-                start_time: child.vm().start_time().unwrap_or(0),
-                config: child.config().clone(),
-                labels: spec.labels.clone(),
-                timeout_at: spec.timeout_at,
-                created_at: forkd_image::timestamp::rfc3339_utc(std::time::SystemTime::now()),
-            };
-            if let Err(e) = self.state.insert_sandbox(&row) {
-                // Not recorded means not owned: stop this one and the rest.
-                let _ = child.stop().await;
-                for c in children {
-                    let _ = c.stop().await;
-                }
-                for e in &out {
-                    let _ = self.remove(e).await;
-                }
-                return Err(e.into());
-            }
-            let entry = Entry {
-                row,
-                sandbox: Arc::new(child),
-            };
-            self.slots()
-                .live
-                .insert(entry.row.id.clone(), entry.clone());
-            out.push(entry);
+        let forked = fork(self.hv.as_ref(), &self.home, snap, &opts, &recorder).await;
+        let (status, error) = match &forked {
+            Ok(_) => ("succeeded", None),
+            Err(e) => ("failed", Some(e.to_string())),
+        };
+        if let Err(e) =
+            self.state
+                .finish_operation(&op.id, status, error.as_deref(), &crate::now_rfc3339())
+        {
+            tracing::warn!(op = %op.id, "recording the end of the fork: {e}");
         }
+        let children = forked?;
+        let mut slots = self.slots();
+        let out: Vec<Entry> = children
+            .into_iter()
+            .filter_map(|child| {
+                let mut row = slots.starting.remove(child.id())?;
+                row.state = SandboxState::Running;
+                row.pid = child.pid().unwrap_or(0);
+                row.start_time = child.vm().start_time().unwrap_or(0);
+                let entry = Entry {
+                    row,
+                    sandbox: Arc::new(child),
+                };
+                slots.live.insert(entry.row.id.clone(), entry.clone());
+                Some(entry)
+            })
+            .collect();
         Ok(out)
     }
 
-    /// The sandbox `id`.
+    /// The sandbox `id`, if the daemon holds a handle on it. One that is starting, or
+    /// that a restarted daemon has not taken over yet, is named with its state.
     pub fn get(&self, id: &str) -> Result<Entry, SandboxError> {
-        self.slots()
-            .live
-            .get(id)
-            .cloned()
+        let slots = self.slots();
+        if let Some(e) = slots.live.get(id) {
+            return Ok(e.clone());
+        }
+        let state = if slots.starting.contains_key(id) {
+            SandboxState::Starting
+        } else if slots.unattached.contains_key(id) {
+            SandboxState::Unresponsive
+        } else {
+            return Err(SandboxError::NotFound { id: id.to_owned() });
+        };
+        Err(SandboxError::NotReady {
+            id: id.to_owned(),
+            state,
+        })
+    }
+
+    /// The sandbox `id` as a listing shows it.
+    pub fn describe(&self, id: &str) -> Result<Listed, SandboxError> {
+        self.list()
+            .into_iter()
+            .find(|l| l.row.id == id)
             .ok_or_else(|| SandboxError::NotFound { id: id.to_owned() })
     }
 
-    /// Every live sandbox, oldest first.
-    pub fn list(&self) -> Vec<Entry> {
-        let mut v: Vec<Entry> = self.slots().live.values().cloned().collect();
+    /// Every recorded sandbox, oldest first.
+    pub fn list(&self) -> Vec<Listed> {
+        let slots = self.slots();
+        let mut v: Vec<Listed> = slots
+            .live
+            .values()
+            .map(|e| Listed {
+                row: e.row.clone(),
+                sandbox: Some(e.sandbox.clone()),
+            })
+            .chain(slots.starting.values().map(|r| Listed {
+                row: r.clone(),
+                sandbox: None,
+            }))
+            .chain(slots.unattached.values().map(|u| Listed {
+                row: u.row.clone(),
+                sandbox: None,
+            }))
+            .collect();
         v.sort_by(|a, b| (&a.row.created_at, &a.row.id).cmp(&(&b.row.created_at, &b.row.id)));
         v
     }
 
-    /// Live children of the snapshot `tag`.
+    /// Recorded children of the snapshot `tag`.
     pub fn children_of(&self, tag: &str) -> Vec<String> {
         self.list()
             .into_iter()
@@ -242,22 +348,68 @@ impl Registry {
 
     /// Stops the sandbox `id` and forgets it.
     pub async fn delete(&self, id: &str) -> Result<(), RegistryError> {
+        let unattached = self.slots().unattached.get(id).cloned();
+        if let Some(u) = unattached {
+            return self.remove_row(&u.row).await;
+        }
         let entry = self.get(id)?;
         self.remove(&entry).await
     }
 
     /// Stops a sandbox, removes its files and its row, and only then forgets it: once
-    /// the API answers 404 for it, nothing of it is left. (Two removals of one sandbox
-    /// at once are harmless: stopping and removing are idempotent.)
+    /// the API answers 404 for it, nothing of it is left. The row says `stopping` first,
+    /// so a daemon killed half way finishes the job at its next start. (Two removals of
+    /// one sandbox at once are harmless: stopping and removing are idempotent.)
     async fn remove(&self, entry: &Entry) -> Result<(), RegistryError> {
+        self.transition(&entry.row.id, SandboxState::Stopping, None)?;
+        failpoint::hit("delete.after_mark");
         let stopped = entry.sandbox.stop().await;
         if stopped.is_err() {
-            // Whatever stop could not do, the directory still goes.
+            // Whatever stop could not do, the VM and the directory still go.
+            forkd_hypervisor::process::kill(entry.row.pid, entry.row.start_time);
             let _ = forkd_core::sandbox::remove_dir(&entry.row.config.dir);
         }
         let forgotten = self.state.delete_sandbox(&entry.row.id);
         self.slots().live.remove(&entry.row.id);
         forgotten?;
+        Ok(())
+    }
+
+    /// Removes a sandbox the daemon holds no handle on: its VM (through a pidfd, and
+    /// any process that names its directory), its files and its row.
+    async fn remove_row(&self, row: &SandboxRow) -> Result<(), RegistryError> {
+        if row.state.can_become(SandboxState::Stopping) {
+            let _ = self
+                .state
+                .set_state(&row.id, SandboxState::Stopping, None, None);
+        }
+        let row2 = row.clone();
+        tokio::task::spawn_blocking(move || kill_vm_of(&row2))
+            .await
+            .map_err(|e| StateError::Row(serde::de::Error::custom(e.to_string())))?;
+        let _ = forkd_core::sandbox::remove_dir(&row.config.dir);
+        let forgotten = self.state.delete_sandbox(&row.id);
+        {
+            let mut slots = self.slots();
+            slots.unattached.remove(&row.id);
+            slots.starting.remove(&row.id);
+        }
+        forgotten?;
+        Ok(())
+    }
+
+    /// Persists a state change of a live sandbox and mirrors it in memory.
+    fn transition(
+        &self,
+        id: &str,
+        to: SandboxState,
+        error: Option<String>,
+    ) -> Result<(), RegistryError> {
+        self.state.set_state(id, to, error.as_deref(), None)?;
+        if let Some(e) = self.slots().live.get_mut(id) {
+            e.row.state = to;
+            e.row.error = error;
+        }
         Ok(())
     }
 
@@ -273,83 +425,293 @@ impl Registry {
         Ok(entry.clone())
     }
 
-    /// Takes over every sandbox of the database whose VM still runs; forgets (and
-    /// removes the files of) those whose VM died while the daemon was away. Returns
-    /// (adopted, gone).
+    /// Takes over every sandbox of the database whose VM still runs; removes the ones
+    /// that were never handed out (`starting`), those a stop was interrupted on
+    /// (`stopping`), and those whose VM died while the daemon was away. A VM that runs
+    /// but does not answer is kept (unresponsive) and tried again later: it is killed
+    /// only on proof that it is gone. Returns (adopted, removed).
     pub async fn adopt_all(&self) -> Result<(Vec<String>, Vec<String>), RegistryError> {
         let rows = self.state.sandboxes()?;
         let opts = attach_options();
+        let (mut adopted, mut gone) = (Vec::new(), Vec::new());
+        let (keep, drop): (Vec<SandboxRow>, Vec<SandboxRow>) = rows.into_iter().partition(|r| {
+            matches!(r.state, SandboxState::Running | SandboxState::Unresponsive)
+                && forkd_hypervisor::process::start_time(r.pid) == Some(r.start_time)
+        });
+        for row in drop {
+            tracing::info!(id = %row.id, state = %row.state, "removing a sandbox the last daemon left");
+            self.remove_row(&row).await?;
+            gone.push(row.id);
+        }
         let attached = futures::future::join_all(
-            rows.iter()
-                .map(|r| Sandbox::attach(&self.home, &r.id, &opts)),
+            keep.iter()
+                .map(|r| Sandbox::attach(self.hv.as_ref(), &self.home, &r.id, &opts)),
         )
         .await;
-        let (mut adopted, mut gone) = (Vec::new(), Vec::new());
-        for (row, res) in rows.into_iter().zip(attached) {
+        for (row, res) in keep.into_iter().zip(attached) {
             match res {
-                Ok(sb) if sb.pid() == Some(row.pid) => {
-                    adopted.push(row.id.clone());
-                    let entry = Entry {
-                        row,
-                        sandbox: Arc::new(sb),
-                    };
-                    self.slots().live.insert(entry.row.id.clone(), entry);
+                Ok(sb) => {
+                    let id = row.id.clone();
+                    self.adopted(row, sb)?;
+                    failpoint::hit("adopt.after_first");
+                    adopted.push(id);
                 }
-                other => {
-                    if let Err(e) = &other {
-                        tracing::warn!(id = %row.id, "not adopted: {e}");
-                    }
-                    if let Ok(sb) = other {
-                        let _ = sb.stop().await;
-                    }
-                    // A VM that still runs but could not be taken over (its agent did
-                    // not answer) must not outlive its record: nothing would ever stop it.
-                    kill_if_same_process(row.pid, row.start_time);
-                    let _ = forkd_core::sandbox::remove_dir(&row.config.dir);
-                    self.state.delete_sandbox(&row.id)?;
+                Err(SandboxError::Gone { .. } | SandboxError::NotFound { .. })
+                    if !forkd_hypervisor::process::is_alive(row.pid) =>
+                {
+                    self.remove_row(&row).await?;
                     gone.push(row.id);
                 }
+                Err(e) => self.unattached(row, &e)?,
             }
         }
         Ok((adopted, gone))
     }
 
-    /// Stops sandboxes whose deadline has passed and forgets those whose VM died.
-    /// Returns the ids removed.
+    fn adopted(&self, mut row: SandboxRow, sb: Sandbox) -> Result<(), RegistryError> {
+        if row.state != SandboxState::Running {
+            self.state
+                .set_state(&row.id, SandboxState::Running, None, None)?;
+            row.state = SandboxState::Running;
+            row.error = None;
+        }
+        let mut slots = self.slots();
+        slots.unattached.remove(&row.id);
+        slots.live.insert(
+            row.id.clone(),
+            Entry {
+                row,
+                sandbox: Arc::new(sb),
+            },
+        );
+        Ok(())
+    }
+
+    fn unattached(&self, mut row: SandboxRow, e: &SandboxError) -> Result<(), RegistryError> {
+        tracing::warn!(id = %row.id, "running but not taken over (kept, retried): {e}");
+        let error = format!("not reachable since the daemon restarted: {e}");
+        self.state
+            .set_state(&row.id, SandboxState::Unresponsive, Some(&error), None)?;
+        row.state = SandboxState::Unresponsive;
+        row.error = Some(error);
+        self.slots().unattached.insert(
+            row.id.clone(),
+            Unattached {
+                row,
+                next_try: Instant::now() + REATTACH_EVERY,
+            },
+        );
+        Ok(())
+    }
+
+    /// Removes directories of the sandbox tree that no row owns, no live record names
+    /// (a `forkd run` of another process) and no process uses: what a daemon killed
+    /// before it wrote a row, or a build killed with it, left behind.
+    pub fn prune_unowned(&self) -> Vec<String> {
+        let owned: std::collections::HashSet<String> =
+            self.list().into_iter().map(|l| l.row.id).collect();
+        let dir = forkd_core::sandbox::sandboxes_dir(&self.home);
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return Vec::new();
+        };
+        let mut pruned = Vec::new();
+        for e in entries.filter_map(Result::ok) {
+            let Some(id) = e.file_name().to_str().map(str::to_owned) else {
+                continue;
+            };
+            if owned.contains(&id) {
+                continue;
+            }
+            if forkd_core::catalog::Record::read(&self.home, &id).is_ok_and(|r| r.alive()) {
+                continue;
+            }
+            let path = e.path();
+            let inside = format!("{}/", path.to_string_lossy());
+            if !forkd_hypervisor::process::find_by_argument(&inside).is_empty() {
+                continue;
+            }
+            if forkd_core::sandbox::remove_dir(&path).is_ok() {
+                pruned.push(id);
+            }
+        }
+        pruned
+    }
+
+    /// Stops sandboxes whose deadline has passed, forgets those whose VM is gone or
+    /// broken, persists each sandbox's state as its watchdog sees it (running or
+    /// unresponsive), and tries again to take over unattached ones. Returns the ids
+    /// removed.
     pub async fn reap(&self, now: i64) -> Vec<String> {
-        let mut doomed: Vec<Entry> = match self.state.expired(now) {
-            Ok(ids) => ids.iter().filter_map(|id| self.get(id).ok()).collect(),
+        let expired: Vec<String> = match self.state.expired(now) {
+            Ok(ids) => ids,
             Err(e) => {
                 tracing::warn!("reading deadlines: {e}");
                 Vec::new()
             }
         };
-        let dead: Vec<Entry> = self
-            .list()
-            .into_iter()
-            .filter(|e| e.sandbox.vm().exited() && !doomed.iter().any(|d| d.row.id == e.row.id))
-            .collect();
-        doomed.extend(dead);
         let mut removed = Vec::new();
-        for e in doomed {
-            match self.remove(&e).await {
-                Ok(()) => removed.push(e.row.id),
-                Err(err) => tracing::warn!(id = %e.row.id, "removing: {err}"),
+        for l in self.list() {
+            let id = l.row.id.clone();
+            let result = match &l.sandbox {
+                Some(sb) => {
+                    let entry = Entry {
+                        row: l.row.clone(),
+                        sandbox: sb.clone(),
+                    };
+                    if expired.contains(&id) || sb.vm().exited() || sb.failure().is_some() {
+                        if let Some(f) = sb.failure() {
+                            tracing::info!(%id, "sandbox failed: {f}");
+                        }
+                        self.remove(&entry).await.map(|()| true)
+                    } else {
+                        self.sync_health(&entry).map(|()| false)
+                    }
+                }
+                None if l.row.state == SandboxState::Starting => Ok(false),
+                None => self.retry_unattached(&l.row, expired.contains(&id)).await,
+            };
+            match result {
+                Ok(true) => removed.push(id),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(%id, "{e}"),
             }
         }
         removed
     }
+
+    /// Persists what the watchdog sees: `unresponsive` while the agent is silent,
+    /// `running` once it answers again.
+    fn sync_health(&self, e: &Entry) -> Result<(), RegistryError> {
+        let seen = if e.sandbox.is_unresponsive() {
+            SandboxState::Unresponsive
+        } else {
+            SandboxState::Running
+        };
+        if seen == e.row.state || !e.row.state.can_become(seen) {
+            return Ok(());
+        }
+        let error = (seen == SandboxState::Unresponsive)
+            .then(|| "the guest agent does not answer its pings; the sandbox is kept".to_string());
+        tracing::info!(id = %e.row.id, "sandbox is {seen}");
+        self.transition(&e.row.id, seen, error)
+    }
+
+    /// An unattached sandbox: removed when its VM is gone or its deadline passed, taken
+    /// over when it answers. Returns whether it was removed.
+    async fn retry_unattached(
+        &self,
+        row: &SandboxRow,
+        expired: bool,
+    ) -> Result<bool, RegistryError> {
+        let alive = forkd_hypervisor::process::start_time(row.pid) == Some(row.start_time);
+        if expired || !alive {
+            self.remove_row(row).await?;
+            return Ok(true);
+        }
+        let due = self
+            .slots()
+            .unattached
+            .get(&row.id)
+            .is_some_and(|u| u.next_try <= Instant::now());
+        if !due {
+            return Ok(false);
+        }
+        if let Some(u) = self.slots().unattached.get_mut(&row.id) {
+            u.next_try = Instant::now() + REATTACH_EVERY;
+        }
+        if let Ok(sb) =
+            Sandbox::attach(self.hv.as_ref(), &self.home, &row.id, &attach_options()).await
+        {
+            tracing::info!(id = %row.id, "taken over");
+            self.adopted(row.clone(), sb)?;
+        }
+        Ok(false)
+    }
 }
 
-/// SIGKILLs `pid` if it is still the process that started at `start_time`.
-fn kill_if_same_process(pid: u32, start_time: u64) {
-    use forkd_hypervisor::process;
-    if process::start_time(pid) == Some(start_time) {
-        if let Ok(pid) = i32::try_from(pid) {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
+/// Records each child of a fork as it goes (see [`ForkObserver`]).
+struct Recorder<'a> {
+    registry: &'a Registry,
+    spec: &'a CreateSpec,
+    tag: String,
+    op: String,
+    done: AtomicU64,
+}
+
+fn recording_failed(e: StateError) -> SandboxError {
+    SandboxError::Io {
+        context: "recording the sandbox in the state database".into(),
+        source: std::io::Error::other(e.to_string()),
+    }
+}
+
+impl ForkObserver for Recorder<'_> {
+    fn planned(&self, config: &VmConfig) -> Result<(), SandboxError> {
+        let row = SandboxRow {
+            id: config.id.clone(),
+            snapshot: self.tag.clone(),
+            pid: 0,
+            start_time: 0,
+            config: config.clone(),
+            labels: self.spec.labels.clone(),
+            timeout_at: self.spec.timeout_at,
+            created_at: crate::now_rfc3339(),
+            state: SandboxState::Starting,
+            error: None,
+        };
+        self.registry
+            .state
+            .insert_sandbox(&row)
+            .map_err(recording_failed)?;
+        self.registry.slots().starting.insert(row.id.clone(), row);
+        failpoint::hit("fork.after_row");
+        Ok(())
+    }
+
+    fn ready(&self, child: &Sandbox) -> Result<(), SandboxError> {
+        let process = (
+            child.pid().unwrap_or(0),
+            child.vm().start_time().unwrap_or(0),
+        );
+        self.registry
+            .state
+            .set_state(child.id(), SandboxState::Running, None, Some(process))
+            .map_err(recording_failed)?;
+        if let Some(row) = self.registry.slots().starting.get_mut(child.id()) {
+            (row.pid, row.start_time) = process;
+        }
+        failpoint::hit("fork.after_ready");
+        let done = self.done.fetch_add(1, Ordering::SeqCst) + 1;
+        if let Err(e) = self
+            .registry
+            .state
+            .set_progress(&self.op, done, self.spec.count as u64)
+        {
+            tracing::warn!(op = %self.op, "recording progress: {e}");
+        }
+        Ok(())
+    }
+
+    fn discarded(&self, id: &str) {
+        if let Err(e) = self.registry.state.delete_sandbox(id) {
+            tracing::warn!(%id, "forgetting a discarded child: {e}");
+        }
+        self.registry.slots().starting.remove(id);
+    }
+}
+
+/// Kills whatever runs for a sandbox row: the recorded VM process (through a pidfd,
+/// checked against its start time), and any process whose command line names the
+/// sandbox's directory (a VM whose pid was never recorded).
+fn kill_vm_of(row: &SandboxRow) {
+    if row.pid != 0 {
+        forkd_hypervisor::process::kill(row.pid, row.start_time);
+    }
+    // Every path QEMU is given for a sandbox lies inside its directory.
+    let inside = format!("{}/", row.config.dir.to_string_lossy());
+    if inside.len() > 2 {
+        for (pid, start) in forkd_hypervisor::process::find_by_argument(&inside) {
+            forkd_hypervisor::process::kill(pid, start);
         }
     }
 }

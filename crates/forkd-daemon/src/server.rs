@@ -58,15 +58,21 @@ pub async fn run(
     config.validate()?;
     let root = config.home.root().to_owned();
     std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
+    // Before anything of the directory is read or touched: a second daemon must not
+    // adopt (and so break) the first one's sandboxes.
+    let _owner = crate::owner::OwnerLock::acquire(&root, &config.socket)?;
     let state = Arc::new(State::open(&config.database())?);
     let interrupted = state.interrupt_running_operations(&crate::now_rfc3339())?;
     let store = Store::of_home(&config.home);
-    for target in &interrupted {
-        // What a build interrupted by the stop had written is of no use to anyone.
-        if let Ok(tag) = forkd_core::snapshot::Tag::parse(target) {
-            store.remove_staging_of(&tag);
+    for (kind, target) in &interrupted {
+        // What a build interrupted by the stop had written is of no use to anyone. (An
+        // interrupted fork's children are the registry's: see adopt_all.)
+        if kind == "build_snapshot" {
+            if let Ok(tag) = forkd_core::snapshot::Tag::parse(target) {
+                store.remove_staging_of(&tag);
+            }
         }
-        tracing::warn!(%target, "a snapshot build was interrupted by the last stop");
+        tracing::warn!(%kind, %target, "an operation was interrupted by the last stop");
     }
     let audit = Arc::new(AuditLog::open(&config.audit_log()).with_context(|| {
         format!(
@@ -74,11 +80,18 @@ pub async fn run(
             config.audit_log().display()
         )
     })?);
-    let registry = Registry::new(config.home.clone(), store, state, config.max_sandboxes);
+    let registry = Registry::new(
+        forkd_hypervisor::new(),
+        config.home.clone(),
+        store,
+        state,
+        config.max_sandboxes,
+    );
     let (adopted, gone) = registry.adopt_all().await?;
-    // Directories of sandboxes whose VM is gone and that no daemon owns (a `forkd run`
-    // killed outright, say): nothing will ever clean them otherwise.
-    let pruned = forkd_core::catalog::prune(&config.home);
+    // Directories that no row owns and no VM uses (a `forkd run` killed outright, a
+    // daemon killed before it wrote a child's row): nothing will ever clean them
+    // otherwise.
+    let pruned = registry.prune_unowned();
     tracing::info!(
         "adopted {} running sandboxes; {} had stopped while the daemon was down and were removed; {} stale sandbox directories pruned",
         adopted.len(),

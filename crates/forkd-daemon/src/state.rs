@@ -5,6 +5,7 @@
 //! Snapshots are not duplicated here: each is a sealed directory of the store, which is
 //! the one source of truth for what exists and whether it is intact.
 
+use forkd_core::lifecycle::SandboxState;
 use forkd_hypervisor::VmConfig;
 use rusqlite::{params, Connection, OptionalExtension};
 use serde::{Deserialize, Serialize};
@@ -36,6 +37,12 @@ const MIGRATIONS: &[&str] = &[
         created_at  TEXT NOT NULL,
         finished_at TEXT
     );",
+    // 2: a sandbox's lifecycle state (written before its VM starts) and why it failed;
+    // progress of long operations.
+    "ALTER TABLE sandboxes ADD COLUMN state TEXT NOT NULL DEFAULT 'running';
+    ALTER TABLE sandboxes ADD COLUMN error TEXT;
+    ALTER TABLE operations ADD COLUMN done INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE operations ADD COLUMN total INTEGER NOT NULL DEFAULT 0;",
 ];
 
 /// A state database error.
@@ -63,6 +70,16 @@ pub enum StateError {
     /// state database: a stored row is not valid: {0}
     #[error("state database: a stored row is not valid: {0}")]
     Row(#[from] serde_json::Error),
+    /// A state change the lifecycle does not allow.
+    #[error("sandbox {id} cannot go from {from} to {to}")]
+    Transition {
+        /// The sandbox.
+        id: String,
+        /// Its state.
+        from: SandboxState,
+        /// The state asked for.
+        to: SandboxState,
+    },
 }
 
 /// One sandbox the daemon owns.
@@ -72,12 +89,16 @@ pub struct SandboxRow {
     pub id: String,
     /// The snapshot it was forked from.
     pub snapshot: String,
-    /// QEMU's pid.
+    /// QEMU's pid (0 until the VM runs).
     pub pid: u32,
     /// QEMU's start time (clock ticks since boot): with the pid, names the process.
     pub start_time: u64,
-    /// The VM as it was started.
+    /// The VM as it was (or is being) started.
     pub config: VmConfig,
+    /// Where it is in its life.
+    pub state: SandboxState,
+    /// Why it failed or became unresponsive.
+    pub error: Option<String>,
     /// The caller's labels.
     pub labels: BTreeMap<String, String>,
     /// Unix time (seconds) after which the daemon stops it, if set.
@@ -103,6 +124,10 @@ pub struct OperationRow {
     pub created_at: String,
     /// RFC 3339, once finished.
     pub finished_at: Option<String>,
+    /// Steps done (children ready, for a fork).
+    pub done: u64,
+    /// Steps in all (0 while unknown).
+    pub total: u64,
 }
 
 /// The database. Calls are short (single-row reads and writes on a local file), so they
@@ -152,8 +177,8 @@ impl State {
     /// Records a sandbox.
     pub fn insert_sandbox(&self, row: &SandboxRow) -> Result<(), StateError> {
         self.conn().execute(
-            "INSERT INTO sandboxes (id, snapshot, pid, start_time, config, labels, timeout_at, created_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            "INSERT INTO sandboxes (id, snapshot, pid, start_time, config, labels, timeout_at, created_at, state, error)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
             params![
                 row.id,
                 row.snapshot,
@@ -162,10 +187,56 @@ impl State {
                 serde_json::to_string(&row.config)?,
                 serde_json::to_string(&row.labels)?,
                 row.timeout_at,
-                row.created_at
+                row.created_at,
+                row.state.as_str(),
+                row.error
             ],
         )?;
         Ok(())
+    }
+
+    /// Moves a sandbox to `to` (with `error`, and its VM process once known), checked
+    /// against the lifecycle in the same transaction as the write. False if there is no
+    /// such sandbox.
+    pub fn set_state(
+        &self,
+        id: &str,
+        to: SandboxState,
+        error: Option<&str>,
+        process: Option<(u32, u64)>,
+    ) -> Result<bool, StateError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let from: Option<String> = tx
+            .query_row(
+                "SELECT state FROM sandboxes WHERE id = ?1",
+                params![id],
+                |r| r.get(0),
+            )
+            .optional()?;
+        let Some(from) = from else {
+            return Ok(false);
+        };
+        let from = SandboxState::parse(&from).ok_or_else(|| bad_state(&from))?;
+        if !from.can_become(to) {
+            return Err(StateError::Transition {
+                id: id.to_owned(),
+                from,
+                to,
+            });
+        }
+        tx.execute(
+            "UPDATE sandboxes SET state = ?2, error = ?3 WHERE id = ?1",
+            params![id, to.as_str(), error],
+        )?;
+        if let Some((pid, start_time)) = process {
+            tx.execute(
+                "UPDATE sandboxes SET pid = ?2, start_time = ?3 WHERE id = ?1",
+                params![id, pid, start_time as i64],
+            )?;
+        }
+        tx.commit()?;
+        Ok(true)
     }
 
     /// Forgets a sandbox; true if there was such a row.
@@ -224,8 +295,8 @@ impl State {
     /// Records a new running operation.
     pub fn insert_operation(&self, op: &OperationRow) -> Result<(), StateError> {
         self.conn().execute(
-            "INSERT INTO operations (id, kind, target, status, error, created_at, finished_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            "INSERT INTO operations (id, kind, target, status, error, created_at, finished_at, done, total)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
             params![
                 op.id,
                 op.kind,
@@ -233,8 +304,19 @@ impl State {
                 op.status,
                 op.error,
                 op.created_at,
-                op.finished_at
+                op.finished_at,
+                op.done as i64,
+                op.total as i64
             ],
+        )?;
+        Ok(())
+    }
+
+    /// Records an operation's progress.
+    pub fn set_progress(&self, id: &str, done: u64, total: u64) -> Result<(), StateError> {
+        self.conn().execute(
+            "UPDATE operations SET done = ?2, total = ?3 WHERE id = ?1",
+            params![id, done as i64, total as i64],
         )?;
         Ok(())
     }
@@ -259,7 +341,7 @@ impl State {
         Ok(self
             .conn()
             .query_row(
-                "SELECT id, kind, target, status, error, created_at, finished_at
+                "SELECT id, kind, target, status, error, created_at, finished_at, done, total
                  FROM operations WHERE id = ?1",
                 params![id],
                 |r| {
@@ -271,6 +353,8 @@ impl State {
                         error: r.get(4)?,
                         created_at: r.get(5)?,
                         finished_at: r.get(6)?,
+                        done: r.get::<_, i64>(7)? as u64,
+                        total: r.get::<_, i64>(8)? as u64,
                     })
                 },
             )
@@ -294,14 +378,18 @@ impl State {
     }
 
     /// Operations left `running` by a daemon that stopped are marked `interrupted`;
-    /// returns their targets.
-    pub fn interrupt_running_operations(&self, now: &str) -> Result<Vec<String>, StateError> {
+    /// returns their (kind, target).
+    pub fn interrupt_running_operations(
+        &self,
+        now: &str,
+    ) -> Result<Vec<(String, String)>, StateError> {
         let mut conn = self.conn();
         let tx = conn.transaction()?;
         let targets = {
-            let mut stmt = tx.prepare("SELECT target FROM operations WHERE status = 'running'")?;
-            let rows = stmt.query_map([], |r| r.get(0))?;
-            rows.collect::<Result<Vec<String>, _>>()?
+            let mut stmt =
+                tx.prepare("SELECT kind, target FROM operations WHERE status = 'running'")?;
+            let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+            rows.collect::<Result<Vec<(String, String)>, _>>()?
         };
         tx.execute(
             "UPDATE operations SET status = 'interrupted', finished_at = ?1,
@@ -315,7 +403,13 @@ impl State {
 }
 
 const SANDBOX_COLUMNS: &str =
-    "id, snapshot, pid, start_time, config, labels, timeout_at, created_at";
+    "id, snapshot, pid, start_time, config, labels, timeout_at, created_at, state, error";
+
+fn bad_state(s: &str) -> StateError {
+    StateError::Row(serde::de::Error::custom(format!(
+        "unknown sandbox state {s:?}"
+    )))
+}
 
 /// A row as stored, before its JSON columns are decoded.
 struct RawSandbox {
@@ -327,6 +421,8 @@ struct RawSandbox {
     labels: String,
     timeout_at: Option<i64>,
     created_at: String,
+    state: String,
+    error: Option<String>,
 }
 
 fn raw_sandbox(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSandbox> {
@@ -339,6 +435,8 @@ fn raw_sandbox(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSandbox> {
         labels: r.get(5)?,
         timeout_at: r.get(6)?,
         created_at: r.get(7)?,
+        state: r.get(8)?,
+        error: r.get(9)?,
     })
 }
 
@@ -353,6 +451,8 @@ impl RawSandbox {
             labels: serde_json::from_str(&self.labels)?,
             timeout_at: self.timeout_at,
             created_at: self.created_at,
+            state: SandboxState::parse(&self.state).ok_or_else(|| bad_state(&self.state))?,
+            error: self.error,
         })
     }
 }
@@ -388,6 +488,8 @@ mod tests {
             labels: [("team".to_string(), "a".to_string())].into(),
             timeout_at,
             created_at: "2026-01-01T00:00:00Z".into(),
+            state: SandboxState::Running,
+            error: None,
         }
     }
 
@@ -428,16 +530,72 @@ mod tests {
             error: None,
             created_at: "t0".into(),
             finished_at: None,
+            done: 0,
+            total: 0,
         };
         s.insert_operation(&op).unwrap();
+        s.set_progress("op-1", 2, 5).unwrap();
         assert_eq!(
             s.interrupt_running_operations("t1").unwrap(),
-            vec!["python"]
+            vec![("build_snapshot".to_string(), "python".to_string())]
         );
         assert!(s.interrupt_running_operations("t2").unwrap().is_empty());
         let got = s.operation("op-1").unwrap().unwrap();
         assert_eq!(got.status, "interrupted");
         assert_eq!(got.finished_at.as_deref(), Some("t1"));
+        assert_eq!((got.done, got.total), (2, 5));
+    }
+
+    #[test]
+    fn states_change_only_as_the_lifecycle_allows() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = State::open(&dir.path().join("forkd.db")).unwrap();
+        let mut r = row("sb-1", None);
+        r.state = SandboxState::Starting;
+        r.pid = 0;
+        s.insert_sandbox(&r).unwrap();
+        assert!(s
+            .set_state("sb-1", SandboxState::Running, None, Some((77, 9)))
+            .unwrap());
+        let got = s.sandbox("sb-1").unwrap().unwrap();
+        assert_eq!(
+            (got.state, got.pid, got.start_time),
+            (SandboxState::Running, 77, 9)
+        );
+        s.set_state("sb-1", SandboxState::Unresponsive, Some("no answer"), None)
+            .unwrap();
+        assert_eq!(
+            s.sandbox("sb-1").unwrap().unwrap().error.as_deref(),
+            Some("no answer")
+        );
+        s.set_state("sb-1", SandboxState::Stopping, None, None)
+            .unwrap();
+        let e = s
+            .set_state("sb-1", SandboxState::Running, None, None)
+            .unwrap_err();
+        assert!(e.to_string().contains("from stopping to running"), "{e}");
+        assert!(!s
+            .set_state("sb-9", SandboxState::Running, None, None)
+            .unwrap());
+    }
+
+    #[test]
+    fn a_version_1_database_is_migrated() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("forkd.db");
+        let c = Connection::open(&path).unwrap();
+        c.execute_batch(MIGRATIONS[0]).unwrap();
+        c.execute(
+            "INSERT INTO sandboxes VALUES ('sb-1', 'python', 42, 7, ?1, '{}', NULL, 't0')",
+            params![serde_json::to_string(&row("sb-1", None).config).unwrap()],
+        )
+        .unwrap();
+        c.pragma_update(None, "user_version", 1).unwrap();
+        drop(c);
+        let s = State::open(&path).unwrap();
+        let got = s.sandbox("sb-1").unwrap().unwrap();
+        assert_eq!(got.state, SandboxState::Running);
+        assert_eq!(got.error, None);
     }
 
     #[test]

@@ -18,7 +18,41 @@ pub use error::HypervisorError;
 
 use async_trait::async_trait;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
+
+/// The hypervisor this host uses, built once: the daemon, the CLI and the tests hold it
+/// as an `Arc<dyn Hypervisor>` and never name a backend. Today that is QEMU
+/// (`$FORKD_QEMU`, else `qemu-system-x86_64` from `PATH`), under KVM or TCG as each
+/// [`VmConfig`] says.
+pub fn new() -> Arc<dyn Hypervisor> {
+    Arc::new(qemu::Qemu::from_env())
+}
+
+/// What a disk layer's base is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiskFormat {
+    /// A raw image (an ext4 root filesystem).
+    Raw,
+    /// A layer the backend made with [`Hypervisor::create_disk_layer`] (qcow2 for QEMU).
+    Layer,
+}
+
+/// A writable copy-on-write disk layer over a read-only base: the VM writes only to the
+/// layer, so the base (a rootfs image, a snapshot's frozen disk) is never modified.
+#[derive(Debug, Clone, Copy)]
+pub struct DiskLayer<'a> {
+    /// The layer to create.
+    pub path: &'a Path,
+    /// Its base.
+    pub base: &'a Path,
+    /// The base's format.
+    pub base_format: DiskFormat,
+    /// Name the base relative to the layer's directory (it must then be a plain file
+    /// name in that directory): the two can be moved together, as a snapshot directory
+    /// is when it is published.
+    pub relative: bool,
+}
 
 /// What a VM is doing, as the hypervisor sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,6 +63,12 @@ pub enum VmStatus {
     Paused,
     /// The hypervisor process has exited.
     Exited,
+    /// The guest kernel reported a panic (pvpanic) and the VM stopped.
+    GuestPanicked,
+    /// The guest shut down and the hypervisor kept the process.
+    Shutdown,
+    /// The hypervisor hit an internal error (an emulation failure, say).
+    InternalError,
     /// Any other state the hypervisor reports (shutdown, internal error...).
     Other,
 }
@@ -38,6 +78,12 @@ pub enum VmStatus {
 pub trait Hypervisor: Send + Sync {
     /// Short name of the backend (`qemu`).
     fn name(&self) -> &'static str;
+
+    /// The backend's version (recorded in snapshot manifests), or why it is unknown.
+    fn version(&self) -> Result<String, HypervisorError>;
+
+    /// Creates a disk layer as `layer` describes.
+    async fn create_disk_layer(&self, layer: DiskLayer<'_>) -> Result<(), HypervisorError>;
 
     /// Starts a VM as `config` describes and returns once its control channel answers.
     /// The guest is booting when this returns; waiting for its agent is the caller's job.

@@ -36,6 +36,27 @@ impl PidFd {
         Ok(PidFd(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }))
     }
 
+    /// Sends `signal` through the pidfd: it reaches the process the pidfd was opened on
+    /// or nobody, never a process that reused its pid.
+    pub fn send_signal(&self, signal: nix::sys::signal::Signal) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: pidfd_send_signal takes a pidfd we own, a signal number, a null info
+        // pointer (meaning: as kill(2) would send it) and flags 0.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.0.as_raw_fd(),
+                signal as libc::c_int,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        if rc < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Resolves when the process has exited.
     pub async fn exited(self) -> std::io::Result<()> {
         // SAFETY: the AsyncFd takes ownership of the OwnedFd, which stays open and names
@@ -47,6 +68,56 @@ impl PidFd {
         let _ready = fd.readable().await?;
         Ok(())
     }
+}
+
+/// SIGKILLs the process `pid` if it is still the one that started at `start_time`, and
+/// waits (up to a few seconds) until it is gone. The check and the signal go through one
+/// pidfd, so a pid reused in between is never hit. Returns true if it was killed.
+pub fn kill(pid: u32, start_time: u64) -> bool {
+    if !signal(pid, start_time, nix::sys::signal::Signal::SIGKILL) {
+        return false;
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while is_alive(pid) && self::start_time(pid) == Some(start_time) {
+        if std::time::Instant::now() > deadline {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    true
+}
+
+/// Sends `sig` to the process `pid` if it is still the one that started at
+/// `start_time` (through a pidfd, so never to a process that reused the pid). Returns
+/// true if it was sent.
+pub fn signal(pid: u32, start_time: u64, sig: nix::sys::signal::Signal) -> bool {
+    let Ok(fd) = PidFd::open(pid) else {
+        return false;
+    };
+    // Checked after the pidfd is open: from here on the pid names our process or none.
+    if self::start_time(pid) != Some(start_time) {
+        return false;
+    }
+    fd.send_signal(sig).is_ok()
+}
+
+/// Processes (pid, start time) one of whose command-line arguments contains `needle`:
+/// how a VM whose pid was never recorded (its owner died while starting it) is found by
+/// the runtime directory its command line names.
+pub fn find_by_argument(needle: &str) -> Vec<(u32, u64)> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                c.split(|b| *b == 0)
+                    .any(|arg| String::from_utf8_lossy(arg).contains(needle))
+            })
+        })
+        .filter_map(|pid| Some((pid, start_time(pid)?)))
+        .collect()
 }
 
 /// Field `n` (1-based, as in proc(5)) of a /proc/PID/stat line. The command name (field 2)
@@ -83,6 +154,32 @@ mod tests {
             .unwrap()
             .unwrap()
             .unwrap();
+    }
+
+    #[test]
+    fn kill_hits_only_the_process_it_names() {
+        // The needle is the shell's $0; `; true` keeps the shell from exec'ing sleep.
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "sleep 30; true", "forkd-test-needle-4c1e"])
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let started = start_time(pid).unwrap();
+        // Other tests of this binary fork at the same time; give the exec a moment to
+        // show in /proc.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut found = find_by_argument("forkd-test-needle-4c1e");
+        while found.is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            found = find_by_argument("forkd-test-needle-4c1e");
+        }
+        assert_eq!(found, vec![(pid, started)]);
+        // A wrong start time is another process that once had this pid: left alone.
+        assert!(!kill(pid, started + 1));
+        assert!(is_alive(pid));
+        assert!(kill(pid, started));
+        assert!(!child.wait().unwrap().success());
+        assert!(find_by_argument("forkd-test-needle-4c1e").is_empty());
     }
 
     #[test]

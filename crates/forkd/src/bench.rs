@@ -155,8 +155,9 @@ async fn cold_boots(
     quiet: bool,
 ) -> Result<Vec<BootRun>> {
     let mut out = Vec::new();
+    let hv = forkd_hypervisor::new();
     for i in 0..runs {
-        let sb = Sandbox::boot(home, assets, opts)
+        let sb = Sandbox::boot(hv.as_ref(), home, assets, opts)
             .await
             .with_context(|| format!("cold boot {}", i + 1))?;
         let t = sb.timings();
@@ -246,6 +247,7 @@ async fn fork(home: &Home, args: ForkArgs) -> Result<()> {
     };
     let t = Instant::now();
     let snap = forkd_core::template::build(
+        forkd_hypervisor::new().as_ref(),
         home,
         &store,
         &recipe,
@@ -304,14 +306,15 @@ async fn fork_measurements(
     args: &ForkArgs,
     say: &dyn Fn(&str),
 ) -> Result<ForkFigures> {
-    use forkd_core::fork::{fork as fork_children, ForkOptions};
+    use forkd_core::fork::{fork, ForkOptions, Unrecorded};
+    let hv = forkd_hypervisor::new();
     let mut one = Vec::new();
     for i in 0..args.runs {
         let opts = ForkOptions {
             count: 1,
             ..Default::default()
         };
-        let child = fork_children(home, snap, &opts)
+        let child = fork(hv.as_ref(), home, snap, &opts, &Unrecorded)
             .await
             .with_context(|| format!("fork {}", i + 1))?
             .remove(0);
@@ -330,7 +333,7 @@ async fn fork_measurements(
         ..Default::default()
     };
     let t = Instant::now();
-    let children = fork_children(home, snap, &opts).await?;
+    let children = fork(hv.as_ref(), home, snap, &opts, &Unrecorded).await?;
     let n_wall = ms(t.elapsed());
     let n_first = children
         .iter()

@@ -23,6 +23,26 @@ pub async fn ensure_daemon(home: &Home) -> Result<(Client, bool)> {
     if client.call(Method::GET, "/v1/health", None).await.is_ok() {
         return Ok((client, false));
     }
+    // A daemon that owns the data directory but serves another socket (or is busy
+    // starting): use it, never start a second one beside it.
+    if let Some(owner) = forkd_daemon::owner::current_owner(home.root()) {
+        let theirs = Client::new(Endpoint::Unix(owner.socket.clone()), None);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if theirs.call(Method::GET, "/v1/health", None).await.is_ok() {
+                return Ok((theirs, false));
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!(
+                    "the forkd daemon (pid {}) owns {} but does not answer on {}; stop it or wait for it",
+                    owner.pid,
+                    home.root().display(),
+                    owner.socket.display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
     let Endpoint::Unix(socket) = client.endpoint().clone() else {
         anyhow::bail!("no forkd daemon answers at FORKD_URL; start it there first");
     };

@@ -61,9 +61,14 @@ pub async fn run(home: &Home, args: RunArgs) -> Result<i32> {
 
     let assets = crate::image::ensure_assets(home, args.vm.image, false).await?;
     let t_assets = t0.elapsed();
-    let sandbox = Sandbox::boot(home, &assets, &args.vm.options())
-        .await
-        .context("booting the sandbox")?;
+    let sandbox = Sandbox::boot(
+        forkd_hypervisor::new().as_ref(),
+        home,
+        &assets,
+        &args.vm.options(),
+    )
+    .await
+    .context("booting the sandbox")?;
     let boot = sandbox.timings();
 
     let stdin = if std::io::stdin().is_terminal() {

@@ -11,6 +11,27 @@ use forkd_proto::exec::{Command, ExecRequest};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+/// The hypervisor every test VM runs on.
+pub fn hv() -> std::sync::Arc<dyn forkd_hypervisor::Hypervisor> {
+    forkd_hypervisor::new()
+}
+
+/// Forks through [`hv`] with nothing recorded.
+pub async fn fork(
+    home: &Home,
+    snap: &forkd_core::snapshot::Snapshot,
+    opts: &forkd_core::fork::ForkOptions,
+) -> Result<Vec<Sandbox>, forkd_core::SandboxError> {
+    forkd_core::fork::fork(
+        hv().as_ref(),
+        home,
+        snap,
+        opts,
+        &forkd_core::fork::Unrecorded,
+    )
+    .await
+}
+
 pub fn home() -> Home {
     Home::from_env()
 }
@@ -40,7 +61,7 @@ pub async fn boot(image: RootfsImage) -> Sandbox {
 
 pub async fn boot_with(image: RootfsImage, opts: SandboxOptions) -> Sandbox {
     let assets = assets(image).await;
-    Sandbox::boot(&home(), &assets, &opts)
+    Sandbox::boot(hv().as_ref(), &home(), &assets, &opts)
         .await
         .unwrap_or_else(|e| panic!("booting a {image} sandbox: {e}"))
 }
@@ -158,9 +179,16 @@ pub async fn build_template(
         boot_timeout: Duration::from_secs(300),
         ..Default::default()
     };
-    forkd_core::template::build(&home(), store, recipe, &tag, &assets, &opts, &|m| {
-        eprintln!("[template {}] {m}", recipe.name)
-    })
+    forkd_core::template::build(
+        hv().as_ref(),
+        &home(),
+        store,
+        recipe,
+        &tag,
+        &assets,
+        &opts,
+        &|m| eprintln!("[template {}] {m}", recipe.name),
+    )
     .await
     .unwrap_or_else(|e| panic!("building template {}: {e}", recipe.name))
 }

@@ -131,9 +131,11 @@ impl From<SandboxError> for ApiError {
                     }
                 }
             }
-            SandboxError::GuestExited { .. }
-            | SandboxError::Unresponsive { .. }
-            | SandboxError::BootTimeout { .. } => {
+            SandboxError::NotReady { .. } => ApiError::conflict(msg),
+            SandboxError::Unresponsive { .. } => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "sandbox_unresponsive", msg)
+            }
+            SandboxError::GuestExited { .. } | SandboxError::BootTimeout { .. } => {
                 ApiError::new(StatusCode::BAD_GATEWAY, "sandbox_failed", msg)
             }
             _ => ApiError::internal(msg),

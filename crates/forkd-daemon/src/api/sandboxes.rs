@@ -3,7 +3,7 @@
 use super::error::ErrorBody;
 use super::types::{CreateSandboxes, SandboxInfo, SandboxList, SetTimeout};
 use super::{ApiError, App, JsonBody, PathParams, QueryParams};
-use crate::registry::{CreateSpec, Entry, RegistryError};
+use crate::registry::{CreateSpec, Listed, RegistryError};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
@@ -31,19 +31,19 @@ impl From<RegistryError> for ApiError {
     }
 }
 
-/// A registry entry as the API shows it.
-pub fn info(e: &Entry) -> SandboxInfo {
-    let failure = e.sandbox.failure();
+/// A sandbox as the API shows it: its persisted state, or `failed` with the reason as
+/// soon as its handle knows (the reaper records and removes it a moment later).
+pub fn info(e: &Listed) -> SandboxInfo {
+    let failure = e.sandbox.as_ref().and_then(|s| s.failure());
+    let (status, error) = match failure {
+        Some(f) => ("failed".to_string(), Some(f.to_string())),
+        None => (e.row.state.as_str().to_string(), e.row.error.clone()),
+    };
     SandboxInfo {
         id: e.row.id.clone(),
         snapshot: e.row.snapshot.clone(),
-        status: if failure.is_some() {
-            "failed"
-        } else {
-            "running"
-        }
-        .into(),
-        error: failure.map(|f| f.to_string()),
+        status,
+        error,
         pid: e.row.pid,
         vcpus: e.row.config.vcpus,
         memory_mib: e.row.config.memory_mib,
@@ -126,7 +126,15 @@ pub async fn create(
     Ok((
         StatusCode::CREATED,
         Json(SandboxList {
-            sandboxes: entries.iter().map(info).collect(),
+            sandboxes: entries
+                .into_iter()
+                .map(|e| {
+                    info(&Listed {
+                        row: e.row,
+                        sandbox: Some(e.sandbox),
+                    })
+                })
+                .collect(),
         }),
     ))
 }
@@ -173,7 +181,7 @@ pub async fn get(
     State(app): State<App>,
     PathParams(id): PathParams<String>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
-    Ok(Json(info(&app.registry.get(&id)?)))
+    Ok(Json(info(&app.registry.describe(&id)?)))
 }
 
 /// Stops a sandbox and removes its files.
@@ -198,5 +206,9 @@ pub async fn set_timeout(
     JsonBody(req): JsonBody<SetTimeout>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
     let at = deadline(req.timeout_s)?;
-    Ok(Json(info(&app.registry.set_timeout(&id, at)?)))
+    let e = app.registry.set_timeout(&id, at)?;
+    Ok(Json(info(&Listed {
+        row: e.row,
+        sandbox: Some(e.sandbox),
+    })))
 }

@@ -155,6 +155,8 @@ pub async fn build(
         error: None,
         created_at: crate::now_rfc3339(),
         finished_at: None,
+        done: 0,
+        total: 0,
     };
     app.registry.state().insert_operation(&op)?;
     let app2 = app.clone();
@@ -193,6 +195,7 @@ async fn build_snapshot(app: &App, recipe: &Recipe, tag: &Tag) -> anyhow::Result
     .await??;
     let id = tag.to_string();
     template::build(
+        app.registry.hypervisor().as_ref(),
         &app.config.home,
         app.registry.store(),
         recipe,

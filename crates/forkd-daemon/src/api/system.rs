@@ -20,11 +20,11 @@ pub async fn health(State(app): State<App>) -> Json<Health> {
 
 /// Versions of forkd, the agent protocol and QEMU.
 #[utoipa::path(get, path = "/v1/version", responses((status = 200, body = Version)))]
-pub async fn version() -> Json<Version> {
+pub async fn version(State(app): State<App>) -> Json<Version> {
     Json(Version {
         forkd: env!("CARGO_PKG_VERSION").into(),
         agent_protocol: forkd_proto::PROTOCOL_VERSION,
-        qemu: crate::qemu_version(),
+        qemu: crate::hypervisor_version(app.registry.hypervisor().as_ref()),
     })
 }
 

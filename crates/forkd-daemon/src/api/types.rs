@@ -43,9 +43,11 @@ pub struct SandboxInfo {
     pub id: String,
     /// The snapshot it was forked from.
     pub snapshot: String,
-    /// `running`, or `failed` (its VM exited or its agent stopped answering).
+    /// `starting`, `running`, `unresponsive` (its VM runs but its agent does not
+    /// answer: requests fail, the sandbox is kept), `stopping`, or `failed` (its VM
+    /// exited or broke).
     pub status: String,
-    /// Why it failed.
+    /// Why it failed or is unresponsive.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     /// QEMU's pid on the host.

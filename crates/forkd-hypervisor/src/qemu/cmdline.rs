@@ -62,9 +62,13 @@ pub fn build(config: &VmConfig) -> Vec<OsString> {
     args.push("-initrd").push(config.initramfs.as_os_str());
     args.push("-append").push(config.cmdline.as_str());
 
-    let mut drive = OsString::from("id=root,format=qcow2,if=none,cache=unsafe,file=");
+    let mut drive = OsString::from(
+        "id=root,format=qcow2,if=none,cache=unsafe,werror=report,rerror=report,file=",
+    );
     // cache=unsafe: the overlay is a throwaway per-sandbox layer; its durability is the
     // snapshot layer's business, and skipping flushes keeps guest fsyncs cheap.
+    // werror/rerror=report: a host disk that fills up (or fails) is an I/O error the
+    // guest sees (ENOSPC, EIO), not a VM that QEMU pauses and nobody resumes.
     drive.push(escape(config.root_disk.as_os_str()));
     args.push("-drive").push(drive);
     args.push("-device").push("virtio-blk-device,drive=root");
@@ -169,6 +173,7 @@ mod tests {
         assert!(s.contains(&format!("-sandbox {SECCOMP}")), "{s}");
         // Commas in paths are doubled so QEMU does not split on them.
         assert!(s.contains("file=/run/x,,y/root.qcow2"), "{s}");
+        assert!(s.contains("werror=report,rerror=report"), "{s}");
         assert!(!s.contains("memory-backend"), "{s}");
     }
 

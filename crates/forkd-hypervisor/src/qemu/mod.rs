@@ -48,6 +48,27 @@ impl crate::Hypervisor for Qemu {
         "qemu"
     }
 
+    fn version(&self) -> Result<String, HypervisorError> {
+        version::installed_version(&self.binary)
+            .map(|v| v.to_string())
+            .map_err(HypervisorError::Config)
+    }
+
+    async fn create_disk_layer(&self, layer: crate::DiskLayer<'_>) -> Result<(), HypervisorError> {
+        let format = match layer.base_format {
+            crate::DiskFormat::Raw => "raw",
+            crate::DiskFormat::Layer => "qcow2",
+        };
+        if layer.relative {
+            let name = layer.base.to_str().ok_or_else(|| {
+                HypervisorError::Config(format!("{} is not UTF-8", layer.base.display()))
+            })?;
+            disk::create_relative_overlay(name, format, layer.path).await
+        } else {
+            disk::create_overlay(layer.base, format, layer.path).await
+        }
+    }
+
     async fn boot(&self, config: &VmConfig) -> Result<Box<dyn Vm>, HypervisorError> {
         Ok(Box::new(QemuVm::start(&self.binary, config, None).await?))
     }
@@ -382,6 +403,9 @@ impl Vm for QemuVm {
         Ok(match v["status"].as_str().unwrap_or("") {
             "running" => VmStatus::Running,
             "paused" | "inmigrate" | "postmigrate" | "prelaunch" => VmStatus::Paused,
+            "guest-panicked" => VmStatus::GuestPanicked,
+            "shutdown" => VmStatus::Shutdown,
+            "internal-error" => VmStatus::InternalError,
             _ => VmStatus::Other,
         })
     }
@@ -463,13 +487,12 @@ impl Vm for QemuVm {
                 let _ = kill.send(());
             }
             Owner::Adopted { start_time } => {
-                if !self.exited() && crate::process::start_time(self.pid) == Some(*start_time) {
-                    if let Ok(pid) = i32::try_from(self.pid) {
-                        let _ = nix::sys::signal::kill(
-                            nix::unistd::Pid::from_raw(pid),
-                            nix::sys::signal::Signal::SIGKILL,
-                        );
-                    }
+                if !self.exited() {
+                    crate::process::signal(
+                        self.pid,
+                        *start_time,
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
                 }
             }
         }
