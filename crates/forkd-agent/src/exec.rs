@@ -218,16 +218,14 @@ async fn run(
     let mut sp = match spawn(&state.children, &state.env, &req, stdin) {
         Ok(sp) => sp,
         Err(e) => {
-            let _ = tx
-                .send(frame::encode_json(&ExecEvent::Error(e.detail())))
-                .await;
+            let _ = tx.send(event_frame(ExecEvent::Error(e.detail()))).await;
             return;
         }
     };
     let pgid = sp.tracked.pid();
     // If the host is already gone there is no one to run this for.
     if tx
-        .send(frame::encode_json(&ExecEvent::Started { pid: pgid }))
+        .send(event_frame(ExecEvent::Started { pid: pgid }))
         .await
         .is_err()
     {
@@ -310,8 +308,31 @@ async fn run(
         }
     };
     drop(pumps);
-    let _ = tx.send(frame::encode_json(&event)).await;
+    let _ = tx.send(event_frame(event)).await;
     drop(sp.tracked);
+}
+
+/// An event as a frame. Only an error can outgrow a frame (its message may quote a
+/// request of nearly a frame's size): its message is then cut, so that the host still
+/// learns why the command did not run.
+fn event_frame(event: ExecEvent) -> Bytes {
+    match frame::encode_json(&event) {
+        Ok(f) => f,
+        Err(e) => {
+            let (code, message) = match event {
+                ExecEvent::Error(d) => (d.code, d.message),
+                other => (ErrorCode::Internal, format!("{other:?}")),
+            };
+            let cut: String = message.chars().take(4096).collect();
+            let detail = forkd_proto::ErrorDetail {
+                code,
+                message: format!("{cut}... (cut: {e})"),
+            };
+            // 4096 characters always fit; if they did not, the host would report an
+            // output that ended without an exit status.
+            frame::encode_json(&ExecEvent::Error(detail)).unwrap_or_default()
+        }
+    }
 }
 
 /// The tasks copying a child's output. Dropping them aborts those still running.
@@ -351,8 +372,11 @@ async fn pump(mut r: impl AsyncRead + Unpin, tag: Tag, tx: mpsc::Sender<Bytes>) 
         match r.read(&mut buf).await {
             Ok(0) | Err(_) => return,
             Ok(n) => {
-                if tx.send(frame::encode(tag, &buf[..n])).await.is_err() {
-                    return;
+                // CHUNK is far below the frame limit: every read fits one frame.
+                for f in frame::encode_chunked(tag, &buf[..n]) {
+                    if tx.send(f).await.is_err() {
+                        return;
+                    }
                 }
             }
         }

@@ -74,7 +74,7 @@ async fn stdin_streams_while_the_command_runs() {
     let mut req = shell("while read l; do echo \"got $l\"; done");
     req.stdin = true;
     let (tx, body) = channel_body();
-    tx.send(frame::encode_json(&req))
+    tx.send(frame::encode_json(&req).unwrap())
         .await
         .expect("send header");
     let resp = c.exec_start(body).await;
@@ -84,7 +84,7 @@ async fn stdin_streams_while_the_command_runs() {
     let mut stdout = Vec::new();
     // Each line must come back before the next is sent: stdin is not buffered to the end.
     for i in 0..3 {
-        tx.send(frame::encode(Tag::Stdin, format!("{i}\n").as_bytes()))
+        tx.send(frame::encode(Tag::Stdin, format!("{i}\n").as_bytes()).unwrap())
             .await
             .expect("send stdin");
         let want = format!("got {i}\n");
@@ -177,8 +177,8 @@ async fn malformed_headers_are_400() {
     let agent = Agent::start().await;
     let mut c = agent.connect().await;
     for body in [
-        frame::encode(Tag::Json, b"{not json").to_vec(),
-        frame::encode(Tag::Stdin, b"hi").to_vec(),
+        frame::encode(Tag::Json, b"{not json").unwrap().to_vec(),
+        frame::encode(Tag::Stdin, b"hi").unwrap().to_vec(),
         vec![9, 0, 0, 0, 0],
         Vec::new(),
     ] {
@@ -194,7 +194,7 @@ async fn a_host_that_goes_away_kills_the_command() {
     let agent = Agent::start().await;
     let mut c = agent.connect().await;
     let (tx, body) = channel_body();
-    tx.send(frame::encode_json(&shell("sleep 1000 & echo $!; wait")))
+    tx.send(frame::encode_json(&shell("sleep 1000 & echo $!; wait")).unwrap())
         .await
         .expect("header");
     let resp = c.exec_start(body).await;

@@ -166,10 +166,78 @@ impl Client {
     }
 }
 
+/// Longest NDJSON line accepted from the daemon. Far above any it sends (exec output
+/// comes in pieces of at most 1 MiB, 1.4 MiB as base64; a code cell's value is one
+/// line, PNGs included), and a bound on what a broken peer can make the client buffer.
+pub const MAX_LINE: usize = 64 << 20;
+
+/// Splits a byte stream into lines. Each byte is scanned once, however the stream is
+/// cut, and a line may not grow past a limit.
+#[derive(Debug)]
+pub struct LineSplitter {
+    buf: bytes::BytesMut,
+    /// Bytes of `buf` already searched for a newline.
+    scanned: usize,
+    max: usize,
+}
+
+impl LineSplitter {
+    /// A splitter refusing lines longer than `max` bytes (without the newline).
+    pub fn new(max: usize) -> LineSplitter {
+        LineSplitter {
+            buf: bytes::BytesMut::new(),
+            scanned: 0,
+            max,
+        }
+    }
+
+    /// Appends received bytes.
+    pub fn push(&mut self, data: &[u8]) {
+        self.buf.extend_from_slice(data);
+    }
+
+    /// The next complete line (without its newline), if one is buffered; an error when
+    /// the line in progress is already longer than the limit.
+    pub fn next_line(&mut self) -> Result<Option<Bytes>> {
+        match self.buf[self.scanned..].iter().position(|b| *b == b'\n') {
+            Some(at) => {
+                let end = self.scanned + at;
+                self.scanned = 0;
+                if end > self.max {
+                    bail!("{}", self.too_long(end));
+                }
+                let mut line = self.buf.split_to(end + 1);
+                line.truncate(end);
+                Ok(Some(line.freeze()))
+            }
+            None => {
+                self.scanned = self.buf.len();
+                if self.buf.len() > self.max {
+                    bail!("{}", self.too_long(self.buf.len()));
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// True when no partial line is left.
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    fn too_long(&self, len: usize) -> String {
+        format!(
+            "a line of the daemon's stream is longer than {} bytes ({len} so far): the \
+             daemon or something between it and this client is broken",
+            self.max
+        )
+    }
+}
+
 /// Reads an NDJSON response body line by line.
 pub struct Lines {
     body: Incoming,
-    buf: Vec<u8>,
+    split: LineSplitter,
 }
 
 impl Lines {
@@ -177,35 +245,77 @@ impl Lines {
     pub fn new(resp: Response<Incoming>) -> Lines {
         Lines {
             body: resp.into_body(),
-            buf: Vec::new(),
+            split: LineSplitter::new(MAX_LINE),
         }
     }
 
     /// The next line, parsed; `None` at the end of the body.
     pub async fn next(&mut self) -> Result<Option<serde_json::Value>> {
         loop {
-            if let Some(end) = self.buf.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = self.buf.drain(..=end).collect();
-                return Ok(Some(serde_json::from_slice(&line[..end]).with_context(
-                    || {
-                        format!(
-                            "a streamed line is not JSON: {}",
-                            String::from_utf8_lossy(&line)
-                        )
-                    },
-                )?));
+            if let Some(line) = self.split.next_line()? {
+                return Ok(Some(serde_json::from_slice(&line).with_context(|| {
+                    format!(
+                        "a streamed line is not JSON: {}",
+                        String::from_utf8_lossy(&line[..line.len().min(200)])
+                    )
+                })?));
             }
             match self.body.frame().await {
                 Some(frame) => {
                     if let Ok(data) = frame.context("reading the daemon's stream")?.into_data() {
-                        self.buf.extend_from_slice(&data);
+                        self.split.push(&data);
                     }
                 }
-                None if self.buf.is_empty() => return Ok(None),
+                None if self.split.is_empty() => return Ok(None),
                 None => bail!("the daemon's stream ended in the middle of a line"),
             }
         }
     }
+
+    /// The next line of a streamed exec, its output decoded; `None` at the end.
+    pub async fn next_exec(&mut self) -> Result<Option<ExecLine>> {
+        let Some(v) = self.next().await? else {
+            return Ok(None);
+        };
+        ExecLine::from_json(v).map(Some)
+    }
+}
+
+/// One line of a streamed exec (`"stream": true`) with its output decoded to bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecLine {
+    /// Bytes the command wrote to stdout.
+    Stdout(Vec<u8>),
+    /// Bytes the command wrote to stderr.
+    Stderr(Vec<u8>),
+    /// It ended with this exit code (128 + signal for a signal); the last line.
+    Exit(i32),
+    /// The sandbox failed mid-way; the last line.
+    Error(String),
+}
+
+impl ExecLine {
+    /// From a parsed NDJSON line.
+    pub fn from_json(v: serde_json::Value) -> Result<ExecLine> {
+        use crate::api::types::ExecEventBody as E;
+        let event: E = serde_json::from_value(v.clone()).with_context(|| {
+            format!("the daemon sent an exec event this client does not know: {v}")
+        })?;
+        Ok(match event {
+            E::Stdout { data_b64 } => ExecLine::Stdout(decode_b64("stdout data_b64", &data_b64)?),
+            E::Stderr { data_b64 } => ExecLine::Stderr(decode_b64("stderr data_b64", &data_b64)?),
+            E::Exit { exit_code, .. } => ExecLine::Exit(exit_code),
+            E::Error { message } => ExecLine::Error(message),
+        })
+    }
+}
+
+/// Decodes a base64 field of the API (RFC 4648 standard alphabet, padded).
+pub fn decode_b64(field: &str, b64: &str) -> Result<Vec<u8>> {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD
+        .decode(b64.as_bytes())
+        .with_context(|| format!("the daemon's {field} is not valid base64"))
 }
 
 /// The [`ApiFailure`] an error body describes.
@@ -291,6 +401,71 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lines_split_however_the_stream_is_cut() {
+        let text = b"{\"a\":1}\n\n{\"b\":\"x y\"}\nlast\n";
+        for cut in 1..text.len() {
+            let mut s = LineSplitter::new(100);
+            let mut got = Vec::new();
+            for piece in text.chunks(cut) {
+                s.push(piece);
+                while let Some(l) = s.next_line().unwrap() {
+                    got.push(String::from_utf8(l.to_vec()).unwrap());
+                }
+            }
+            assert!(s.is_empty());
+            assert_eq!(
+                got,
+                ["{\"a\":1}", "", "{\"b\":\"x y\"}", "last"],
+                "cut {cut}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_line_over_the_limit_is_an_error() {
+        let mut s = LineSplitter::new(8);
+        s.push(b"12345678\n");
+        assert_eq!(s.next_line().unwrap().unwrap().as_ref(), b"12345678");
+        s.push(b"12345");
+        assert!(s.next_line().unwrap().is_none());
+        s.push(b"6789");
+        let e = s.next_line().unwrap_err().to_string();
+        assert!(e.contains("longer than 8 bytes"), "{e}");
+        // Arriving whole, with its newline, it is refused too.
+        let mut s = LineSplitter::new(8);
+        s.push(b"123456789\nok\n");
+        assert!(s.next_line().is_err());
+    }
+
+    #[test]
+    fn a_long_line_in_small_pieces_is_scanned_once() {
+        // One byte at a time: each push scans only what it added, so the work is
+        // linear; `scanned` shows where the next search starts.
+        let mut s = LineSplitter::new(1 << 20);
+        for i in 0..100_000 {
+            s.push(b"x");
+            assert!(s.next_line().unwrap().is_none());
+            assert_eq!(s.scanned, i + 1);
+        }
+        s.push(b"\n");
+        assert_eq!(s.next_line().unwrap().unwrap().len(), 100_000);
+        assert_eq!((s.scanned, s.is_empty()), (0, true));
+    }
+
+    #[test]
+    fn exec_lines_decode_to_bytes() {
+        let bytes = vec![0xff, 0x00, 0xe2, 0x82];
+        let v = serde_json::json!({"type": "stdout", "data_b64": "/wDigg=="});
+        assert_eq!(ExecLine::from_json(v).unwrap(), ExecLine::Stdout(bytes));
+        let v = serde_json::json!({"type": "exit", "exit_code": 3, "signal": null,
+            "timed_out": false, "duration_ms": 1});
+        assert_eq!(ExecLine::from_json(v).unwrap(), ExecLine::Exit(3));
+        let v = serde_json::json!({"type": "stderr", "data_b64": "not base64!"});
+        let e = format!("{:#}", ExecLine::from_json(v).unwrap_err());
+        assert!(e.contains("stderr data_b64 is not valid base64"), "{e}");
+    }
 
     #[test]
     fn urls() {

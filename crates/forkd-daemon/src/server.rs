@@ -14,9 +14,11 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
 use forkd_core::snapshot::Store;
+use futures::FutureExt as _;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
+use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -47,6 +49,11 @@ pub struct Principal(pub String);
 /// The API error code of a response, for the metrics (set by [`ApiError`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ErrorKind(pub &'static str);
+
+/// Ids a response names that its path does not (the children a fork created): the
+/// handler sets it, the audit record lists them after the path's.
+#[derive(Debug, Clone, Default)]
+pub struct AuditIds(pub Vec<String>);
 
 /// Runs the daemon until `shutdown` resolves. `ready` is called once every listener is
 /// bound (with the TCP address actually bound, if any).
@@ -311,7 +318,23 @@ async fn observe(
         .get::<Principal>()
         .map(|p| p.0.clone())
         .unwrap_or_else(|| "unknown".into());
-    let response = next.run(req).await;
+    // A handler that panics would take the connection down before anything is
+    // recorded: answer 500 instead, so that the request is still audited and counted.
+    let response = match AssertUnwindSafe(next.run(req)).catch_unwind().await {
+        Ok(r) => r,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(%method, %path, "a request handler panicked: {what}");
+            ApiError::internal(
+                "the daemon failed while handling this request (a bug: its log has the details)",
+            )
+            .into_response()
+        }
+    };
     if let Some(kind) = response.extensions().get::<ErrorKind>() {
         app.metrics.error(kind.0);
     }
@@ -323,7 +346,13 @@ async fn observe(
             time: crate::now_rfc3339(),
             principal,
             method: method.to_string(),
-            ids: named_ids(&path),
+            ids: {
+                let mut ids = named_ids(&path);
+                if let Some(more) = response.extensions().get::<AuditIds>() {
+                    ids.extend(more.0.iter().cloned());
+                }
+                ids
+            },
             path,
             status: response.status().as_u16(),
             latency_us: u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),

@@ -52,18 +52,26 @@ pub enum FrameError {
     /// frame has unknown tag {0}
     #[error("frame has unknown tag {0}")]
     UnknownTag(u8),
-    /// frame payload of {0} bytes exceeds the 1 MiB limit
-    #[error("frame payload of {0} bytes exceeds the 1 MiB limit")]
+    /// frame payload of {0} bytes exceeds the limit of 1048576 bytes (1 MiB)
+    #[error("frame payload of {0} bytes exceeds the limit of {max} bytes (1 MiB)", max = MAX_PAYLOAD)]
     TooLarge(usize),
     /// stream ended inside a frame ({0} bytes left over)
     #[error("stream ended inside a frame ({0} bytes left over)")]
     Truncated(usize),
 }
 
-/// Encodes one frame. Payloads over [`MAX_PAYLOAD`] must be split by the caller
-/// ([`encode_chunked`] does it).
-pub fn encode(tag: Tag, payload: &[u8]) -> Bytes {
-    assert!(payload.len() <= MAX_PAYLOAD, "frame payload too large");
+/// Encodes one frame. A payload over [`MAX_PAYLOAD`] is an error (the peer's decoder
+/// would refuse it): split byte streams with [`encode_chunked`]; a JSON document cannot
+/// be split, so its size is the sender's to check.
+pub fn encode(tag: Tag, payload: &[u8]) -> Result<Bytes, FrameError> {
+    if payload.len() > MAX_PAYLOAD {
+        return Err(FrameError::TooLarge(payload.len()));
+    }
+    Ok(encode_unchecked(tag, payload))
+}
+
+fn encode_unchecked(tag: Tag, payload: &[u8]) -> Bytes {
+    debug_assert!(payload.len() <= MAX_PAYLOAD);
     let mut b = BytesMut::with_capacity(HEADER_LEN + payload.len());
     b.put_u8(tag as u8);
     b.put_u32(payload.len() as u32);
@@ -75,12 +83,13 @@ pub fn encode(tag: Tag, payload: &[u8]) -> Bytes {
 pub fn encode_chunked(tag: Tag, payload: &[u8]) -> Vec<Bytes> {
     payload
         .chunks(MAX_PAYLOAD)
-        .map(|c| encode(tag, c))
+        .map(|c| encode_unchecked(tag, c))
         .collect()
 }
 
-/// Encodes a JSON frame.
-pub fn encode_json<T: serde::Serialize>(value: &T) -> Bytes {
+/// Encodes a JSON frame; [`FrameError::TooLarge`] when the document is over
+/// [`MAX_PAYLOAD`] (a request with a huge command line or environment, say).
+pub fn encode_json<T: serde::Serialize>(value: &T) -> Result<Bytes, FrameError> {
     let json = serde_json::to_vec(value).expect("wire types always serialize");
     encode(Tag::Json, &json)
 }
@@ -137,9 +146,9 @@ mod tests {
     #[test]
     fn frames_survive_arbitrary_splits() {
         let mut wire = Vec::new();
-        wire.extend_from_slice(&encode(Tag::Stdout, b"hello"));
-        wire.extend_from_slice(&encode(Tag::Stderr, b""));
-        wire.extend_from_slice(&encode_json(&serde_json::json!({"a": 1})));
+        wire.extend_from_slice(&encode(Tag::Stdout, b"hello").unwrap());
+        wire.extend_from_slice(&encode(Tag::Stderr, b"").unwrap());
+        wire.extend_from_slice(&encode_json(&serde_json::json!({"a": 1})).unwrap());
         for split in 0..wire.len() {
             let mut d = Decoder::new();
             let mut got = Vec::new();
@@ -177,5 +186,31 @@ mod tests {
         let frames = encode_chunked(Tag::Stdin, &data);
         assert_eq!(frames.len(), 3);
         assert_eq!(frames[2].len(), HEADER_LEN + 3);
+    }
+
+    #[test]
+    fn oversized_payloads_are_errors_not_panics() {
+        let max = vec![0u8; MAX_PAYLOAD];
+        let frame = encode(Tag::Stdout, &max).unwrap();
+        assert_eq!(frame.len(), HEADER_LEN + MAX_PAYLOAD);
+        let mut d = Decoder::new();
+        d.push(&frame);
+        assert_eq!(d.next_frame().unwrap().unwrap().payload.len(), MAX_PAYLOAD);
+
+        let over = vec![0u8; MAX_PAYLOAD + 1];
+        assert_eq!(
+            encode(Tag::Stdout, &over),
+            Err(FrameError::TooLarge(MAX_PAYLOAD + 1))
+        );
+        // A JSON document one byte over: `"` + n characters + `"`.
+        let doc = "x".repeat(MAX_PAYLOAD - 1);
+        assert_eq!(
+            encode_json(&doc),
+            Err(FrameError::TooLarge(MAX_PAYLOAD + 1))
+        );
+        let fits = "x".repeat(MAX_PAYLOAD - 2);
+        assert_eq!(encode_json(&fits).unwrap().len(), HEADER_LEN + MAX_PAYLOAD);
+        let e = FrameError::TooLarge(MAX_PAYLOAD + 1).to_string();
+        assert!(e.contains("1048577") && e.contains("1048576"), "{e}");
     }
 }

@@ -3,7 +3,7 @@
 
 use crate::remote::{fail, print_json};
 use anyhow::{bail, Context, Result};
-use forkd_daemon::client::{Client, Lines};
+use forkd_daemon::client::{Client, ExecLine, Lines};
 use hyper::{Method, StatusCode};
 use serde_json::{json, Value};
 use std::io::Write;
@@ -41,7 +41,8 @@ pub struct ExecArgs {
     /// Kill the command after this many seconds.
     #[arg(long)]
     timeout: Option<f64>,
-    /// Print the result as JSON (stdout, stderr, exit status) instead of streaming.
+    /// Print the API's result as JSON instead of streaming: `stdout_b64` and `stderr_b64`
+    /// (base64 of the raw bytes), exit code, signal, timeout.
     #[arg(long)]
     json: bool,
     /// The command and its arguments.
@@ -157,17 +158,20 @@ pub async fn exec(client: &Client, args: ExecArgs) -> Result<i32> {
     }
     body["stream"] = true.into();
     let mut lines = stream(client, &path, &body).await?;
-    while let Some(e) = lines.next().await? {
-        match e["type"].as_str() {
-            Some("stdout") => {
-                let mut o = std::io::stdout();
-                o.write_all(e["text"].as_str().unwrap_or("").as_bytes())?;
-                o.flush()?;
+    // The command's bytes, exactly: no text decoding on the way.
+    let (mut out, mut err) = (std::io::stdout().lock(), std::io::stderr().lock());
+    while let Some(e) = lines.next_exec().await? {
+        match e {
+            ExecLine::Stdout(b) => {
+                out.write_all(&b).context("writing the command's stdout")?;
+                out.flush().context("writing the command's stdout")?;
             }
-            Some("stderr") => eprint!("{}", e["text"].as_str().unwrap_or("")),
-            Some("exit") => return Ok(e["exit_code"].as_i64().unwrap_or(255) as i32),
-            Some("error") => bail!("{}", e["message"].as_str().unwrap_or("the sandbox failed")),
-            _ => {}
+            ExecLine::Stderr(b) => {
+                err.write_all(&b).context("writing the command's stderr")?;
+                err.flush().context("writing the command's stderr")?;
+            }
+            ExecLine::Exit(code) => return Ok(code),
+            ExecLine::Error(message) => bail!("{message}"),
         }
     }
     bail!("the command's output ended without an exit status")

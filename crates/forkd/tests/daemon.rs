@@ -86,11 +86,11 @@ async fn round_trip(c: &Client, tag: &str) {
     let v = exec(c, &id, "echo out; echo err >&2; exit 7").await;
     assert_eq!(
         (
-            v["stdout"].as_str(),
-            v["stderr"].as_str(),
+            common::b64(&v["stdout_b64"]),
+            common::b64(&v["stderr_b64"]),
             v["exit_code"].as_i64()
         ),
-        (Some("out\n"), Some("err\n"), Some(7))
+        (b"out\n".to_vec(), b"err\n".to_vec(), Some(7))
     );
 
     let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
@@ -317,7 +317,11 @@ fn a_restarted_daemon_adopts_live_sandboxes_and_clears_dead_ones() {
         for (i, id) in ids[..2].iter().enumerate() {
             assert!(listed.contains(&id.as_str()));
             let v = exec(&c, id, "cat /state").await;
-            assert_eq!(v["stdout"], format!("{i}\n"), "{id} kept its state");
+            assert_eq!(
+                common::b64(&v["stdout_b64"]),
+                format!("{i}\n").as_bytes(),
+                "{id} kept its state"
+            );
         }
         let (s, _) = call(&c, Method::GET, &format!("/v1/sandboxes/{}", ids[2]), None).await;
         assert_eq!(s, StatusCode::NOT_FOUND);

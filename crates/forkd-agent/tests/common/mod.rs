@@ -266,7 +266,7 @@ impl Client {
 
     /// Runs `req` with `stdin` (sent as frames, then the body ends) to completion.
     pub async fn exec(&mut self, req: &ExecRequest, stdin: &[u8]) -> ExecOutput {
-        let mut wire = frame::encode_json(req).to_vec();
+        let mut wire = frame::encode_json(req).unwrap().to_vec();
         for f in frame::encode_chunked(Tag::Stdin, stdin) {
             wire.extend_from_slice(&f);
         }

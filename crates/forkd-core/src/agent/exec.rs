@@ -133,7 +133,16 @@ impl AgentClient {
         stdin: Option<Stdin>,
     ) -> Result<ExecStream, AgentError> {
         req.stdin = stdin.is_some();
-        let header = frame::encode_json(&req);
+        // The request travels as one frame: one that does not fit is the caller's to
+        // shrink (big inputs belong on stdin), not something to cut.
+        let header = frame::encode_json(&req).map_err(|e| AgentError::Agent {
+            status: 413,
+            code: forkd_proto::ErrorCode::InvalidArgument,
+            message: format!(
+                "the command, its environment and working directory are too large for the \
+                 agent protocol ({e}); pass large inputs on stdin or as a file"
+            ),
+        })?;
         let body: ReqBody = match stdin {
             None => json_frame_body(header),
             Some(mut reader) => {
@@ -148,9 +157,11 @@ impl AgentClient {
                         match reader.read(&mut buf).await {
                             Ok(0) => break,
                             Ok(n) => {
-                                let f = frame::encode(Tag::Stdin, &buf[..n]);
-                                if tx.send(Ok(Frame::data(f))).await.is_err() {
-                                    break;
+                                // The buffer is smaller than a frame: one frame per read.
+                                for f in frame::encode_chunked(Tag::Stdin, &buf[..n]) {
+                                    if tx.send(Ok(Frame::data(f))).await.is_err() {
+                                        return;
+                                    }
                                 }
                             }
                             Err(e) => {

@@ -172,6 +172,9 @@ pub fn router(app: App) -> Router {
         files::mkdir,
         files::rename,
     ),
+    // The NDJSON line of a streamed exec: no path returns it as its body, but clients
+    // (the SDKs) need its schema.
+    components(schemas(types::ExecEventBody)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;

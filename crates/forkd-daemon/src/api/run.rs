@@ -13,11 +13,14 @@ use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine as _;
 use bytes::Bytes;
 use forkd_core::agent::ExecOutput;
 use forkd_core::Sandbox;
 use forkd_proto::context::{ContextEvent, CreateContextRequest, RunCodeRequest};
 use forkd_proto::exec::{Command, ExecRequest, ExitStatus};
+use forkd_proto::frame::MAX_PAYLOAD;
 use std::sync::Arc;
 
 /// Most output a non-streaming run collects, per stream.
@@ -71,7 +74,35 @@ fn exec_request(b: &ExecBody) -> Result<ExecRequest, ApiError> {
     req.env = b.env.clone();
     req.cwd = b.cwd.clone();
     req.timeout_ms = timeout_ms(b.timeout_s)?;
+    // The agent takes the request as one frame. A body under the HTTP limit can still
+    // encode larger (the agent's field names, escapes): refuse it here, with the limit.
+    let encoded = serde_json::to_vec(&req)
+        .map_err(|e| ApiError::internal(format!("encoding the agent request: {e}")))?
+        .len();
+    if encoded > MAX_PAYLOAD {
+        return Err(ApiError::too_large(format!(
+            "the command, env and cwd take {encoded} bytes as an agent request; the agent \
+             protocol carries at most {MAX_PAYLOAD} bytes (1 MiB) per request: pass large \
+             inputs on stdin (stdin_b64) or upload them as a file"
+        )));
+    }
     Ok(req)
+}
+
+/// The bytes for the command's stdin: `stdin` (UTF-8 text) or `stdin_b64` (any bytes).
+fn stdin_bytes(b: &mut ExecBody) -> Result<Option<Vec<u8>>, ApiError> {
+    match (b.stdin.take(), b.stdin_b64.take()) {
+        (Some(_), Some(_)) => Err(ApiError::bad_request(
+            "give stdin (UTF-8 text) or stdin_b64 (base64 of bytes), not both",
+        )),
+        (Some(text), None) => Ok(Some(text.into_bytes())),
+        (None, Some(b64)) => BASE64.decode(b64.as_bytes()).map(Some).map_err(|e| {
+            ApiError::bad_request(format!(
+                "stdin_b64 is not base64 (RFC 4648 standard alphabet, with = padding): {e}"
+            ))
+        }),
+        (None, None) => Ok(None),
+    }
 }
 
 /// An NDJSON response whose lines come from `lines`.
@@ -110,13 +141,12 @@ fn exit_event(s: ExitStatus) -> ExecEventBody {
 pub async fn exec(
     State(app): State<App>,
     PathParams(id): PathParams<String>,
-    JsonBody(body): JsonBody<ExecBody>,
+    JsonBody(mut body): JsonBody<ExecBody>,
 ) -> Result<Response, ApiError> {
     let sandbox = app.registry.get(&id)?.sandbox;
     let req = exec_request(&body)?;
-    let stdin = body
-        .stdin
-        .map(|s| Box::new(std::io::Cursor::new(s.into_bytes())) as forkd_core::agent::Stdin);
+    let stdin = stdin_bytes(&mut body)?
+        .map(|b| Box::new(std::io::Cursor::new(b)) as forkd_core::agent::Stdin);
     let started = std::time::Instant::now();
     let mut stream = sandbox.exec_stream(req, stdin).await?;
     if !body.stream {
@@ -142,8 +172,8 @@ pub async fn exec(
             .exec_seconds
             .observe(started.elapsed().as_secs_f64());
         return Ok(Json(ExecResultBody {
-            stdout: String::from_utf8_lossy(&stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&stderr).into_owned(),
+            stdout_b64: BASE64.encode(&stdout),
+            stderr_b64: BASE64.encode(&stderr),
             exit_code: s.shell_code(),
             signal: s.signal,
             timed_out: s.timed_out,
@@ -159,11 +189,13 @@ pub async fn exec(
             let mut stream = state?;
             loop {
                 let event = match stream.next().await {
+                    // Bytes as they came, never decoded as text here: a piece may end
+                    // inside a multibyte character, which only the joined stream holds.
                     Ok(Some(ExecOutput::Stdout(b))) => ExecEventBody::Stdout {
-                        text: String::from_utf8_lossy(&b).into_owned(),
+                        data_b64: BASE64.encode(&b),
                     },
                     Ok(Some(ExecOutput::Stderr(b))) => ExecEventBody::Stderr {
-                        text: String::from_utf8_lossy(&b).into_owned(),
+                        data_b64: BASE64.encode(&b),
                     },
                     Ok(Some(ExecOutput::Started(_))) => continue,
                     Ok(Some(ExecOutput::Exited(s))) => {

@@ -4,6 +4,7 @@ use super::error::ErrorBody;
 use super::types::{CreateSandboxes, SandboxInfo, SandboxList, SetTimeout};
 use super::{ApiError, App, JsonBody, PathParams, QueryParams};
 use crate::registry::{CreateSpec, Listed, RegistryError};
+use crate::server::AuditIds;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
@@ -73,7 +74,7 @@ fn deadline(timeout_s: Option<u64>) -> Result<Option<i64>, ApiError> {
 pub async fn create(
     State(app): State<App>,
     JsonBody(req): JsonBody<CreateSandboxes>,
-) -> Result<(StatusCode, Json<SandboxList>), ApiError> {
+) -> Result<(StatusCode, axum::Extension<AuditIds>, Json<SandboxList>), ApiError> {
     let max = forkd_core::fork::MAX_CHILDREN as u32;
     if req.n == 0 || req.n > max {
         return Err(ApiError::bad_request(format!(
@@ -123,8 +124,11 @@ pub async fn create(
         .map_err(|e| ApiError::internal(format!("the fork task failed: {e}")))??;
     app.metrics.forks.inc_by(entries.len() as u64);
     app.metrics.fork_seconds.observe(t.elapsed().as_secs_f64());
+    // The path names no id: the audit record gets the children's from here.
+    let ids = AuditIds(entries.iter().map(|e| e.row.id.clone()).collect());
     Ok((
         StatusCode::CREATED,
+        axum::Extension(ids),
         Json(SandboxList {
             sandboxes: entries
                 .into_iter()

@@ -103,21 +103,31 @@ pub struct ExecBody {
     #[serde(default)]
     #[schema(minimum = 0.001, maximum = 86400)]
     pub timeout_s: Option<f64>,
-    /// Text given to the command on stdin.
+    /// Text given to the command on stdin, as UTF-8. For bytes that are not UTF-8 text
+    /// use `stdin_b64`; give one or the other.
     #[serde(default)]
     pub stdin: Option<String>,
+    /// Bytes given to the command on stdin: base64 (RFC 4648 standard alphabet, with
+    /// `=` padding) of the raw bytes.
+    #[serde(default)]
+    #[schema(content_encoding = "base64")]
+    pub stdin_b64: Option<String>,
     /// Stream the output as NDJSON events instead of one JSON result.
     #[serde(default)]
     pub stream: bool,
 }
 
-/// How a command ended, with all of its output (the non-streaming form of exec).
+/// How a command ended, with all of its output (the non-streaming form of exec). The
+/// output is bytes, whatever they are: base64 (RFC 4648 standard alphabet, with `=`
+/// padding) of exactly what the command wrote.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ExecResultBody {
-    /// Standard output (invalid UTF-8 replaced).
-    pub stdout: String,
-    /// Standard error (invalid UTF-8 replaced).
-    pub stderr: String,
+    /// Standard output: base64 of the raw bytes.
+    #[schema(content_encoding = "base64")]
+    pub stdout_b64: String,
+    /// Standard error: base64 of the raw bytes.
+    #[schema(content_encoding = "base64")]
+    pub stderr_b64: String,
     /// The exit code a shell would report (128 + signal for a signal).
     pub exit_code: i32,
     /// The signal that ended it, if one did.
@@ -131,19 +141,23 @@ pub struct ExecResultBody {
     pub truncated: bool,
 }
 
-/// One line of a streamed exec (NDJSON).
+/// One line of a streamed exec (NDJSON). Output comes in pieces as the command writes
+/// it; a piece may end anywhere, even inside a multibyte character, so decode each
+/// `data_b64` and concatenate the bytes of one stream before reading them as text.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ExecEventBody {
     /// Output on stdout.
     Stdout {
-        /// The text (invalid UTF-8 replaced).
-        text: String,
+        /// Base64 (RFC 4648 standard alphabet, with `=` padding) of the raw bytes.
+        #[schema(content_encoding = "base64")]
+        data_b64: String,
     },
     /// Output on stderr.
     Stderr {
-        /// The text (invalid UTF-8 replaced).
-        text: String,
+        /// Base64 (RFC 4648 standard alphabet, with `=` padding) of the raw bytes.
+        #[schema(content_encoding = "base64")]
+        data_b64: String,
     },
     /// The command ended; the last line.
     Exit {

@@ -171,3 +171,68 @@ impl Daemon {
         c
     }
 }
+
+/// A request through `c`: the status and the body as JSON (a non-JSON body as a string).
+pub async fn call(
+    c: &Client,
+    m: hyper::Method,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> (hyper::StatusCode, serde_json::Value) {
+    let (status, bytes) = c.call(m, path, body.as_ref()).await.unwrap();
+    let v = if bytes.is_empty() {
+        serde_json::Value::Null
+    } else {
+        serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| serde_json::Value::String(String::from_utf8_lossy(&bytes).into()))
+    };
+    (status, v)
+}
+
+/// Builds `template` as snapshot `tag` through the API and waits for the operation.
+pub async fn build_snapshot(c: &Client, template: &str, tag: &str) {
+    let (s, op) = call(
+        c,
+        hyper::Method::POST,
+        "/v1/snapshots",
+        Some(serde_json::json!({"template": template, "tag": tag})),
+    )
+    .await;
+    assert_eq!(s, hyper::StatusCode::ACCEPTED, "{op}");
+    let id = op["id"].as_str().unwrap().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let (s, op) = call(c, hyper::Method::GET, &format!("/v1/operations/{id}"), None).await;
+        assert_eq!(s, hyper::StatusCode::OK);
+        match op["status"].as_str().unwrap() {
+            "running" => {}
+            "succeeded" => return,
+            other => panic!("building {template}: {other}: {op}"),
+        }
+        assert!(Instant::now() < deadline, "the build did not finish");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+impl Daemon {
+    /// The records of the audit log, oldest first.
+    pub fn audit_records(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.home.path().join("audit.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+}
+
+/// Base64 of the API (RFC 4648 standard alphabet, padded) decoded; panics on anything
+/// else, naming the field.
+pub fn b64(v: &serde_json::Value) -> Vec<u8> {
+    use base64::Engine as _;
+    let s = v
+        .as_str()
+        .unwrap_or_else(|| panic!("not a base64 string: {v}"));
+    base64::engine::general_purpose::STANDARD
+        .decode(s)
+        .unwrap_or_else(|e| panic!("not base64 ({e}): {s:.80}"))
+}
