@@ -38,9 +38,16 @@ pub async fn resume(
             entropy.len()
         )));
     }
-    let clock_step_ms = set_clock(req.wall_clock_ns)?;
+    // Mixing bytes into the kernel RNG is harmless anywhere; the clock and the hostname
+    // are only a guest's own.
     reseed_kernel(&entropy)?;
-    if !req.hostname.is_empty() {
+    let own_machine = state.mode == crate::server::Mode::Pid1;
+    let clock_step_ms = if own_machine {
+        set_clock(req.wall_clock_ns)?
+    } else {
+        0
+    };
+    if own_machine && !req.hostname.is_empty() {
         nix::unistd::sethostname(&req.hostname).map_err(|e| {
             ApiError::new(ErrorCode::Io, format!("setting the hostname failed: {e}"))
         })?;

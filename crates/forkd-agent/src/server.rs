@@ -16,12 +16,14 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How the agent runs, which decides what shutdown means.
+/// How the agent runs, which decides what shutdown and the resume hook may touch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     /// PID 1 of a guest: shutdown stops the VM.
     Pid1,
-    /// A process on a host (`serve-unix`): shutdown only ends the process.
+    /// A process on a host (`serve-unix`): shutdown only ends the process, and the
+    /// resume hook leaves the host's clock and hostname alone (they are not the
+    /// agent's to change there).
     Dev,
 }
 

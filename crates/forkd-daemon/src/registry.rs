@@ -69,6 +69,7 @@ pub struct Registry {
     store: Store,
     state: Arc<State>,
     max: usize,
+    agent_timeout: Duration,
     slots: Mutex<Slots>,
 }
 
@@ -129,9 +130,10 @@ impl Drop for Reservation<'_> {
 }
 
 /// Options used to reattach to a sandbox after a restart.
-fn attach_options() -> SandboxOptions {
+fn attach_options(agent_timeout: Duration) -> SandboxOptions {
     SandboxOptions {
-        boot_timeout: Duration::from_secs(30),
+        boot_timeout: Duration::from_secs(30).min(agent_timeout * 2),
+        agent_timeout,
         ..SandboxOptions::default()
     }
 }
@@ -151,8 +153,16 @@ impl Registry {
             store,
             state,
             max,
+            agent_timeout: SandboxOptions::default().agent_timeout,
             slots: Mutex::new(Slots::default()),
         }
+    }
+
+    /// How long a sandbox's agent may stay silent before it is shown unresponsive (see
+    /// [`SandboxOptions::agent_timeout`]).
+    pub fn with_agent_timeout(mut self, t: Duration) -> Registry {
+        self.agent_timeout = t;
+        self
     }
 
     fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
@@ -243,6 +253,7 @@ impl Registry {
         let opts = ForkOptions {
             count: spec.count,
             detached: true,
+            agent_timeout: self.agent_timeout,
             ..ForkOptions::default()
         };
         let forked = fork(self.hv.as_ref(), &self.home, snap, &opts, &recorder).await;
@@ -432,11 +443,11 @@ impl Registry {
     /// only on proof that it is gone. Returns (adopted, removed).
     pub async fn adopt_all(&self) -> Result<(Vec<String>, Vec<String>), RegistryError> {
         let rows = self.state.sandboxes()?;
-        let opts = attach_options();
+        let opts = attach_options(self.agent_timeout);
         let (mut adopted, mut gone) = (Vec::new(), Vec::new());
         let (keep, drop): (Vec<SandboxRow>, Vec<SandboxRow>) = rows.into_iter().partition(|r| {
             matches!(r.state, SandboxState::Running | SandboxState::Unresponsive)
-                && forkd_hypervisor::process::start_time(r.pid) == Some(r.start_time)
+                && forkd_hypervisor::process::is_running(r.pid, r.start_time)
         });
         for row in drop {
             tracing::info!(id = %row.id, state = %row.state, "removing a sandbox the last daemon left");
@@ -456,9 +467,8 @@ impl Registry {
                     failpoint::hit("adopt.after_first");
                     adopted.push(id);
                 }
-                Err(SandboxError::Gone { .. } | SandboxError::NotFound { .. })
-                    if !forkd_hypervisor::process::is_alive(row.pid) =>
-                {
+                // Proof that it is gone: its process no longer runs.
+                Err(_) if !forkd_hypervisor::process::is_running(row.pid, row.start_time) => {
                     self.remove_row(&row).await?;
                     gone.push(row.id);
                 }
@@ -603,7 +613,7 @@ impl Registry {
         row: &SandboxRow,
         expired: bool,
     ) -> Result<bool, RegistryError> {
-        let alive = forkd_hypervisor::process::start_time(row.pid) == Some(row.start_time);
+        let alive = forkd_hypervisor::process::is_running(row.pid, row.start_time);
         if expired || !alive {
             self.remove_row(row).await?;
             return Ok(true);
@@ -619,8 +629,13 @@ impl Registry {
         if let Some(u) = self.slots().unattached.get_mut(&row.id) {
             u.next_try = Instant::now() + REATTACH_EVERY;
         }
-        if let Ok(sb) =
-            Sandbox::attach(self.hv.as_ref(), &self.home, &row.id, &attach_options()).await
+        if let Ok(sb) = Sandbox::attach(
+            self.hv.as_ref(),
+            &self.home,
+            &row.id,
+            &attach_options(self.agent_timeout),
+        )
+        .await
         {
             tracing::info!(id = %row.id, "taken over");
             self.adopted(row.clone(), sb)?;
@@ -713,5 +728,311 @@ fn kill_vm_of(row: &SandboxRow) {
         for (pid, start) in forkd_hypervisor::process::find_by_argument(&inside) {
             forkd_hypervisor::process::kill(pid, start);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The registry's rules on the fake backend (agent processes for VMs): capacity,
+    //! state transitions, reaping and adoption after a crash, in milliseconds.
+
+    use super::*;
+    use forkd_core::snapshot::manifest::{parts, BuildTimes, Machine, Manifest, Versions};
+    use forkd_core::snapshot::Tag;
+    use forkd_hypervisor::fake::AgentProcesses;
+    use forkd_hypervisor::Accel;
+    use forkd_proto::exec::{Command, ExecRequest};
+
+    struct World {
+        _dir: tempfile::TempDir,
+        home: Home,
+        state: Arc<State>,
+        snap: Snapshot,
+    }
+
+    fn world() -> World {
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::new(dir.path());
+        let store = Store::of_home(&home);
+        let tag = Tag::parse("fake").unwrap();
+        let staging = store.stage(&tag).unwrap();
+        for p in parts::ALL {
+            std::fs::write(staging.part(p), p.as_bytes()).unwrap();
+        }
+        let manifest = Manifest {
+            format: forkd_core::snapshot::manifest::FORMAT,
+            tag: "fake".into(),
+            template: "fake".into(),
+            created_at: "2026-01-01T00:00:00Z".into(),
+            parent: None,
+            machine: Machine {
+                vcpus: 1,
+                memory_mib: 128,
+                accel: Accel::Tcg,
+                cpu: "max".into(),
+                cmdline: String::new(),
+            },
+            versions: Versions {
+                kernel: "none".into(),
+                rootfs: "none".into(),
+                initramfs_sha256: String::new(),
+                forkd: "test".into(),
+                agent_protocol: forkd_proto::PROTOCOL_VERSION,
+                qemu: "fake".into(),
+            },
+            parts: Default::default(),
+            contexts: Vec::new(),
+            build: BuildTimes::default(),
+        };
+        let snap = staging.publish(manifest, &|_| {}).unwrap();
+        let state = Arc::new(State::open(&dir.path().join("forkd.db")).unwrap());
+        World {
+            _dir: dir,
+            home,
+            state,
+            snap,
+        }
+    }
+
+    impl World {
+        fn registry(&self, max: usize) -> Registry {
+            let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+            Registry::new(
+                Arc::new(AgentProcesses::from_build(&workspace)),
+                self.home.clone(),
+                Store::of_home(&self.home),
+                self.state.clone(),
+                max,
+            )
+            .with_agent_timeout(Duration::from_millis(600))
+        }
+    }
+
+    use std::path::Path;
+
+    fn spec(count: usize) -> CreateSpec {
+        CreateSpec {
+            count,
+            labels: BTreeMap::new(),
+            timeout_at: None,
+        }
+    }
+
+    fn signal(row: &SandboxRow, sig: nix::sys::signal::Signal) {
+        assert!(forkd_hypervisor::process::signal(
+            row.pid,
+            row.start_time,
+            sig
+        ));
+    }
+
+    async fn echo(e: &Entry) -> Result<forkd_core::agent::ExecResult, SandboxError> {
+        e.sandbox
+            .exec(
+                ExecRequest::new(Command::Argv(vec!["echo".into(), "hi".into()])),
+                None,
+            )
+            .await
+    }
+
+    /// Runs the reaper until `done` holds (the watchdog works on its own clock).
+    async fn reap_until(r: &Registry, done: impl Fn(&Registry) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !done(r) {
+            assert!(Instant::now() < deadline, "condition not reached");
+            r.reap(crate::unix_now()).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn db_state(w: &World, id: &str) -> Option<SandboxState> {
+        w.state.sandbox(id).unwrap().map(|r| r.state)
+    }
+
+    #[tokio::test]
+    async fn capacity_counts_every_recorded_sandbox_and_rows_say_running() {
+        let w = world();
+        let r = w.registry(3);
+        let two = r.create(&w.snap, spec(2)).await.unwrap();
+        assert_eq!(r.running(), 2);
+        for e in &two {
+            assert_eq!(db_state(&w, &e.row.id), Some(SandboxState::Running));
+            let row = w.state.sandbox(&e.row.id).unwrap().unwrap();
+            assert_eq!(row.pid, e.sandbox.pid().unwrap());
+            assert_ne!(row.start_time, 0);
+            assert_eq!(echo(e).await.unwrap().stdout, b"hi\n");
+        }
+        let Err(e) = r.create(&w.snap, spec(2)).await else {
+            panic!("a fork over capacity was accepted");
+        };
+        assert!(
+            matches!(
+                e,
+                RegistryError::AtCapacity {
+                    live: 2,
+                    asked: 2,
+                    max: 3
+                }
+            ),
+            "{e}"
+        );
+        let op_rows = w.state.sandboxes().unwrap();
+        assert_eq!(op_rows.len(), 2, "a refused fork records nothing");
+        for e in &two {
+            r.delete(&e.row.id).await.unwrap();
+            assert!(!e.row.config.dir.exists());
+            assert_eq!(db_state(&w, &e.row.id), None);
+        }
+        assert_eq!(r.running(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_silent_agent_makes_a_sandbox_unresponsive_until_it_answers() {
+        let w = world();
+        let r = w.registry(4);
+        let e = r.create(&w.snap, spec(1)).await.unwrap().remove(0);
+        let id = e.row.id.clone();
+        signal(&e.row, nix::sys::signal::Signal::SIGSTOP);
+        reap_until(&r, |r| {
+            r.describe(&id).unwrap().row.state == SandboxState::Unresponsive
+        })
+        .await;
+        assert_eq!(db_state(&w, &id), Some(SandboxState::Unresponsive));
+        let err = echo(&e).await.unwrap_err();
+        assert!(matches!(err, SandboxError::Unresponsive { .. }), "{err}");
+        assert!(err.to_string().contains("kept"), "{err}");
+        assert!(e.sandbox.failure().is_none());
+        assert!(
+            forkd_hypervisor::process::is_alive(e.row.pid),
+            "the VM is kept"
+        );
+        signal(&e.row, nix::sys::signal::Signal::SIGCONT);
+        reap_until(&r, |r| {
+            r.describe(&id).unwrap().row.state == SandboxState::Running
+        })
+        .await;
+        assert_eq!(db_state(&w, &id), Some(SandboxState::Running));
+        assert_eq!(echo(&e).await.unwrap().stdout, b"hi\n");
+        r.delete(&id).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_vm_that_dies_is_reaped_and_a_deadline_ends_a_sandbox() {
+        let w = world();
+        let r = w.registry(4);
+        let mut two = r.create(&w.snap, spec(2)).await.unwrap();
+        let (a, b) = (two.remove(0), two.remove(0));
+        forkd_hypervisor::process::kill(a.row.pid, a.row.start_time);
+        reap_until(&r, |r| r.get(&a.row.id).is_err()).await;
+        assert_eq!(db_state(&w, &a.row.id), None);
+        assert!(!a.row.config.dir.exists());
+        r.set_timeout(&b.row.id, Some(crate::unix_now() - 1))
+            .unwrap();
+        let removed = r.reap(crate::unix_now()).await;
+        assert_eq!(removed, vec![b.row.id.clone()]);
+        assert!(!forkd_hypervisor::process::is_alive(b.row.pid));
+        assert_eq!(r.running(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_restart_adopts_live_children_and_removes_what_a_crash_left() {
+        let w = world();
+        let first = w.registry(8);
+        let mut kids = first.create(&w.snap, spec(3)).await.unwrap();
+        // The daemon "dies": its handles go, its detached VMs run on.
+        drop(first);
+        let (live, dead, stopping) = (kids.remove(0), kids.remove(0), kids.remove(0));
+        forkd_hypervisor::process::kill(dead.row.pid, dead.row.start_time);
+        // A delete was interrupted after it marked the row.
+        w.state
+            .set_state(&stopping.row.id, SandboxState::Stopping, None, None)
+            .unwrap();
+        // A fork was interrupted after the row of a child and its VM's start, before its
+        // pid was recorded: found by its directory on a command line.
+        let orphan_dir = forkd_core::sandbox::sandboxes_dir(&w.home).join("sb-0badc0ffee");
+        std::fs::create_dir_all(&orphan_dir).unwrap();
+        let mut orphan_cfg = live.row.config.clone();
+        orphan_cfg.id = "sb-0badc0ffee".into();
+        orphan_cfg.dir = orphan_dir.clone();
+        w.state
+            .insert_sandbox(&SandboxRow {
+                id: "sb-0badc0ffee".into(),
+                pid: 0,
+                start_time: 0,
+                config: orphan_cfg,
+                state: SandboxState::Starting,
+                ..live.row.clone()
+            })
+            .unwrap();
+        let mut orphan = std::process::Command::new("sh")
+            .args(["-c", "sleep 60; true"])
+            .arg(orphan_dir.join("qmp.sock"))
+            .spawn()
+            .unwrap();
+        // A directory nobody owns, left by a fork killed before its row.
+        let stray = forkd_core::sandbox::sandboxes_dir(&w.home).join("sb-5ca7");
+        std::fs::create_dir_all(&stray).unwrap();
+
+        let second = w.registry(8);
+        let (adopted, gone) = second.adopt_all().await.unwrap();
+        assert_eq!(adopted, vec![live.row.id.clone()]);
+        let mut gone = gone;
+        gone.sort();
+        let mut expected = vec![
+            dead.row.id.clone(),
+            stopping.row.id.clone(),
+            "sb-0badc0ffee".to_string(),
+        ];
+        expected.sort();
+        assert_eq!(gone, expected);
+        assert!(!forkd_hypervisor::process::is_alive(stopping.row.pid));
+        assert!(!forkd_hypervisor::process::is_alive(orphan.id()));
+        assert!(!orphan.wait().unwrap().success(), "killed, not ended");
+        assert!(!orphan_dir.exists() && !dead.row.config.dir.exists());
+        assert_eq!(second.prune_unowned(), vec!["sb-5ca7".to_string()]);
+        assert!(live.row.config.dir.exists());
+        assert_eq!(second.running(), 1);
+        let e = second.get(&live.row.id).unwrap();
+        assert_eq!(echo(&e).await.unwrap().stdout, b"hi\n");
+        assert_eq!(
+            w.state.sandboxes().unwrap().len(),
+            1,
+            "nothing double-counted"
+        );
+        second.delete(&live.row.id).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_live_vm_that_cannot_be_reached_is_kept_not_killed() {
+        let w = world();
+        let first = w.registry(8);
+        let e = first.create(&w.snap, spec(1)).await.unwrap().remove(0);
+        drop(first);
+        // Its agent does not answer the restarted daemon (stopped), yet it runs.
+        signal(&e.row, nix::sys::signal::Signal::SIGSTOP);
+        let second = w.registry(8);
+        let (adopted, gone) = second.adopt_all().await.unwrap();
+        assert!(
+            adopted.is_empty() && gone.is_empty(),
+            "{adopted:?} {gone:?}"
+        );
+        let listed = second.describe(&e.row.id).unwrap();
+        assert_eq!(listed.row.state, SandboxState::Unresponsive);
+        assert!(listed.sandbox.is_none());
+        assert!(matches!(
+            second.get(&e.row.id),
+            Err(SandboxError::NotReady { .. })
+        ));
+        assert!(forkd_hypervisor::process::is_alive(e.row.pid));
+        assert_eq!(second.running(), 1);
+        // Once it answers, the reaper takes it over.
+        signal(&e.row, nix::sys::signal::Signal::SIGCONT);
+        if let Some(u) = second.slots().unattached.get_mut(&e.row.id) {
+            u.next_try = Instant::now();
+        }
+        reap_until(&second, |r| r.get(&e.row.id).is_ok()).await;
+        assert_eq!(db_state(&w, &e.row.id), Some(SandboxState::Running));
+        second.delete(&e.row.id).await.unwrap();
+        assert!(!forkd_hypervisor::process::is_alive(e.row.pid));
     }
 }

@@ -8,6 +8,8 @@
 pub mod accel;
 pub mod config;
 pub mod error;
+#[cfg(feature = "fake")]
+pub mod fake;
 pub mod process;
 pub mod qemu;
 pub mod smaps;

@@ -70,6 +70,11 @@ impl PidFd {
     }
 }
 
+/// True while the process `pid` that started at `start_time` runs (not a zombie).
+pub fn is_running(pid: u32, start_time: u64) -> bool {
+    pid != 0 && is_alive(pid) && self::start_time(pid) == Some(start_time)
+}
+
 /// SIGKILLs the process `pid` if it is still the one that started at `start_time`, and
 /// waits (up to a few seconds) until it is gone. The check and the signal go through one
 /// pidfd, so a pid reused in between is never hit. Returns true if it was killed.
