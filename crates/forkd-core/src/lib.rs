@@ -10,6 +10,7 @@ pub mod catalog;
 pub mod error;
 pub mod fork;
 pub mod ids;
+pub mod output_tail;
 pub mod sandbox;
 pub mod snapshot;
 pub mod template;
