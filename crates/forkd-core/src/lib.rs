@@ -12,6 +12,7 @@ pub mod failpoint;
 pub mod fork;
 pub mod ids;
 pub mod lifecycle;
+pub mod output_tail;
 pub mod sandbox;
 pub mod snapshot;
 pub mod template;

@@ -9,7 +9,9 @@
 //! flight at the freeze), the VM is paused and its device state saved with
 //! `x-ignore-shared`. QEMU quits, and the directory is hashed, sealed and published.
 
+use crate::agent::ExecOutput;
 use crate::error::SandboxError;
+use crate::output_tail::OutputTail;
 use crate::sandbox::{kernel_cmdline, new_sandbox_dir, Launch, Sandbox, SandboxOptions};
 use crate::snapshot::manifest::{parts, BuildTimes, Machine, Manifest, Versions, FORMAT};
 use crate::snapshot::{Snapshot, Store, Tag};
@@ -326,7 +328,13 @@ async fn warm(
         progress(&format!("warm-up: {}", step.run));
         let mut req = ExecRequest::new(Command::Shell(step.run.clone()));
         req.timeout_ms = Some(step.timeout_s.unwrap_or(600) * 1000);
-        let out = parent.exec(req, None).await?;
+        let out = run_step(parent, req).await?;
+        if out.dropped > 0 {
+            progress(&format!(
+                "warm-up: {} printed {} bytes more than the {} kept for errors",
+                step.run, out.dropped, out.cap
+            ));
+        }
         if !out.status.success() {
             return Err(fail(format!(
                 "warm-up command {:?} failed (exit {}{}): {}{}",
@@ -337,8 +345,8 @@ async fn warm(
                 } else {
                     ""
                 },
-                tail(&out.stdout),
-                tail(&out.stderr)
+                out.stdout.render(),
+                out.stderr.render()
             )));
         }
     }
@@ -391,6 +399,45 @@ async fn warm(
     Ok(contexts)
 }
 
+/// What a warm-up step left: its exit and the end of its output.
+struct StepOutput {
+    status: forkd_proto::exec::ExitStatus,
+    stdout: OutputTail,
+    stderr: OutputTail,
+    /// Bytes of output not kept, both streams together.
+    dropped: u64,
+    /// Bytes kept per stream.
+    cap: u64,
+}
+
+/// Runs one warm-up step, keeping only the end of its output (`FORKD_WARMUP_OUTPUT_CAP`
+/// bytes of each stream): a step that prints gigabytes costs no memory.
+async fn run_step(parent: &Sandbox, req: ExecRequest) -> Result<StepOutput, SandboxError> {
+    let cap = forkd_proto::limits::get().warmup_output;
+    let keep = usize::try_from(cap).unwrap_or(usize::MAX);
+    let (mut stdout, mut stderr) = (OutputTail::new(keep), OutputTail::new(keep));
+    let mut stream = parent.exec_stream(req, None).await?;
+    while let Some(out) = stream.next().await? {
+        match out {
+            ExecOutput::Stdout(b) => stdout.push(&b),
+            ExecOutput::Stderr(b) => stderr.push(&b),
+            ExecOutput::Started(_) => {}
+            ExecOutput::Exited(status) => {
+                return Ok(StepOutput {
+                    status,
+                    dropped: stdout.dropped() + stderr.dropped(),
+                    stdout,
+                    stderr,
+                    cap,
+                })
+            }
+        }
+    }
+    Err(SandboxError::Agent(crate::agent::AgentError::Malformed(
+        "warm-up output ended without an exit status".into(),
+    )))
+}
+
 /// A hard link (same filesystem: free, and the image builder replaces files by rename,
 /// so a linked image never changes under the snapshot), else a copy.
 fn link_or_copy(from: &Path, to: &Path) -> Result<(), SandboxError> {
@@ -421,15 +468,6 @@ fn first_line(s: &str) -> String {
         1 => lines[0].to_owned(),
         n => format!("{} (+{} lines)", lines[0], n - 1),
     }
-}
-
-fn tail(b: &[u8]) -> String {
-    let s = String::from_utf8_lossy(b);
-    let start = s.len().saturating_sub(2000);
-    let start = (start..s.len())
-        .find(|i| s.is_char_boundary(*i))
-        .unwrap_or(s.len());
-    s[start..].to_string()
 }
 
 #[cfg(test)]

@@ -64,7 +64,13 @@ impl VmConfig {
         self.dir.join("qmp.sock")
     }
 
-    /// The guest's serial console, captured to a file.
+    /// Unix socket on which QEMU serves the guest's serial console.
+    pub fn console_socket(&self) -> PathBuf {
+        self.dir.join("console.sock")
+    }
+
+    /// The guest's serial console as the host copied it (capped; the older half is in
+    /// `console.log.1`).
     pub fn console_log(&self) -> PathBuf {
         self.dir.join("console.log")
     }

@@ -16,6 +16,7 @@ pub mod files;
 pub mod frame;
 pub mod handshake;
 pub mod io;
+pub mod limits;
 pub mod routes;
 
 use serde::{Deserialize, Serialize};

@@ -87,6 +87,12 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     init_tracing(cli.verbose);
+    // Fixed once, before any guest is read from: a bad value is refused here, not
+    // replaced by a default later.
+    if let Err(e) = forkd_proto::limits::init() {
+        eprintln!("forkd: {e}");
+        std::process::exit(2);
+    }
     let home = cli.home.map(Home::new).unwrap_or_else(Home::from_env);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

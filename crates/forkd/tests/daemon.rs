@@ -682,3 +682,126 @@ fn quickstart_from_an_empty_data_directory() {
     );
     assert!(stderr.contains("froze the parent"), "{stderr}");
 }
+
+/// A field of `/proc/PID/status` in KiB (`VmRSS`, `VmHWM`).
+fn proc_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in {status}"))
+}
+
+fn console_bytes(dir: &Path) -> u64 {
+    ["console.log", "console.log.1"]
+        .iter()
+        .filter_map(|f| std::fs::metadata(dir.join(f)).ok())
+        .map(|m| m.len())
+        .sum()
+}
+
+#[test]
+fn a_guest_flooding_console_and_stdout_leaves_the_daemon_small() {
+    const CONSOLE_CAP: u64 = 64 << 10;
+    const STDOUT: u64 = 256 << 20;
+    const CONSOLE: u64 = 2 << 20;
+    let mut d = Daemon::start_with_env(&[], &[("FORKD_CONSOLE_CAP", "64K")]);
+    let (id, dir) = runtime().block_on(async {
+        let c = d.unix();
+        build(&c, "minimal", "mini").await;
+        let id = create(&c, "mini", 1).await.remove(0);
+        (id.clone(), d.home.path().join("run/sandboxes").join(&id))
+    });
+    let before = proc_kib(d.pid(), "VmRSS");
+    let pid = d.pid();
+    let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(before));
+    let sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let (peak, sampling) = (peak.clone(), sampling.clone());
+        std::thread::spawn(move || {
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                peak.fetch_max(proc_kib(pid, "VmRSS"), std::sync::atomic::Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    let streamed = runtime().block_on(async {
+        let c = d.unix();
+        // The console flood runs alongside the stdout flood; both end before the exit.
+        let shell = format!(
+            "head -c {CONSOLE} /dev/urandom | base64 > /dev/ttyS0 & \
+             head -c {STDOUT} /dev/zero; wait; echo flood-ended > /dev/ttyS0"
+        );
+        let body = serde_json::to_vec(&json!({ "shell": shell, "stream": true })).unwrap();
+        let resp = c
+            .send(
+                Method::POST,
+                &format!("/v1/sandboxes/{id}/exec"),
+                Some(body),
+            )
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        // Read and drop: the daemon must pass the output on, not hold it.
+        let mut body = resp.into_body();
+        let mut n = 0u64;
+        while let Some(f) = http_body_util::BodyExt::frame(&mut body).await {
+            if let Ok(data) = f.unwrap().into_data() {
+                n += data.len() as u64;
+            }
+        }
+        n
+    });
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    sampler.join().unwrap();
+    let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(streamed > STDOUT, "only {streamed} bytes streamed");
+    eprintln!(
+        "daemon VmRSS {before} KiB before, {peak} KiB at most while {streamed} bytes streamed"
+    );
+    // The daemon's resident memory grew by far less than what passed through it.
+    let grown = peak.saturating_sub(before) * 1024;
+    assert!(
+        grown < STDOUT / 4,
+        "the daemon grew by {grown} bytes (from {before} KiB to {peak} KiB)"
+    );
+    // The console files stay within their cap, and the end of the flood is in them.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(dir.join("console.log"))
+        .unwrap_or_default()
+        .contains("flood-ended")
+    {
+        assert!(Instant::now() < deadline, "the console marker never landed");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        console_bytes(&dir) <= CONSOLE_CAP,
+        "{}",
+        console_bytes(&dir)
+    );
+
+    // A restarted daemon re-adopts the VM and reads its console again.
+    d.kill9();
+    d.spawn();
+    runtime().block_on(async {
+        let c = d.unix();
+        exec(&c, &id, "echo after-restart > /dev/ttyS0").await;
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(dir.join("console.log"))
+        .unwrap_or_default()
+        .contains("after-restart")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the console is not read after the restart"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        console_bytes(&dir) <= CONSOLE_CAP,
+        "{}",
+        console_bytes(&dir)
+    );
+}

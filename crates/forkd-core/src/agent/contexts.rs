@@ -1,59 +1,40 @@
 //! Code contexts and the resume hook.
 
+use super::lines::Lines;
 use super::{empty, json_body, AgentClient, AgentError};
+use bytes::Bytes;
 use forkd_proto::context::{
     ContextEvent, ContextInfo, CreateContextRequest, Execution, ResumeRequest, ResumeResponse,
     RunCodeRequest,
 };
 use forkd_proto::routes;
+use futures::stream::BoxStream;
+use futures::TryStreamExt;
 use http::Method;
-use http_body_util::BodyExt;
-use hyper::body::Incoming;
+use http_body_util::BodyDataStream;
 
-/// Largest single event accepted from the agent (the driver sends output in pieces far
-/// smaller than this; a line without end would otherwise grow without limit).
-const MAX_EVENT: usize = 64 << 20;
-
-/// The streamed events of one run.
+/// The streamed events of one run: JSON lines, each at most the event line limit
+/// (`FORKD_EVENT_LINE_LIMIT`).
 pub struct RunStream {
-    body: Incoming,
-    buf: Vec<u8>,
+    lines: Lines<BoxStream<'static, std::io::Result<Bytes>>>,
     done: bool,
 }
 
 impl RunStream {
     /// The next event; `None` after [`ContextEvent::Done`].
     pub async fn next(&mut self) -> Result<Option<ContextEvent>, AgentError> {
-        loop {
-            if self.done {
-                return Ok(None);
-            }
-            if let Some(end) = self.buf.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = self.buf.drain(..=end).collect();
-                let event: ContextEvent = serde_json::from_slice(&line[..end])
-                    .map_err(|e| AgentError::Malformed(format!("bad run event: {e}")))?;
-                self.done = matches!(event, ContextEvent::Done { .. });
-                return Ok(Some(event));
-            }
-            if self.buf.len() > MAX_EVENT {
-                return Err(AgentError::Malformed(format!(
-                    "a run event is larger than {MAX_EVENT} bytes"
-                )));
-            }
-            match self.body.frame().await {
-                Some(Ok(f)) => {
-                    if let Ok(data) = f.into_data() {
-                        self.buf.extend_from_slice(&data);
-                    }
-                }
-                Some(Err(e)) => return Err(AgentError::Http(e.to_string())),
-                None => {
-                    return Err(AgentError::Malformed(
-                        "run output ended without a done event".into(),
-                    ))
-                }
-            }
+        if self.done {
+            return Ok(None);
         }
+        let Some(line) = self.lines.next().await? else {
+            return Err(AgentError::Malformed(
+                "run output ended without a done event".into(),
+            ));
+        };
+        let event: ContextEvent = serde_json::from_str(&line)
+            .map_err(|e| AgentError::Malformed(format!("bad run event: {e}")))?;
+        self.done = matches!(event, ContextEvent::Done { .. });
+        Ok(Some(event))
     }
 
     /// Reads the rest of the run and collects it.
@@ -89,9 +70,15 @@ impl AgentClient {
         let resp = self
             .send(Method::POST, &routes::context_run(context), json_body(req))
             .await?;
+        let body = BodyDataStream::new(resp.into_body()).map_err(std::io::Error::other);
+        let max = usize::try_from(forkd_proto::limits::get().event_line).unwrap_or(usize::MAX);
         Ok(RunStream {
-            body: resp.into_body(),
-            buf: Vec::new(),
+            lines: Lines::new(
+                Box::pin(body),
+                max,
+                "a code-context event line",
+                "FORKD_EVENT_LINE_LIMIT",
+            ),
             done: false,
         })
     }

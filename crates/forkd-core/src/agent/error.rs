@@ -49,6 +49,19 @@ pub enum AgentError {
     /// malformed answer from the agent: {0}
     #[error("malformed answer from the agent: {0}")]
     Malformed(String),
+    /// {what} from the agent is larger than {limit} bytes
+    #[error(
+        "{what} from the agent is larger than {limit} bytes; refused unread (set {setting} to \
+         raise the limit if this is expected)"
+    )]
+    TooLarge {
+        /// What was being read.
+        what: &'static str,
+        /// The limit it exceeded.
+        limit: u64,
+        /// The setting that raises the limit.
+        setting: &'static str,
+    },
     /// the agent did not answer within {secs} s
     #[error("the agent did not answer within {secs} s")]
     Timeout {

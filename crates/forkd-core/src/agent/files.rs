@@ -167,8 +167,16 @@ impl AgentClient {
                 }),
             )
             .await?;
-        // 204: nothing to read, but drain so the stream is released.
-        let _ = resp.into_body().collect().await?;
+        // 204: nothing to read, but drain so the stream is released (bounded: a guest
+        // that sends a body anyway is not believed).
+        let limit = forkd_proto::limits::AGENT_ERROR_BODY_LIMIT as u64;
+        super::collect_limited(resp.into_body(), limit)
+            .await
+            .map_err(|e| {
+                e.unwrap_or_else(|| {
+                    AgentError::Malformed(format!("a body of over {limit} bytes with a 204"))
+                })
+            })?;
         Ok(())
     }
 

@@ -9,6 +9,7 @@ mod contexts;
 mod error;
 mod exec;
 mod files;
+mod lines;
 
 pub use contexts::RunStream;
 pub use error::AgentError;
@@ -19,7 +20,7 @@ use bytes::Bytes;
 use forkd_proto::{handshake, ErrorBody, PingResponse, PROTOCOL_VERSION};
 use http::{Method, Request, StatusCode};
 use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde::de::DeserializeOwned;
@@ -175,7 +176,16 @@ impl AgentClient {
             return Ok(resp);
         }
         let status = resp.status();
-        let bytes = resp.into_body().collect().await?.to_bytes();
+        let limit = forkd_proto::limits::AGENT_ERROR_BODY_LIMIT;
+        let bytes = match Limited::new(resp.into_body(), limit).collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) if e.is::<LengthLimitError>() => {
+                return Err(AgentError::Malformed(format!(
+                    "{status} from {path_and_query} with an error body over {limit} bytes"
+                )))
+            }
+            Err(e) => return Err(AgentError::Http(e.to_string())),
+        };
         Err(match serde_json::from_slice::<ErrorBody>(&bytes) {
             Ok(body) => AgentError::Agent {
                 status: status.as_u16(),
@@ -230,7 +240,17 @@ pub(crate) fn json_body<B: Serialize>(body: &B) -> ReqBody {
 
 async fn read_json<T: DeserializeOwned>(resp: hyper::Response<Incoming>) -> Result<T, AgentError> {
     let status = resp.status();
-    let bytes = resp.into_body().collect().await?.to_bytes();
+    let limit = forkd_proto::limits::get().agent_json;
+    let bytes = collect_limited(resp.into_body(), limit)
+        .await
+        .map_err(|e| match e {
+            Some(e) => e,
+            None => AgentError::TooLarge {
+                what: "a JSON answer",
+                limit,
+                setting: "FORKD_AGENT_JSON_LIMIT",
+            },
+        })?;
     if status == StatusCode::NO_CONTENT && bytes.is_empty() {
         return serde_json::from_slice(b"null").map_err(|e| AgentError::Malformed(e.to_string()));
     }
@@ -240,6 +260,17 @@ async fn read_json<T: DeserializeOwned>(resp: hyper::Response<Incoming>) -> Resu
             String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
         ))
     })
+}
+
+/// The whole body, unless it is longer than `limit` bytes (`Err(None)`: nothing more is
+/// read once the limit is passed).
+async fn collect_limited(body: Incoming, limit: u64) -> Result<Bytes, Option<AgentError>> {
+    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+    match Limited::new(body, limit).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) if e.is::<LengthLimitError>() => Err(None),
+        Err(e) => Err(Some(AgentError::Http(e.to_string()))),
+    }
 }
 
 /// `path?query` with the query urlencoded from `query`.

@@ -55,9 +55,12 @@ pub fn build(config: &VmConfig) -> Vec<OsString> {
         .push("-no-reboot");
     args.push("-name")
         .push(format!("forkd-{},process=forkd-{}", config.id, config.id));
-    let mut serial = OsString::from("file:");
-    serial.push(config.console_log().as_os_str());
-    args.push("-serial").push(serial);
+    // The console goes to a socket that the host reads into a capped log (see
+    // `console.rs`): with nobody connected, QEMU drops it.
+    let mut console = OsString::from("socket,id=console0,server=on,wait=off,path=");
+    console.push(escape(config.console_socket().as_os_str()));
+    args.push("-chardev").push(console);
+    args.push("-serial").push("chardev:console0");
     args.push("-kernel").push(config.kernel.as_os_str());
     args.push("-initrd").push(config.initramfs.as_os_str());
     args.push("-append").push(config.cmdline.as_str());
@@ -171,6 +174,10 @@ mod tests {
             "{s}"
         );
         assert!(s.contains(&format!("-sandbox {SECCOMP}")), "{s}");
+        assert!(
+            s.contains("-chardev socket,id=console0,server=on,wait=off,path=/run/x,,y/console.sock -serial chardev:console0"),
+            "{s}"
+        );
         // Commas in paths are doubled so QEMU does not split on them.
         assert!(s.contains("file=/run/x,,y/root.qcow2"), "{s}");
         assert!(s.contains("werror=report,rerror=report"), "{s}");

@@ -1,6 +1,7 @@
 //! The QEMU backend: one `qemu-system-x86_64` process per VM, driven over QMP.
 
 pub mod cmdline;
+pub mod console;
 pub mod disk;
 pub mod qmp;
 pub mod version;
@@ -116,6 +117,8 @@ pub struct QemuVm {
     qmp: Qmp,
     exit: watch::Receiver<Option<String>>,
     owner: Owner,
+    /// Copies the console to its capped log while this handle lives.
+    _console: console::Reader,
 }
 
 impl QemuVm {
@@ -124,7 +127,11 @@ impl QemuVm {
         config: &VmConfig,
         incoming: Option<std::fs::File>,
     ) -> Result<QemuVm, HypervisorError> {
-        for sock in [config.agent_socket(), config.qmp_socket()] {
+        for sock in [
+            config.agent_socket(),
+            config.qmp_socket(),
+            config.console_socket(),
+        ] {
             if sock.as_os_str().len() > MAX_SOCKET_PATH {
                 return Err(HypervisorError::Config(format!(
                     "socket path {} is longer than {MAX_SOCKET_PATH} bytes; use a shorter FORKD_HOME",
@@ -205,6 +212,7 @@ impl QemuVm {
         })?;
         drop(incoming);
         let pid = child.id().unwrap_or(0);
+        let (console, console_done) = read_console(config);
         let (exit_tx, exit) = watch::channel(None);
         let (kill_tx, mut kill_rx) = mpsc::unbounded_channel::<()>();
         tokio::spawn(async move {
@@ -221,9 +229,11 @@ impl QemuVm {
                 Ok(s) => s.to_string(),
                 Err(e) => format!("wait failed: {e}"),
             };
+            // Whoever hears of the exit may quote the console: let its last bytes land.
+            let _ = tokio::time::timeout(console::DRAIN_TIMEOUT, console_done).await;
             let _ = exit_tx.send(Some(desc));
         });
-        let vm = QemuVm::connect(config, pid, exit, Owner::Spawned(kill_tx)).await?;
+        let vm = QemuVm::connect(config, pid, exit, Owner::Spawned(kill_tx), console).await?;
         if restoring {
             if let Err(e) = vm.incoming().await {
                 vm.kill();
@@ -251,15 +261,18 @@ impl QemuVm {
         if crate::process::start_time(pid) != Some(start_time) {
             return Err(gone());
         }
+        // QEMU went on listening for a console reader when the one before went away.
+        let (console, console_done) = read_console(config);
         let (exit_tx, exit) = watch::channel(None);
         tokio::spawn(async move {
             let desc = match pidfd.exited().await {
                 Ok(()) => "exited".to_string(),
                 Err(e) => format!("watching the process failed: {e}"),
             };
+            let _ = tokio::time::timeout(console::DRAIN_TIMEOUT, console_done).await;
             let _ = exit_tx.send(Some(desc));
         });
-        QemuVm::connect(config, pid, exit, Owner::Adopted { start_time }).await
+        QemuVm::connect(config, pid, exit, Owner::Adopted { start_time }, console).await
     }
 
     async fn connect(
@@ -267,6 +280,7 @@ impl QemuVm {
         pid: u32,
         exit: watch::Receiver<Option<String>>,
         owner: Owner,
+        console: console::Reader,
     ) -> Result<QemuVm, HypervisorError> {
         let log_path = config.hypervisor_log();
         let exit_probe = exit.clone();
@@ -287,6 +301,7 @@ impl QemuVm {
                 qmp,
                 exit,
                 owner,
+                _console: console,
             }),
             Err(e) => {
                 if let Owner::Spawned(kill) = &owner {
@@ -499,7 +514,7 @@ impl Vm for QemuVm {
     }
 
     fn console_tail(&self, lines: usize) -> String {
-        tail(&self.config.console_log(), lines)
+        console::tail(&self.config.console_log(), lines)
     }
 }
 
@@ -515,12 +530,16 @@ impl Drop for QemuVm {
 /// The name under which the device-state file is handed to QEMU (`getfd`).
 const STATE_FD_NAME: &str = "forkd-state";
 
-/// The last `lines` lines of a log file, lossily decoded.
+/// The last `lines` lines of a log file, read from its end only (see [`console::tail`]).
 pub fn tail(path: &std::path::Path, lines: usize) -> String {
-    let Ok(data) = std::fs::read(path) else {
-        return String::new();
-    };
-    let text = String::from_utf8_lossy(&data);
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
+    console::tail(path, lines)
+}
+
+/// Starts copying `config`'s console into its capped log, within the limit in force.
+fn read_console(config: &VmConfig) -> (console::Reader, tokio::task::JoinHandle<()>) {
+    console::spawn(
+        config.console_socket(),
+        config.console_log(),
+        forkd_proto::limits::get().console_cap,
+    )
 }

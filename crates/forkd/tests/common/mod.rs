@@ -12,11 +12,17 @@ pub struct Daemon {
     pub home: tempfile::TempDir,
     child: Option<Child>,
     args: Vec<String>,
+    env: Vec<(String, String)>,
     tcp: Option<String>,
 }
 
 impl Daemon {
     pub fn start(extra: &[&str]) -> Daemon {
+        Daemon::start_with_env(extra, &[])
+    }
+
+    /// A daemon started with `extra` arguments and `env` added to its environment.
+    pub fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Daemon {
         let shared = forkd_image::Home::from_env();
         let tmp = shared.tmp_dir();
         std::fs::create_dir_all(&tmp).unwrap();
@@ -30,6 +36,10 @@ impl Daemon {
             home,
             child: None,
             args: extra.iter().map(|s| s.to_string()).collect(),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             tcp: None,
         };
         if let Some(i) = d.args.iter().position(|a| a == "--listen") {
@@ -44,6 +54,7 @@ impl Daemon {
             .arg("daemon")
             .args(&self.args)
             .env("FORKD_HOME", self.home.path())
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(self.home.path().join("daemon.log")).unwrap())
@@ -65,6 +76,11 @@ impl Daemon {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The daemon process's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("the daemon runs").id()
     }
 
     pub fn socket(&self) -> PathBuf {
@@ -160,6 +176,7 @@ impl Daemon {
             home,
             child: None,
             args: Vec::new(),
+            env: Vec::new(),
             tcp: None,
         }
     }
