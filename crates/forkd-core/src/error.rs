@@ -53,6 +53,18 @@ pub enum SandboxError {
         /// The sandbox.
         id: String,
     },
+    /// Not enough disk space for the work asked for; nothing was started.
+    #[error("not enough disk space for {what} in {path}: {needed_mib} MiB needed, {available_mib} MiB free; free some space (remove sandboxes or snapshots) or give forkd a bigger FORKD_HOME")]
+    NoSpace {
+        /// What was asked for.
+        what: String,
+        /// Where it would have been written.
+        path: String,
+        /// What it needs, MiB.
+        needed_mib: u64,
+        /// What is free, MiB.
+        available_mib: u64,
+    },
     /// The sandbox exists but is not in a state that serves requests.
     #[error("sandbox {id} is {state}: it does not take requests now")]
     NotReady {

@@ -15,6 +15,7 @@ pub mod lifecycle;
 pub mod output_tail;
 pub mod sandbox;
 pub mod snapshot;
+pub mod space;
 pub mod template;
 
 pub use agent::AgentClient;

@@ -198,6 +198,11 @@ pub async fn build(
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<Snapshot, SandboxError> {
     let t0 = Instant::now();
+    crate::space::ensure_room(
+        store.root(),
+        build_needs(recipe, assets, store.root()),
+        &format!("building snapshot {tag}"),
+    )?;
     let staging = store.stage(tag)?;
     progress(&format!("linking the guest assets into snapshot {tag}"));
     link_or_copy(&assets.kernel.vmlinuz.path, &staging.part(parts::KERNEL))?;
@@ -450,6 +455,28 @@ fn link_or_copy(from: &Path, to: &Path) -> Result<(), SandboxError> {
             context: format!("copying {} to {}", from.display(), to.display()),
             source,
         })
+}
+
+/// What a build writes into the store: the parent's RAM file (as much as its memory),
+/// copies of the guest assets where they cannot be hard-linked (another filesystem),
+/// and room for the disk layer, the device state and the manifest.
+fn build_needs(recipe: &Recipe, assets: &GuestAssets, store: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let store_dev = store
+        .ancestors()
+        .find_map(|p| std::fs::metadata(p).ok())
+        .map(|m| m.dev());
+    let copies: u64 = [
+        &assets.kernel.vmlinuz.path,
+        &assets.initramfs.path,
+        &assets.rootfs.path,
+    ]
+    .iter()
+    .filter_map(|p| std::fs::metadata(p).ok())
+    .filter(|m| Some(m.dev()) != store_dev)
+    .map(|m| m.len())
+    .sum();
+    (u64::from(recipe.memory_mib) << 20) + copies + (64 << 20)
 }
 
 /// The hypervisor's version, `unknown (why)` when it cannot be read.

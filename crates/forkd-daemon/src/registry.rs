@@ -654,6 +654,14 @@ struct Recorder<'a> {
 }
 
 fn recording_failed(e: StateError) -> SandboxError {
+    if e.is_disk_full() {
+        return SandboxError::NoSpace {
+            what: "recording a sandbox in the state database".into(),
+            path: "the data directory".into(),
+            needed_mib: 1,
+            available_mib: 0,
+        };
+    }
     SandboxError::Io {
         context: "recording the sandbox in the state database".into(),
         source: std::io::Error::other(e.to_string()),

@@ -360,10 +360,16 @@ async fn observe(
             hash: String::new(),
         };
         if let Err(e) = audit.append(record) {
-            // An unaudited mutation must not look like a success.
             tracing::error!("{e}");
-            return ApiError::internal(format!("the request ran but could not be audited: {e}"))
+            // An unaudited mutation must not look like a success. A refused request
+            // changed nothing: its own error (a 507 on a full disk, say) says more than
+            // the audit's.
+            if response.status().is_success() {
+                return ApiError::internal(format!(
+                    "the request ran but could not be audited: {e}"
+                ))
                 .into_response();
+            }
         }
     }
     response

@@ -82,6 +82,18 @@ pub enum StateError {
     },
 }
 
+impl StateError {
+    /// True when the database could not be written because its disk is full: nothing
+    /// was changed (SQLite rolls the statement back), the caller can say 507.
+    pub fn is_disk_full(&self) -> bool {
+        matches!(
+            self,
+            StateError::Sql(rusqlite::Error::SqliteFailure(e, _))
+                if e.code == rusqlite::ErrorCode::DiskFull
+        )
+    }
+}
+
 /// One sandbox the daemon owns.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SandboxRow {

@@ -132,6 +132,11 @@ impl From<SandboxError> for ApiError {
                 }
             }
             SandboxError::NotReady { .. } => ApiError::conflict(msg),
+            SandboxError::NoSpace { .. } => ApiError::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "insufficient_storage",
+                msg,
+            ),
             SandboxError::Unresponsive { .. } => {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "sandbox_unresponsive", msg)
             }
@@ -145,6 +150,13 @@ impl From<SandboxError> for ApiError {
 
 impl From<crate::state::StateError> for ApiError {
     fn from(e: crate::state::StateError) -> ApiError {
+        if e.is_disk_full() {
+            return ApiError::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "insufficient_storage",
+                format!("{e}; free some space in the data directory"),
+            );
+        }
         ApiError::internal(e.to_string())
     }
 }

@@ -141,6 +141,13 @@ pub async fn build(
         }
         .into());
     }
+    // The build runs on after this answer: say at once when it cannot fit. (It checks
+    // again, knowing whether the assets can be hard-linked, before it writes.)
+    forkd_core::space::ensure_room(
+        app.registry.store().root(),
+        (u64::from(recipe.memory_mib) << 20) + (64 << 20),
+        &format!("building snapshot {tag}"),
+    )?;
     if let Some(op) = app.registry.state().running_operation_on(tag.as_str())? {
         return Err(ApiError::conflict(format!(
             "snapshot {tag} is being built already (operation {})",
