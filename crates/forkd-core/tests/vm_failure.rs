@@ -8,7 +8,7 @@ use forkd_image::RootfsImage;
 use std::time::{Duration, Instant};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unresponsive_guest_is_detected_and_torn_down() {
+async fn an_unresponsive_guest_is_kept_and_recovers() {
     let opts = SandboxOptions {
         agent_timeout: Duration::from_secs(3),
         ..common::options()
@@ -20,33 +20,40 @@ async fn an_unresponsive_guest_is_detected_and_torn_down() {
         b"alive\n"
     );
 
-    // A long command is running when the guest freezes (its vCPUs stopped): the call must
-    // end with a clear error within about the agent timeout, not hang.
-    let long = sb.exec(sh("sleep 600"), None);
-    let freeze = async {
+    // A command is running when the guest freezes (its vCPUs stopped). The watchdog
+    // notices the silence and marks the sandbox unresponsive, but keeps it: a slow guest
+    // is not a dead one.
+    let in_flight = sb.exec(sh("sleep 2; echo finished"), None);
+    let freeze_and_thaw = async {
         tokio::time::sleep(Duration::from_millis(500)).await;
         sb.vm().pause().await.unwrap();
-        Instant::now()
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !sb.is_unresponsive() {
+            assert!(Instant::now() < deadline, "never marked unresponsive");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let err = sb.exec(sh("echo x"), None).await.unwrap_err();
+        assert!(matches!(err, SandboxError::Unresponsive { .. }), "{err}");
+        assert!(err.to_string().contains("kept"), "{err}");
+        assert!(
+            sb.failure().is_none(),
+            "an unresponsive sandbox has not failed"
+        );
+        assert!(sb.pid().is_some(), "its VM runs on");
+        sb.vm().resume().await.unwrap();
     };
-    let (res, frozen_at) = tokio::join!(long, freeze);
-    let detected_after = frozen_at.elapsed();
-    let err = res.unwrap_err();
-    assert!(matches!(err, SandboxError::Unresponsive { .. }), "{err}");
-    assert!(err.to_string().contains("stopped answering"), "{err}");
-    // Generous bound: the watchdog pings every second and waits two; it is the behaviour
-    // (an error, well before the command's 600 s) that is asserted, not a latency.
-    assert!(
-        detected_after < Duration::from_secs(60),
-        "took {detected_after:?}"
+    let (res, ()) = tokio::join!(in_flight, freeze_and_thaw);
+    // The call in flight was not cut: it finishes once the guest runs again.
+    assert_eq!(res.unwrap().stdout, b"finished\n");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while sb.is_unresponsive() {
+        assert!(Instant::now() < deadline, "never answered again");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        sb.exec(sh("echo back"), None).await.unwrap().stdout,
+        b"back\n"
     );
-
-    // The sandbox is torn down by the watchdog itself, and later calls fail at once.
-    let again = sb.exec(sh("echo x"), None).await.unwrap_err();
-    assert!(
-        matches!(again, SandboxError::Unresponsive { .. }),
-        "{again}"
-    );
-    fp.assert_gone();
     sb.destroy().await.unwrap();
     fp.assert_gone();
 }
