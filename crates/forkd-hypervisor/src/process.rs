@@ -125,6 +125,17 @@ pub fn find_by_argument(needle: &str) -> Vec<(u32, u64)> {
         .collect()
 }
 
+/// Waits until a backend's exit watch (None while the process runs, then how it ended)
+/// says the process has exited, and returns how.
+pub async fn wait_for_exit(exit: &tokio::sync::watch::Receiver<Option<String>>) -> String {
+    let mut exit = exit.clone();
+    let desc = match exit.wait_for(|s| s.is_some()).await {
+        Ok(s) => s.clone().unwrap_or_default(),
+        Err(_) => "exited".into(),
+    };
+    desc
+}
+
 /// Field `n` (1-based, as in proc(5)) of a /proc/PID/stat line. The command name (field 2)
 /// may contain spaces and parentheses, so fields are counted from its closing parenthesis.
 fn stat_field(stat: &str, n: usize) -> Option<&str> {

@@ -13,43 +13,7 @@ use std::time::{Duration, Instant};
 
 const TOKEN: &str = "0123456789abcdef0123456789abcdef-test-token";
 
-use common::{free_port, runtime, Daemon};
-
-async fn call(c: &Client, m: Method, path: &str, body: Option<Value>) -> (StatusCode, Value) {
-    let (status, bytes) = c.call(m, path, body.as_ref()).await.unwrap();
-    let v = if bytes.is_empty() {
-        Value::Null
-    } else {
-        serde_json::from_slice(&bytes)
-            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()))
-    };
-    (status, v)
-}
-
-/// Builds `template` as snapshot `tag` through the API and waits for the operation.
-async fn build(c: &Client, template: &str, tag: &str) {
-    let (s, op) = call(
-        c,
-        Method::POST,
-        "/v1/snapshots",
-        Some(json!({"template": template, "tag": tag})),
-    )
-    .await;
-    assert_eq!(s, StatusCode::ACCEPTED, "{op}");
-    let id = op["id"].as_str().unwrap().to_owned();
-    let deadline = Instant::now() + Duration::from_secs(600);
-    loop {
-        let (s, op) = call(c, Method::GET, &format!("/v1/operations/{id}"), None).await;
-        assert_eq!(s, StatusCode::OK);
-        match op["status"].as_str().unwrap() {
-            "running" => {}
-            "succeeded" => return,
-            other => panic!("building {template}: {other}: {op}"),
-        }
-        assert!(Instant::now() < deadline, "the build did not finish");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
+use common::{build_snapshot as build, call, free_port, runtime, Daemon};
 
 async fn create(c: &Client, tag: &str, n: u32) -> Vec<String> {
     let (s, v) = call(

@@ -426,12 +426,7 @@ impl Vm for QemuVm {
     }
 
     async fn wait_exit(&self) -> String {
-        let mut exit = self.exit.clone();
-        let desc = match exit.wait_for(|s| s.is_some()).await {
-            Ok(s) => s.clone().unwrap_or_default(),
-            Err(_) => "exited".into(),
-        };
-        desc
+        crate::process::wait_for_exit(&self.exit).await
     }
 
     async fn stop(&self, grace: Duration) -> Result<(), HypervisorError> {
