@@ -65,6 +65,9 @@ pub enum SandboxError {
         /// What is free, MiB.
         available_mib: u64,
     },
+    /// The fork was cancelled; nothing of it is kept.
+    #[error("the fork was cancelled; the children it had started were stopped and removed")]
+    Cancelled,
     /// The sandbox exists but is not in a state that serves requests.
     #[error("sandbox {id} is {state}: it does not take requests now")]
     NotReady {

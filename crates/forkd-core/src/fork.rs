@@ -13,6 +13,7 @@ use forkd_hypervisor::{
 };
 use forkd_image::Home;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 /// Most children one fork call makes.
 pub const MAX_CHILDREN: usize = 256;
@@ -31,6 +32,17 @@ pub struct ForkOptions {
     pub ready_timeout: Duration,
     /// See [`SandboxOptions::agent_timeout`].
     pub agent_timeout: Duration,
+    /// Most restores in flight at once (see [`default_parallel`]).
+    pub parallel: usize,
+    /// Stops the fork: children not started yet are not, started ones are discarded.
+    pub cancel: CancellationToken,
+}
+
+/// Restores in flight at once by default: one per host CPU. Under TCG a restore and the
+/// first instructions of its guest keep a core busy; more at once only make every child
+/// answer later.
+pub fn default_parallel() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get())
 }
 
 impl Default for ForkOptions {
@@ -41,6 +53,8 @@ impl Default for ForkOptions {
             seccomp: true,
             ready_timeout: Duration::from_secs(60),
             agent_timeout: Duration::from_secs(30),
+            parallel: default_parallel(),
+            cancel: CancellationToken::new(),
         }
     }
 }
@@ -72,8 +86,9 @@ impl ForkObserver for Unrecorded {
     fn discarded(&self, _: &str) {}
 }
 
-/// Restores `opts.count` children of `snap` in parallel. All or nothing: if one fails,
-/// the others are stopped and the first error is returned.
+/// Restores `opts.count` children of `snap`, at most `opts.parallel` at a time. All or
+/// nothing: if one fails (or the fork is cancelled), the others are stopped and the first
+/// error is returned.
 pub async fn fork(
     hv: &dyn Hypervisor,
     home: &Home,
@@ -81,6 +96,71 @@ pub async fn fork(
     opts: &ForkOptions,
     observer: &dyn ForkObserver,
 ) -> Result<Vec<Sandbox>, SandboxError> {
+    let results = fork_each(hv, home, snap, opts, observer).await?;
+    let mut children = Vec::with_capacity(results.len());
+    let mut first_err = None;
+    for r in results {
+        match r {
+            Ok(c) => children.push(c),
+            Err(e) if first_err.is_none() => first_err = Some(e),
+            Err(_) => {}
+        }
+    }
+    match first_err {
+        None => Ok(children),
+        Some(e) => {
+            discard(children, observer).await;
+            Err(e)
+        }
+    }
+}
+
+/// What a partial fork made: the children that answer, and an error for each that did
+/// not.
+pub struct Forked {
+    /// The children, ready.
+    pub children: Vec<Sandbox>,
+    /// Why each of the others failed.
+    pub failures: Vec<SandboxError>,
+}
+
+/// Like [`fork`], but keeps the children that started when some fail (as E2B's fork
+/// does). A cancelled fork still keeps nothing.
+pub async fn fork_partial(
+    hv: &dyn Hypervisor,
+    home: &Home,
+    snap: &Snapshot,
+    opts: &ForkOptions,
+    observer: &dyn ForkObserver,
+) -> Result<Forked, SandboxError> {
+    let results = fork_each(hv, home, snap, opts, observer).await?;
+    let (mut children, mut failures) = (Vec::new(), Vec::new());
+    for r in results {
+        match r {
+            Ok(c) => children.push(c),
+            Err(e) => failures.push(e),
+        }
+    }
+    if opts.cancel.is_cancelled() {
+        discard(children, observer).await;
+        return Err(SandboxError::Cancelled);
+    }
+    Ok(Forked { children, failures })
+}
+
+/// Checks the request, then restores the children with at most `opts.parallel` restores
+/// in flight: the rest wait their turn, so a fork of hundreds never starts hundreds of
+/// QEMUs at once on a host with a few cores. Children not started when the fork is
+/// cancelled fail with [`SandboxError::Cancelled`]; a cancelled fork discards the ones
+/// that did start.
+async fn fork_each(
+    hv: &dyn Hypervisor,
+    home: &Home,
+    snap: &Snapshot,
+    opts: &ForkOptions,
+    observer: &dyn ForkObserver,
+) -> Result<Vec<Result<Sandbox, SandboxError>>, SandboxError> {
+    use futures::StreamExt;
     if opts.count == 0 || opts.count > MAX_CHILDREN {
         return Err(SandboxError::Template {
             name: snap.tag.to_string(),
@@ -94,29 +174,36 @@ pub async fn fork(
         // A KVM snapshot cannot run under TCG (and the other way round).
         accel::resolve(AccelChoice::Kvm)?;
     }
-    let results = futures::future::join_all(
-        (0..opts.count).map(|_| fork_one(hv, home, snap, opts, observer)),
-    )
-    .await;
-    let mut children = Vec::with_capacity(results.len());
-    let mut first_err = None;
-    for r in results {
-        match r {
-            Ok(c) => children.push(c),
-            Err(e) if first_err.is_none() => first_err = Some(e),
-            Err(_) => {}
-        }
-    }
-    match first_err {
-        None => Ok(children),
-        Some(e) => {
-            for c in children {
-                let id = c.id().to_owned();
-                let _ = c.destroy().await;
-                observer.discarded(&id);
+    let per_child = crate::space::PER_CHILD + forkd_proto::limits::get().console_cap;
+    crate::space::ensure_room(
+        &crate::sandbox::sandboxes_dir(home),
+        per_child.saturating_mul(opts.count as u64),
+        &format!("forking {} children of {}", opts.count, snap.tag),
+    )?;
+    let results: Vec<Result<Sandbox, SandboxError>> = futures::stream::iter(0..opts.count)
+        .map(|_| async {
+            if opts.cancel.is_cancelled() {
+                return Err(SandboxError::Cancelled);
             }
-            Err(e)
-        }
+            fork_one(hv, home, snap, opts, observer).await
+        })
+        .buffer_unordered(opts.parallel.max(1))
+        .collect()
+        .await;
+    if opts.cancel.is_cancelled() {
+        let (children, _): (Vec<_>, Vec<_>) = results.into_iter().partition(Result::is_ok);
+        discard(children.into_iter().flatten().collect(), observer).await;
+        return Err(SandboxError::Cancelled);
+    }
+    Ok(results)
+}
+
+/// Stops children that will not be handed out and tells the observer.
+async fn discard(children: Vec<Sandbox>, observer: &dyn ForkObserver) {
+    for c in children {
+        let id = c.id().to_owned();
+        let _ = c.destroy().await;
+        observer.discarded(&id);
     }
 }
 

@@ -29,6 +29,8 @@ pub struct DaemonConfig {
     pub token: Option<String>,
     /// Most live sandboxes; creating more answers 503.
     pub max_sandboxes: usize,
+    /// Most children a fork restores at once.
+    pub fork_parallelism: usize,
 }
 
 /// PEM files of the TCP listener's certificate chain and private key.
@@ -81,6 +83,7 @@ impl DaemonConfig {
             tls: None,
             token: None,
             max_sandboxes: DEFAULT_MAX_SANDBOXES,
+            fork_parallelism: forkd_core::fork::default_parallel(),
         }
     }
 

@@ -11,7 +11,7 @@
 
 use crate::state::{OperationRow, SandboxRow, State, StateError};
 use forkd_core::failpoint;
-use forkd_core::fork::{fork, ForkObserver, ForkOptions};
+use forkd_core::fork::{fork, fork_partial, ForkObserver, ForkOptions, Forked};
 use forkd_core::lifecycle::SandboxState;
 use forkd_core::snapshot::{Snapshot, Store};
 use forkd_core::{Sandbox, SandboxError, SandboxOptions};
@@ -70,6 +70,7 @@ pub struct Registry {
     state: Arc<State>,
     max: usize,
     agent_timeout: Duration,
+    fork_parallel: usize,
     slots: Mutex<Slots>,
 }
 
@@ -91,6 +92,8 @@ struct Slots {
     starting: HashMap<String, SandboxRow>,
     /// Running, not taken over yet.
     unattached: HashMap<String, Unattached>,
+    /// Cancellation of the forks in progress, by operation id.
+    cancels: HashMap<String, tokio_util::sync::CancellationToken>,
     /// Slots promised to forks in progress.
     reserved: usize,
     /// Forks in progress, by snapshot tag: they use the snapshot as much as its
@@ -107,6 +110,38 @@ pub struct CreateSpec {
     pub labels: BTreeMap<String, String>,
     /// Unix time after which the daemon stops each child.
     pub timeout_at: Option<i64>,
+    /// Keep the children that start when others fail (else all or nothing).
+    pub partial: bool,
+    /// The fork's operation id (`op-...`), chosen by the caller so that it can answer
+    /// with it before the fork ends.
+    pub op_id: String,
+}
+
+impl CreateSpec {
+    /// A spec for `count` children, no labels, no deadline, all or nothing, with a
+    /// fresh operation id.
+    pub fn new(count: usize) -> CreateSpec {
+        CreateSpec {
+            count,
+            labels: BTreeMap::new(),
+            timeout_at: None,
+            partial: false,
+            op_id: new_operation_id(),
+        }
+    }
+}
+
+/// A fresh operation id.
+pub fn new_operation_id() -> String {
+    format!("op-{}", forkd_core::ids::random_hex(8))
+}
+
+/// What a fork made.
+pub struct CreateOutcome {
+    /// The children, running.
+    pub entries: Vec<Entry>,
+    /// Why each child that did not start failed (a partial fork only).
+    pub failures: Vec<SandboxError>,
 }
 
 /// Returns reserved slots when a fork ends, however it ends.
@@ -154,8 +189,15 @@ impl Registry {
             state,
             max,
             agent_timeout: SandboxOptions::default().agent_timeout,
+            fork_parallel: forkd_core::fork::default_parallel(),
             slots: Mutex::new(Slots::default()),
         }
+    }
+
+    /// Most restores in flight at once in a fork (see [`ForkOptions::parallel`]).
+    pub fn with_fork_parallelism(mut self, k: usize) -> Registry {
+        self.fork_parallel = k.max(1);
+        self
     }
 
     /// How long a sandbox's agent may stay silent before it is shown unresponsive (see
@@ -204,15 +246,32 @@ impl Registry {
         counts
     }
 
+    /// Refuses at once a fork of `count` that would not fit under the limit now (a
+    /// fork that answers before it ends checks here; [`Registry::create`] reserves).
+    pub fn admit(&self, count: usize) -> Result<(), RegistryError> {
+        let slots = self.slots();
+        let live = slots.live.len() + slots.unattached.len() + slots.reserved;
+        if live + count > self.max {
+            return Err(RegistryError::AtCapacity {
+                live,
+                asked: count,
+                max: self.max,
+            });
+        }
+        Ok(())
+    }
+
     /// Forks `spec.count` children of `snap` and records them: each child's row is
     /// written before its VM starts and says `running` once it answers. Refused at once,
-    /// before anything starts, when they would not fit under the limit. The fork is an
-    /// operation (kind `fork`) whose progress counts the children ready.
+    /// before anything starts, when they would not fit under the limit. At most the
+    /// registry's fork parallelism restore at once. The fork is the operation
+    /// `spec.op_id` (kind `fork`) whose progress counts the children ready; it can be
+    /// cancelled with [`Registry::cancel`].
     pub async fn create(
         &self,
         snap: &Snapshot,
         spec: CreateSpec,
-    ) -> Result<Vec<Entry>, RegistryError> {
+    ) -> Result<CreateOutcome, RegistryError> {
         let _reservation = {
             let mut slots = self.slots();
             let live = slots.live.len() + slots.unattached.len() + slots.reserved;
@@ -232,7 +291,7 @@ impl Registry {
             }
         };
         let op = OperationRow {
-            id: format!("op-{}", forkd_core::ids::random_hex(8)),
+            id: spec.op_id.clone(),
             kind: "fork".into(),
             target: snap.tag.to_string(),
             status: "running".into(),
@@ -241,8 +300,11 @@ impl Registry {
             finished_at: None,
             done: 0,
             total: spec.count as u64,
+            result: None,
         };
         self.state.insert_operation(&op)?;
+        let cancel = tokio_util::sync::CancellationToken::new();
+        self.slots().cancels.insert(op.id.clone(), cancel.clone());
         let recorder = Recorder {
             registry: self,
             spec: &spec,
@@ -254,22 +316,33 @@ impl Registry {
             count: spec.count,
             detached: true,
             agent_timeout: self.agent_timeout,
+            parallel: self.fork_parallel,
+            cancel,
             ..ForkOptions::default()
         };
-        let forked = fork(self.hv.as_ref(), &self.home, snap, &opts, &recorder).await;
-        let (status, error) = match &forked {
-            Ok(_) => ("succeeded", None),
-            Err(e) => ("failed", Some(e.to_string())),
+        let forked = if spec.partial {
+            fork_partial(self.hv.as_ref(), &self.home, snap, &opts, &recorder).await
+        } else {
+            fork(self.hv.as_ref(), &self.home, snap, &opts, &recorder)
+                .await
+                .map(|children| Forked {
+                    children,
+                    failures: Vec::new(),
+                })
         };
-        if let Err(e) =
-            self.state
-                .finish_operation(&op.id, status, error.as_deref(), &crate::now_rfc3339())
-        {
-            tracing::warn!(op = %op.id, "recording the end of the fork: {e}");
-        }
-        let children = forked?;
+        self.slots().cancels.remove(&op.id);
+        let outcome = forked.map(|f| CreateOutcome {
+            entries: self.hand_out(f.children),
+            failures: f.failures,
+        });
+        self.finish_fork(&op.id, &outcome);
+        Ok(outcome?)
+    }
+
+    /// Moves forked children from `starting` to the live handles.
+    fn hand_out(&self, children: Vec<Sandbox>) -> Vec<Entry> {
         let mut slots = self.slots();
-        let out: Vec<Entry> = children
+        children
             .into_iter()
             .filter_map(|child| {
                 let mut row = slots.starting.remove(child.id())?;
@@ -283,8 +356,50 @@ impl Registry {
                 slots.live.insert(entry.row.id.clone(), entry.clone());
                 Some(entry)
             })
-            .collect();
-        Ok(out)
+            .collect()
+    }
+
+    /// Records how a fork ended: its status, error and result (children and errors).
+    fn finish_fork(&self, op: &str, outcome: &Result<CreateOutcome, SandboxError>) {
+        let (status, error, result) = match outcome {
+            Ok(o) => (
+                "succeeded",
+                None,
+                serde_json::json!({
+                    "sandboxes": o.entries.iter().map(|e| e.row.id.clone()).collect::<Vec<_>>(),
+                    "errors": o.failures.iter().map(|e| e.to_string()).collect::<Vec<_>>(),
+                }),
+            ),
+            Err(SandboxError::Cancelled) => (
+                "cancelled",
+                Some(SandboxError::Cancelled.to_string()),
+                serde_json::json!({"sandboxes": [], "errors": []}),
+            ),
+            Err(e) => (
+                "failed",
+                Some(e.to_string()),
+                serde_json::json!({"sandboxes": [], "errors": [e.to_string()]}),
+            ),
+        };
+        let recorded = self.state.set_result(op, &result).and_then(|()| {
+            self.state
+                .finish_operation(op, status, error.as_deref(), &crate::now_rfc3339())
+        });
+        if let Err(e) = recorded {
+            tracing::warn!(%op, "recording the end of the fork: {e}");
+        }
+    }
+
+    /// Cancels the running fork `op`: children not started yet are not, started ones
+    /// are stopped and removed. False if no such fork runs.
+    pub fn cancel(&self, op: &str) -> bool {
+        match self.slots().cancels.get(op) {
+            Some(c) => {
+                c.cancel();
+                true
+            }
+            None => false,
+        }
     }
 
     /// The sandbox `id`, if the daemon holds a handle on it. One that is starting, or
@@ -802,11 +917,18 @@ mod tests {
         }
     }
 
+    fn fake() -> AgentProcesses {
+        AgentProcesses::from_build(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
+    }
+
     impl World {
         fn registry(&self, max: usize) -> Registry {
-            let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+            self.registry_on(fake(), max)
+        }
+
+        fn registry_on(&self, hv: AgentProcesses, max: usize) -> Registry {
             Registry::new(
-                Arc::new(AgentProcesses::from_build(&workspace)),
+                Arc::new(hv),
                 self.home.clone(),
                 Store::of_home(&self.home),
                 self.state.clone(),
@@ -819,11 +941,7 @@ mod tests {
     use std::path::Path;
 
     fn spec(count: usize) -> CreateSpec {
-        CreateSpec {
-            count,
-            labels: BTreeMap::new(),
-            timeout_at: None,
-        }
+        CreateSpec::new(count)
     }
 
     fn signal(row: &SandboxRow, sig: nix::sys::signal::Signal) {
@@ -861,7 +979,7 @@ mod tests {
     async fn capacity_counts_every_recorded_sandbox_and_rows_say_running() {
         let w = world();
         let r = w.registry(3);
-        let two = r.create(&w.snap, spec(2)).await.unwrap();
+        let two = r.create(&w.snap, spec(2)).await.unwrap().entries;
         assert_eq!(r.running(), 2);
         for e in &two {
             assert_eq!(db_state(&w, &e.row.id), Some(SandboxState::Running));
@@ -898,7 +1016,7 @@ mod tests {
     async fn a_silent_agent_makes_a_sandbox_unresponsive_until_it_answers() {
         let w = world();
         let r = w.registry(4);
-        let e = r.create(&w.snap, spec(1)).await.unwrap().remove(0);
+        let e = r.create(&w.snap, spec(1)).await.unwrap().entries.remove(0);
         let id = e.row.id.clone();
         signal(&e.row, nix::sys::signal::Signal::SIGSTOP);
         reap_until(&r, |r| {
@@ -928,7 +1046,7 @@ mod tests {
     async fn a_vm_that_dies_is_reaped_and_a_deadline_ends_a_sandbox() {
         let w = world();
         let r = w.registry(4);
-        let mut two = r.create(&w.snap, spec(2)).await.unwrap();
+        let mut two = r.create(&w.snap, spec(2)).await.unwrap().entries;
         let (a, b) = (two.remove(0), two.remove(0));
         forkd_hypervisor::process::kill(a.row.pid, a.row.start_time);
         reap_until(&r, |r| r.get(&a.row.id).is_err()).await;
@@ -946,7 +1064,7 @@ mod tests {
     async fn a_restart_adopts_live_children_and_removes_what_a_crash_left() {
         let w = world();
         let first = w.registry(8);
-        let mut kids = first.create(&w.snap, spec(3)).await.unwrap();
+        let mut kids = first.create(&w.snap, spec(3)).await.unwrap().entries;
         // The daemon "dies": its handles go, its detached VMs run on.
         drop(first);
         let (live, dead, stopping) = (kids.remove(0), kids.remove(0), kids.remove(0));
@@ -1014,7 +1132,12 @@ mod tests {
     async fn a_live_vm_that_cannot_be_reached_is_kept_not_killed() {
         let w = world();
         let first = w.registry(8);
-        let e = first.create(&w.snap, spec(1)).await.unwrap().remove(0);
+        let e = first
+            .create(&w.snap, spec(1))
+            .await
+            .unwrap()
+            .entries
+            .remove(0);
         drop(first);
         // Its agent does not answer the restarted daemon (stopped), yet it runs.
         signal(&e.row, nix::sys::signal::Signal::SIGSTOP);
@@ -1042,5 +1165,131 @@ mod tests {
         assert_eq!(db_state(&w, &e.row.id), Some(SandboxState::Running));
         second.delete(&e.row.id).await.unwrap();
         assert!(!forkd_hypervisor::process::is_alive(e.row.pid));
+    }
+
+    /// Every process whose command line names a sandbox directory of this world.
+    fn vms_of(w: &World) -> Vec<(u32, u64)> {
+        let dir = forkd_core::sandbox::sandboxes_dir(&w.home);
+        forkd_hypervisor::process::find_by_argument(&format!("{}/", dir.display()))
+    }
+
+    #[tokio::test]
+    async fn a_fork_of_twelve_with_k_3_never_restores_more_than_3_at_once() {
+        let w = world();
+        let hv = fake().with_restore_delay(Duration::from_millis(50));
+        let r = w.registry_on(hv.clone(), 16).with_fork_parallelism(3);
+        let out = r.create(&w.snap, spec(12)).await.unwrap();
+        assert_eq!(out.entries.len(), 12);
+        // The restores overlap (3 at a time), and never more: without pacing all 12
+        // would be in flight together.
+        assert_eq!(hv.most_restores_in_flight(), 3);
+        let op = w.state.operation(&out_op(&w)).unwrap().unwrap();
+        assert_eq!(
+            (op.status.as_str(), op.done, op.total),
+            ("succeeded", 12, 12)
+        );
+        for e in out.entries {
+            r.delete(&e.row.id).await.unwrap();
+        }
+        assert!(vms_of(&w).is_empty());
+    }
+
+    /// The id of the one fork operation of a world.
+    fn out_op(w: &World) -> String {
+        let conn = rusqlite::Connection::open(w._dir.path().join("forkd.db")).unwrap();
+        conn.query_row("SELECT id FROM operations WHERE kind = 'fork'", [], |r| {
+            r.get(0)
+        })
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_partial_fork_keeps_the_started_children_and_lists_the_errors() {
+        let w = world();
+        let r = w
+            .registry_on(fake().with_failing_restores(3), 16)
+            .with_fork_parallelism(2);
+        let out = r
+            .create(
+                &w.snap,
+                CreateSpec {
+                    partial: true,
+                    ..spec(6)
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!((out.entries.len(), out.failures.len()), (4, 2));
+        for f in &out.failures {
+            assert!(f.to_string().contains("fake backend fails"), "{f}");
+        }
+        assert_eq!(
+            w.state.sandboxes().unwrap().len(),
+            4,
+            "failed children leave no row"
+        );
+        assert_eq!(vms_of(&w).len(), 4);
+        let op = w.state.operation(&out_op(&w)).unwrap().unwrap();
+        let result = op.result.unwrap();
+        assert_eq!(result["sandboxes"].as_array().unwrap().len(), 4);
+        assert_eq!(result["errors"].as_array().unwrap().len(), 2);
+        for e in out.entries {
+            r.delete(&e.row.id).await.unwrap();
+        }
+
+        // All or nothing (the default): one failure and nothing is kept.
+        let r = w
+            .registry_on(fake().with_failing_restores(3), 16)
+            .with_fork_parallelism(2);
+        let Err(e) = r.create(&w.snap, spec(6)).await else {
+            panic!("an all-or-nothing fork with a failed child succeeded");
+        };
+        assert!(e.to_string().contains("fake backend fails"), "{e}");
+        assert!(w.state.sandboxes().unwrap().is_empty());
+        assert!(vms_of(&w).is_empty());
+        assert_eq!(r.running(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_fork_leaves_nothing() {
+        let w = world();
+        let r = w
+            .registry_on(fake().with_restore_delay(Duration::from_millis(100)), 16)
+            .with_fork_parallelism(1);
+        let s = CreateSpec {
+            partial: true,
+            ..spec(12)
+        };
+        let op = s.op_id.clone();
+        let fork = r.create(&w.snap, s);
+        let cancel = async {
+            // Cancel once a few children are up.
+            loop {
+                let done = w.state.operation(&op).unwrap().map_or(0, |o| o.done);
+                if done >= 2 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert!(r.cancel(&op));
+        };
+        let (res, ()) = tokio::join!(fork, cancel);
+        let Err(e) = res else {
+            panic!("a cancelled fork succeeded");
+        };
+        assert!(
+            matches!(e, RegistryError::Sandbox(SandboxError::Cancelled)),
+            "{e}"
+        );
+        assert!(w.state.sandboxes().unwrap().is_empty());
+        assert!(vms_of(&w).is_empty(), "{:?}", vms_of(&w));
+        assert_eq!(r.running(), 0);
+        let row = w.state.operation(&op).unwrap().unwrap();
+        assert_eq!(row.status, "cancelled");
+        assert!(!r.cancel(&op), "a finished fork cannot be cancelled");
+        let left = std::fs::read_dir(forkd_core::sandbox::sandboxes_dir(&w.home))
+            .map(|d| d.count())
+            .unwrap_or(0);
+        assert_eq!(left, 0, "no sandbox directory is left");
     }
 }

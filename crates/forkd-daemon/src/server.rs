@@ -93,7 +93,8 @@ pub async fn run(
         store,
         state,
         config.max_sandboxes,
-    );
+    )
+    .with_fork_parallelism(config.fork_parallelism);
     let (adopted, gone) = registry.adopt_all().await?;
     // Directories that no row owns and no VM uses (a `forkd run` killed outright, a
     // daemon killed before it wrote a child's row): nothing will ever clean them

@@ -43,6 +43,8 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE sandboxes ADD COLUMN error TEXT;
     ALTER TABLE operations ADD COLUMN done INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE operations ADD COLUMN total INTEGER NOT NULL DEFAULT 0;",
+    // 3: what an operation produced (a fork: its children and the errors of the others).
+    "ALTER TABLE operations ADD COLUMN result TEXT;",
 ];
 
 /// A state database error.
@@ -140,6 +142,9 @@ pub struct OperationRow {
     pub done: u64,
     /// Steps in all (0 while unknown).
     pub total: u64,
+    /// What it produced, once finished (a fork: `{"sandboxes": [ids], "errors": [..]}`).
+    #[schema(value_type = Option<Object>)]
+    pub result: Option<serde_json::Value>,
 }
 
 /// The database. Calls are short (single-row reads and writes on a local file), so they
@@ -348,12 +353,21 @@ impl State {
         Ok(())
     }
 
+    /// Records what an operation produced.
+    pub fn set_result(&self, id: &str, result: &serde_json::Value) -> Result<(), StateError> {
+        self.conn().execute(
+            "UPDATE operations SET result = ?2 WHERE id = ?1",
+            params![id, serde_json::to_string(result)?],
+        )?;
+        Ok(())
+    }
+
     /// One operation.
     pub fn operation(&self, id: &str) -> Result<Option<OperationRow>, StateError> {
         Ok(self
             .conn()
             .query_row(
-                "SELECT id, kind, target, status, error, created_at, finished_at, done, total
+                "SELECT id, kind, target, status, error, created_at, finished_at, done, total, result
                  FROM operations WHERE id = ?1",
                 params![id],
                 |r| {
@@ -367,6 +381,9 @@ impl State {
                         finished_at: r.get(6)?,
                         done: r.get::<_, i64>(7)? as u64,
                         total: r.get::<_, i64>(8)? as u64,
+                        result: r
+                            .get::<_, Option<String>>(9)?
+                            .and_then(|t| serde_json::from_str(&t).ok()),
                     })
                 },
             )
@@ -544,8 +561,11 @@ mod tests {
             finished_at: None,
             done: 0,
             total: 0,
+            result: None,
         };
         s.insert_operation(&op).unwrap();
+        s.set_result("op-1", &serde_json::json!({"sandboxes": ["sb-1"]}))
+            .unwrap();
         s.set_progress("op-1", 2, 5).unwrap();
         assert_eq!(
             s.interrupt_running_operations("t1").unwrap(),
@@ -556,6 +576,7 @@ mod tests {
         assert_eq!(got.status, "interrupted");
         assert_eq!(got.finished_at.as_deref(), Some("t1"));
         assert_eq!((got.done, got.total), (2, 5));
+        assert_eq!(got.result.unwrap()["sandboxes"][0], "sb-1");
     }
 
     #[test]

@@ -12,6 +12,8 @@ use async_trait::async_trait;
 use nix::sys::signal::Signal;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -22,6 +24,19 @@ const START_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone)]
 pub struct AgentProcesses {
     agent: PathBuf,
+    /// How long a restore takes, so that tests can see restores overlap.
+    restore_delay: Duration,
+    /// Every n-th restore fails (0: none), so that tests can see a fork's failures.
+    fail_every: usize,
+    restores: Arc<InFlight>,
+}
+
+/// Restores in flight now, and the most there have been at once.
+#[derive(Debug, Default)]
+struct InFlight {
+    now: AtomicUsize,
+    most: AtomicUsize,
+    started: AtomicUsize,
 }
 
 impl AgentProcesses {
@@ -29,7 +44,27 @@ impl AgentProcesses {
     pub fn new(agent: impl Into<PathBuf>) -> AgentProcesses {
         AgentProcesses {
             agent: agent.into(),
+            restore_delay: Duration::ZERO,
+            fail_every: 0,
+            restores: Arc::default(),
         }
+    }
+
+    /// Makes every restore take at least `d`.
+    pub fn with_restore_delay(mut self, d: Duration) -> AgentProcesses {
+        self.restore_delay = d;
+        self
+    }
+
+    /// Makes every `n`-th restore fail, as a restore whose state cannot be loaded does.
+    pub fn with_failing_restores(mut self, n: usize) -> AgentProcesses {
+        self.fail_every = n;
+        self
+    }
+
+    /// The most restores that have been in flight at once.
+    pub fn most_restores_in_flight(&self) -> usize {
+        self.restores.most.load(Ordering::SeqCst)
     }
 
     /// The agent `./dev` builds (`$FORKD_AGENT_BIN`, else the static release build under
@@ -149,7 +184,20 @@ impl Hypervisor for AgentProcesses {
     ) -> Result<Box<dyn Vm>, HypervisorError> {
         std::fs::metadata(state)
             .map_err(|e| HypervisorError::io(format!("opening {}", state.display()), e))?;
-        self.start(config).await
+        let now = self.restores.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.restores.most.fetch_max(now, Ordering::SeqCst);
+        let nth = self.restores.started.fetch_add(1, Ordering::SeqCst) + 1;
+        tokio::time::sleep(self.restore_delay).await;
+        let vm = if self.fail_every != 0 && nth.is_multiple_of(self.fail_every) {
+            Err(HypervisorError::Migration(format!(
+                "restore {nth} failed (the fake backend fails every {}th)",
+                self.fail_every
+            )))
+        } else {
+            self.start(config).await
+        };
+        self.restores.now.fetch_sub(1, Ordering::SeqCst);
+        vm
     }
 
     async fn adopt(

@@ -31,6 +31,10 @@ pub struct DaemonArgs {
     /// Most sandboxes at once; more answer 503.
     #[arg(long, default_value_t = forkd_daemon::config::DEFAULT_MAX_SANDBOXES)]
     max_sandboxes: usize,
+    /// Most children a fork restores at once; the rest wait their turn (default: one per
+    /// host CPU).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    fork_parallelism: Option<u32>,
 }
 
 /// `forkd audit ...`.
@@ -52,6 +56,9 @@ pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
     config.socket_group = args.socket_group;
     config.listen = args.listen;
     config.max_sandboxes = args.max_sandboxes;
+    if let Some(k) = args.fork_parallelism {
+        config.fork_parallelism = k as usize;
+    }
     if let Some(t) = &args.token_file {
         config.token = Some(DaemonConfig::read_token(t)?);
     }

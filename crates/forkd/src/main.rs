@@ -122,9 +122,7 @@ fn main() {
             Command::Rmi { tag, force } => snapshots::rmi(&remote::connect(&home)?, &tag, force)
                 .await
                 .map(|()| 0),
-            Command::Fork(args) => sandboxes::fork_cmd(&remote::connect(&home)?, args)
-                .await
-                .map(|()| 0),
+            Command::Fork(args) => sandboxes::fork_cmd(&remote::connect(&home)?, args).await,
             Command::Exec(args) => sandboxes::exec(&remote::connect(&home)?, args).await,
             Command::RunCode(args) => sandboxes::run_code(&remote::connect(&home)?, args).await,
             Command::Ls(args) => sandboxes::ls(&remote::connect(&home)?, args)

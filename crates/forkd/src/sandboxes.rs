@@ -25,6 +25,10 @@ pub struct ForkArgs {
     /// Seconds after which the daemon stops each child.
     #[arg(long)]
     timeout: Option<u64>,
+    /// Keep the children that start when others fail (each failure is printed, and the
+    /// exit status is 1); by default a fork is all or nothing.
+    #[arg(long)]
+    partial: bool,
     /// Print the children as JSON.
     #[arg(long)]
     json: bool,
@@ -104,8 +108,10 @@ pub(crate) fn path_id(id: &str) -> Result<&str> {
     Ok(id)
 }
 
-/// Forks children through the daemon.
-pub async fn fork_cmd(client: &Client, args: ForkArgs) -> Result<()> {
+/// Forks children through the daemon: the fork runs as an operation whose progress is
+/// shown while it runs; Ctrl-C cancels it (the children it started are removed). Returns
+/// the exit code: 1 when a partial fork lost children.
+pub async fn fork_cmd(client: &Client, args: ForkArgs) -> Result<i32> {
     let t0 = Instant::now();
     forkd_core::snapshot::Tag::parse(&args.tag)?;
     let labels: serde_json::Map<String, Value> = args
@@ -113,27 +119,99 @@ pub async fn fork_cmd(client: &Client, args: ForkArgs) -> Result<()> {
         .into_iter()
         .map(|(k, v)| (k, Value::String(v)))
         .collect();
-    let mut body = json!({ "snapshot": args.tag, "n": args.count, "labels": labels });
+    let mut body = json!({
+        "snapshot": args.tag,
+        "n": args.count,
+        "labels": labels,
+        "partial": args.partial,
+        "wait": false,
+    });
     if let Some(t) = args.timeout {
         body["timeout_s"] = t.into();
     }
-    let v: Value = client
+    let op: Value = client
         .json(Method::POST, "/v1/sandboxes", Some(&body))
         .await?;
-    if args.json {
-        return print_json(&v["sandboxes"]);
+    let op_id = op["id"].as_str().unwrap_or_default().to_owned();
+    let op = follow_fork(client, &op_id, u64::from(args.count)).await?;
+    match op["status"].as_str() {
+        Some("succeeded") => {}
+        Some(status) => bail!(
+            "the fork {status}: {}",
+            op["error"].as_str().unwrap_or("no detail")
+        ),
+        None => bail!("the daemon answered an operation without a status: {op}"),
     }
-    let list = v["sandboxes"].as_array().cloned().unwrap_or_default();
-    for s in &list {
-        println!("{}", s["id"].as_str().unwrap_or(""));
+    let ids: Vec<String> = op["result"]["sandboxes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_str().map(str::to_owned))
+        .collect();
+    let errors: Vec<String> = op["result"]["errors"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_str().map(str::to_owned))
+        .collect();
+    if args.json {
+        let mut infos = Vec::with_capacity(ids.len());
+        for id in &ids {
+            let v: Value = client
+                .json(Method::GET, &format!("/v1/sandboxes/{id}"), None)
+                .await?;
+            infos.push(v);
+        }
+        print_json(&Value::Array(infos))?;
+    } else {
+        for id in &ids {
+            println!("{id}");
+        }
+    }
+    for e in &errors {
+        eprintln!("forkd: a child did not start: {e}");
     }
     eprintln!(
-        "forked {} of {} in {:.0} ms",
-        list.len(),
+        "forked {} of {} ({} asked) in {:.0} ms",
+        ids.len(),
         args.tag,
+        args.count,
         t0.elapsed().as_secs_f64() * 1000.0
     );
-    Ok(())
+    Ok(if errors.is_empty() { 0 } else { 1 })
+}
+
+/// Polls the fork operation `op_id` until it ends, showing children ready out of
+/// `total` on a terminal; Ctrl-C asks the daemon to cancel it and waits for the end.
+async fn follow_fork(client: &Client, op_id: &str, total: u64) -> Result<Value> {
+    let bar = if std::io::IsTerminal::is_terminal(&std::io::stderr()) && total > 1 {
+        indicatif::ProgressBar::new(total)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("forking {bar:30} {pos}/{len} ready ({elapsed})")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let path = format!("/v1/operations/{op_id}");
+    let mut interrupted = std::pin::pin!(tokio::signal::ctrl_c());
+    let mut cancelled = false;
+    loop {
+        let op: Value = client.json(Method::GET, &path, None).await?;
+        bar.set_position(op["done"].as_u64().unwrap_or(0));
+        if op["status"] != "running" {
+            bar.finish_and_clear();
+            return Ok(op);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {}
+            _ = &mut interrupted, if !cancelled => {
+                cancelled = true;
+                bar.println("cancelling the fork (its children are removed)...");
+                let _ = client.call(Method::DELETE, &path, None).await;
+            }
+        }
+    }
 }
 
 /// Runs a command, streaming its output; returns its exit code.

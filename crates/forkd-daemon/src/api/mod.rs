@@ -102,7 +102,10 @@ pub fn router(app: App) -> Router {
             get(snapshots::get).delete(snapshots::delete),
         )
         .route("/v1/snapshots/{tag}/verify", post(snapshots::verify))
-        .route("/v1/operations/{id}", get(snapshots::operation))
+        .route(
+            "/v1/operations/{id}",
+            get(snapshots::operation).delete(snapshots::cancel_operation),
+        )
         .route(
             "/v1/sandboxes",
             get(sandboxes::list).post(sandboxes::create),
@@ -153,6 +156,7 @@ pub fn router(app: App) -> Router {
         snapshots::build,
         snapshots::verify,
         snapshots::operation,
+        snapshots::cancel_operation,
         sandboxes::create,
         sandboxes::list,
         sandboxes::get,

@@ -1,12 +1,14 @@
 //! `/v1/sandboxes`: create children of a snapshot, list, get, delete, set a timeout.
 
 use super::error::ErrorBody;
-use super::types::{CreateSandboxes, SandboxInfo, SandboxList, SetTimeout};
+use super::types::{CreateSandboxes, CreatedSandboxes, SandboxInfo, SandboxList, SetTimeout};
 use super::{ApiError, App, JsonBody, PathParams, QueryParams};
 use crate::registry::{CreateSpec, Listed, RegistryError};
 use crate::server::AuditIds;
+use crate::state::OperationRow;
 use axum::extract::State;
 use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use forkd_core::snapshot::Tag;
 use serde::Deserialize;
@@ -64,17 +66,22 @@ fn deadline(timeout_s: Option<u64>) -> Result<Option<i64>, ApiError> {
     }
 }
 
-/// Forks `n` children of a snapshot. All or nothing: if one fails, none is kept.
+/// Forks `n` children of a snapshot, at most the daemon's fork parallelism restoring at
+/// once. All or nothing unless `partial`: then the children that started are kept and
+/// each failure is listed. With `wait: false` it answers 202 at once with the fork's
+/// operation (progress in `done`/`total`, the children's ids in `result` once done;
+/// `DELETE /v1/operations/{id}` cancels it).
 #[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandboxes,
     responses(
-        (status = 201, body = SandboxList),
+        (status = 201, body = CreatedSandboxes),
+        (status = 202, body = OperationRow, description = "with `wait: false`: the fork's operation"),
         (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
         (status = 409, body = ErrorBody), (status = 413, body = ErrorBody),
-        (status = 503, body = ErrorBody)))]
+        (status = 503, body = ErrorBody), (status = 507, body = ErrorBody)))]
 pub async fn create(
     State(app): State<App>,
     JsonBody(req): JsonBody<CreateSandboxes>,
-) -> Result<(StatusCode, axum::Extension<AuditIds>, Json<SandboxList>), ApiError> {
+) -> Result<Response, ApiError> {
     let max = forkd_core::fork::MAX_CHILDREN as u32;
     if req.n == 0 || req.n > max {
         return Err(ApiError::bad_request(format!(
@@ -112,35 +119,73 @@ pub async fn create(
     }
     let t = std::time::Instant::now();
     let spec = CreateSpec {
-        count: req.n as usize,
         labels: req.labels,
         timeout_at,
+        partial: req.partial,
+        ..CreateSpec::new(req.n as usize)
     };
+    let op_id = spec.op_id.clone();
+    if !req.wait {
+        // Refused now rather than in an operation nobody may look at.
+        app.registry.admit(spec.count)?;
+    }
     // In a task of its own: a client that hangs up mid-fork must not cancel it half
     // way, leaving children that run with no record.
     let app2 = app.clone();
-    let entries = tokio::spawn(async move { app2.registry.create(&snap, spec).await })
+    let task = tokio::spawn(async move {
+        let r = app2.registry.create(&snap, spec).await;
+        if let Ok(o) = &r {
+            app2.metrics.forks.inc_by(o.entries.len() as u64);
+            app2.metrics.fork_seconds.observe(t.elapsed().as_secs_f64());
+        }
+        r
+    });
+    if !req.wait {
+        // The operation row is written as the fork starts: wait for it briefly so that
+        // the answer is the row itself.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            if let Some(op) = app.registry.state().operation(&op_id)? {
+                return Ok((StatusCode::ACCEPTED, Json(op)).into_response());
+            }
+            if task.is_finished() || std::time::Instant::now() > deadline {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let outcome = task
+            .await
+            .map_err(|e| ApiError::internal(format!("the fork task failed: {e}")))??;
+        drop(outcome);
+        return Err(ApiError::internal(
+            "the fork ended before its operation was recorded",
+        ));
+    }
+    let outcome = task
         .await
         .map_err(|e| ApiError::internal(format!("the fork task failed: {e}")))??;
-    app.metrics.forks.inc_by(entries.len() as u64);
-    app.metrics.fork_seconds.observe(t.elapsed().as_secs_f64());
+    let mut outcome = outcome;
+    if outcome.entries.is_empty() && !outcome.failures.is_empty() {
+        // A partial fork in which no child started: its first failure is the answer.
+        return Err(outcome.failures.swap_remove(0).into());
+    }
     // The path names no id: the audit record gets the children's from here.
-    let ids = AuditIds(entries.iter().map(|e| e.row.id.clone()).collect());
-    Ok((
-        StatusCode::CREATED,
-        axum::Extension(ids),
-        Json(SandboxList {
-            sandboxes: entries
-                .into_iter()
-                .map(|e| {
-                    info(&Listed {
-                        row: e.row,
-                        sandbox: Some(e.sandbox),
-                    })
+    let ids = AuditIds(outcome.entries.iter().map(|e| e.row.id.clone()).collect());
+    let body = CreatedSandboxes {
+        sandboxes: outcome
+            .entries
+            .into_iter()
+            .map(|e| {
+                info(&Listed {
+                    row: e.row,
+                    sandbox: Some(e.sandbox),
                 })
-                .collect(),
-        }),
-    ))
+            })
+            .collect(),
+        errors: outcome.failures.iter().map(|e| e.to_string()).collect(),
+        operation: op_id,
+    };
+    Ok((StatusCode::CREATED, axum::Extension(ids), Json(body)).into_response())
 }
 
 /// Filters of the sandbox list.

@@ -164,6 +164,7 @@ pub async fn build(
         finished_at: None,
         done: 0,
         total: 0,
+        result: None,
     };
     app.registry.state().insert_operation(&op)?;
     let app2 = app.clone();
@@ -227,6 +228,35 @@ pub async fn operation(
         .operation(&id)?
         .map(Json)
         .ok_or_else(|| ApiError::not_found(format!("no operation {id}")))
+}
+
+/// Cancels a running fork: children not started yet are not, started ones are stopped
+/// and removed; the operation ends `cancelled`. (A template build cannot be cancelled.)
+#[utoipa::path(delete, path = "/v1/operations/{id}", params(("id" = String, Path)),
+    responses((status = 202, body = OperationRow), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody)))]
+pub async fn cancel_operation(
+    State(app): State<App>,
+    PathParams(id): PathParams<String>,
+) -> Result<(StatusCode, Json<OperationRow>), ApiError> {
+    let op = app
+        .registry
+        .state()
+        .operation(&id)?
+        .ok_or_else(|| ApiError::not_found(format!("no operation {id}")))?;
+    if op.status != "running" {
+        return Err(ApiError::conflict(format!(
+            "operation {id} is {} already",
+            op.status
+        )));
+    }
+    if !app.registry.cancel(&id) {
+        return Err(ApiError::conflict(format!(
+            "operation {id} ({}) cannot be cancelled; only forks can",
+            op.kind
+        )));
+    }
+    Ok((StatusCode::ACCEPTED, Json(op)))
 }
 
 /// Re-hashes every part of a snapshot against its manifest (slow: reads every byte).

@@ -30,10 +30,33 @@ pub struct CreateSandboxes {
     #[serde(default)]
     #[schema(minimum = 1, maximum = 2592000)]
     pub timeout_s: Option<u64>,
+    /// Keep the children that start when others fail, and list each failure in
+    /// `errors` (default: all or nothing).
+    #[serde(default)]
+    pub partial: bool,
+    /// Answer when every child answers (201, the default), or at once with the fork's
+    /// operation (202) to poll for progress and cancel.
+    #[serde(default = "yes")]
+    pub wait: bool,
 }
 
 fn one() -> u32 {
     1
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// The answer to a fork.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct CreatedSandboxes {
+    /// The children, running.
+    pub sandboxes: Vec<SandboxInfo>,
+    /// Why each child that did not start failed (only a `partial` fork keeps going).
+    pub errors: Vec<String>,
+    /// The fork's operation.
+    pub operation: String,
 }
 
 /// A sandbox.
