@@ -329,34 +329,68 @@ impl QemuVm {
     /// the stream (`x-ignore-shared`): it is the file the memory backend maps.
     async fn incoming(&self) -> Result<(), HypervisorError> {
         self.set_ignore_shared().await?;
+        // Subscribed before the migration starts: its MIGRATION events end the wait
+        // (no polling loop on the fork path).
+        let events = self.qmp.events();
         self.qmp
             .execute(
                 "migrate-incoming",
                 Some(json!({ "uri": format!("fd:{INCOMING_FD}") })),
             )
             .await?;
-        let deadline = tokio::time::Instant::now() + MIGRATION_TIMEOUT;
-        loop {
-            let v = self.qmp.execute("query-status", None).await?;
-            if v["status"] != "inmigrate" {
-                break;
-            }
-            if tokio::time::Instant::now() > deadline {
-                return Err(HypervisorError::MigrationTimeout {
-                    secs: MIGRATION_TIMEOUT.as_secs(),
-                });
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        let m = self.qmp.execute("query-migrate", None).await?;
-        if m["status"] != "completed" {
+        let status = self.migration_end(events).await?;
+        if status != "completed" {
+            let m = self.qmp.execute("query-migrate", None).await?;
             return Err(HypervisorError::Migration(format!(
-                "incoming state ended as {}: {}",
-                m["status"],
+                "incoming state ended as {status}: {}",
                 m["error-desc"].as_str().unwrap_or("no detail")
             )));
         }
         self.qmp.execute("cont", None).await.map(drop)
+    }
+
+    /// Waits for the migration under way to end and returns its final status
+    /// (`completed`, `failed` or `cancelled`), from QEMU's MIGRATION events; if events
+    /// were missed (a lagging subscriber), `query-migrate` says where it stands.
+    async fn migration_end(
+        &self,
+        mut events: tokio::sync::broadcast::Receiver<serde_json::Value>,
+    ) -> Result<String, HypervisorError> {
+        use tokio::sync::broadcast::error::RecvError;
+        let ended = |s: &str| matches!(s, "completed" | "failed" | "cancelled");
+        let wait = async {
+            // It may have ended before the subscription saw it.
+            let now = self.qmp.execute("query-migrate", None).await?;
+            if let Some(s) = now["status"].as_str().filter(|s| ended(s)) {
+                return Ok(s.to_owned());
+            }
+            loop {
+                match events.recv().await {
+                    Ok(ev) if ev["event"] == "MIGRATION" => {
+                        if let Some(s) = ev["data"]["status"].as_str().filter(|s| ended(s)) {
+                            return Ok(s.to_owned());
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(RecvError::Lagged(_)) => {
+                        let now = self.qmp.execute("query-migrate", None).await?;
+                        if let Some(s) = now["status"].as_str().filter(|s| ended(s)) {
+                            return Ok(s.to_owned());
+                        }
+                    }
+                    Err(RecvError::Closed) => {
+                        return Err(HypervisorError::QmpClosed(
+                            "QEMU closed its QMP socket during a migration".into(),
+                        ))
+                    }
+                }
+            }
+        };
+        tokio::time::timeout(MIGRATION_TIMEOUT, wait)
+            .await
+            .map_err(|_| HypervisorError::MigrationTimeout {
+                secs: MIGRATION_TIMEOUT.as_secs(),
+            })?
     }
 
     async fn set_ignore_shared(&self) -> Result<(), HypervisorError> {
@@ -364,7 +398,10 @@ impl QemuVm {
             .execute(
                 "migrate-set-capabilities",
                 Some(json!({ "capabilities": [
-                    { "capability": "x-ignore-shared", "state": true }
+                    { "capability": "x-ignore-shared", "state": true },
+                    // MIGRATION events: the end of a save or restore is waited for, not
+                    // polled.
+                    { "capability": "events", "state": true }
                 ]})),
             )
             .await
@@ -462,30 +499,20 @@ impl Vm for QemuVm {
                 file.as_fd(),
             )
             .await?;
+        let events = self.qmp.events();
         self.qmp
             .execute(
                 "migrate",
                 Some(json!({ "uri": format!("fd:{STATE_FD_NAME}") })),
             )
             .await?;
-        let deadline = tokio::time::Instant::now() + MIGRATION_TIMEOUT;
-        loop {
+        let status = self.migration_end(events).await?;
+        if status != "completed" {
             let m = self.qmp.execute("query-migrate", None).await?;
-            match m["status"].as_str().unwrap_or("") {
-                "completed" => break,
-                "failed" | "cancelled" => {
-                    return Err(HypervisorError::Migration(format!(
-                        "saving the device state failed: {}",
-                        m["error-desc"].as_str().unwrap_or("no detail")
-                    )))
-                }
-                _ if tokio::time::Instant::now() > deadline => {
-                    return Err(HypervisorError::MigrationTimeout {
-                        secs: MIGRATION_TIMEOUT.as_secs(),
-                    })
-                }
-                _ => tokio::time::sleep(Duration::from_millis(1)).await,
-            }
+            return Err(HypervisorError::Migration(format!(
+                "saving the device state ended as {status}: {}",
+                m["error-desc"].as_str().unwrap_or("no detail")
+            )));
         }
         file.sync_all()
             .map_err(|e| HypervisorError::io(format!("syncing {}", out.display()), e))
