@@ -487,7 +487,12 @@ impl Registry {
     /// so a daemon killed half way finishes the job at its next start. (Two removals of
     /// one sandbox at once are harmless: stopping and removing are idempotent.)
     async fn remove(&self, entry: &Entry) -> Result<(), RegistryError> {
-        self.transition(&entry.row.id, SandboxState::Stopping, None)?;
+        if let Err(e) = self.transition(&entry.row.id, SandboxState::Stopping, None) {
+            // On a full disk the mark may not be writable; the stop must still happen
+            // (it frees space). A daemon killed before the row is deleted finds a row
+            // whose VM is gone, and removes it.
+            tracing::warn!(id = %entry.row.id, "marking the sandbox stopping: {e}");
+        }
         failpoint::hit("delete.after_mark");
         let stopped = entry.sandbox.stop().await;
         if stopped.is_err() {
