@@ -2,7 +2,7 @@
 
 pub mod cmdline;
 pub mod console;
-pub mod disk;
+pub mod qcow2;
 pub mod qmp;
 pub mod version;
 
@@ -57,17 +57,47 @@ impl crate::Hypervisor for Qemu {
 
     async fn create_disk_layer(&self, layer: crate::DiskLayer<'_>) -> Result<(), HypervisorError> {
         let format = match layer.base_format {
-            crate::DiskFormat::Raw => "raw",
-            crate::DiskFormat::Layer => "qcow2",
+            crate::DiskFormat::Raw => qcow2::BaseFormat::Raw,
+            crate::DiskFormat::Layer => qcow2::BaseFormat::Qcow2,
         };
-        if layer.relative {
-            let name = layer.base.to_str().ok_or_else(|| {
-                HypervisorError::Config(format!("{} is not UTF-8", layer.base.display()))
-            })?;
-            disk::create_relative_overlay(name, format, layer.path).await
+        let (base, name) = if layer.relative {
+            // Named relative to the layer's directory, so that the two move together.
+            let name = layer
+                .base
+                .to_str()
+                .filter(|n| !n.contains('/'))
+                .ok_or_else(|| {
+                    HypervisorError::Config(format!(
+                        "relative backing file {} must be a plain UTF-8 file name",
+                        layer.base.display()
+                    ))
+                })?;
+            let dir = layer.path.parent().unwrap_or(Path::new("."));
+            (dir.join(name), name.to_owned())
         } else {
-            disk::create_overlay(layer.base, format, layer.path).await
-        }
+            let abs = std::path::absolute(layer.base).map_err(|e| {
+                HypervisorError::io(format!("resolving {}", layer.base.display()), e)
+            })?;
+            let name = abs.to_str().map(str::to_owned).ok_or_else(|| {
+                HypervisorError::Config(format!("{} is not UTF-8", abs.display()))
+            })?;
+            (abs, name)
+        };
+        let (path, base2) = (layer.path.to_owned(), base.clone());
+        // A few small writes and an fsync: off the async threads.
+        tokio::task::spawn_blocking(move || qcow2::create_overlay(&path, &base2, &name, format))
+            .await
+            .map_err(|e| HypervisorError::io("creating a disk layer", std::io::Error::other(e)))?
+            .map_err(|e| {
+                HypervisorError::io(
+                    format!(
+                        "creating the disk layer {} over {}",
+                        layer.path.display(),
+                        base.display()
+                    ),
+                    e,
+                )
+            })
     }
 
     async fn boot(&self, config: &VmConfig) -> Result<Box<dyn Vm>, HypervisorError> {

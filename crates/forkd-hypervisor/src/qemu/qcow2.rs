@@ -1,0 +1,213 @@
+//! Empty qcow2 overlays written in-process: every fork gives each child a layer over the
+//! snapshot's frozen disk, and starting a `qemu-img` process per child costs more than
+//! the four clusters the layer holds. The layout is the one `qemu-img create -f qcow2
+//! -b BASE -F FMT` makes (version 3, 64 KiB clusters, 16-bit refcounts), from QEMU's
+//! qcow2 specification (docs/interop/qcow2.txt):
+//!
+//! ```text
+//! cluster 0: header, header extensions (backing format, end), backing file name
+//! cluster 1: refcount table (one entry: cluster 2)
+//! cluster 2: refcount block (clusters 0..=2 and the L1 table's: refcount 1)
+//! cluster 3..: L1 table, all zero (nothing allocated: every read goes to the base)
+//! ```
+
+use std::io::Write;
+use std::path::Path;
+
+const MAGIC: u32 = 0x5146_49fb;
+const VERSION: u32 = 3;
+const CLUSTER_BITS: u32 = 16;
+const CLUSTER: u64 = 1 << CLUSTER_BITS;
+/// Length of the version 3 header without the optional compression-type field.
+const HEADER_LEN: u32 = 104;
+/// 16-bit refcounts (refcount_order 4), as qemu-img makes them.
+const REFCOUNT_ORDER: u32 = 4;
+/// Header extension: the backing file's format name.
+const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
+/// Longest backing file name QEMU accepts.
+const MAX_BACKING_NAME: usize = 1023;
+
+/// The base format, as named in the backing-format extension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BaseFormat {
+    /// A raw image.
+    Raw,
+    /// A qcow2 image.
+    Qcow2,
+}
+
+impl BaseFormat {
+    fn name(self) -> &'static str {
+        match self {
+            BaseFormat::Raw => "raw",
+            BaseFormat::Qcow2 => "qcow2",
+        }
+    }
+}
+
+/// The virtual size of `base`: a raw image's length, or a qcow2 image's size field.
+pub fn virtual_size(base: &Path, format: BaseFormat) -> std::io::Result<u64> {
+    match format {
+        BaseFormat::Raw => Ok(std::fs::metadata(base)?.len()),
+        BaseFormat::Qcow2 => {
+            use std::io::Read;
+            let mut head = [0u8; 32];
+            std::fs::File::open(base)?.read_exact(&mut head)?;
+            if u32::from_be_bytes([head[0], head[1], head[2], head[3]]) != MAGIC {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{} is not a qcow2 image", base.display()),
+                ));
+            }
+            let mut size = [0u8; 8];
+            size.copy_from_slice(&head[24..32]);
+            Ok(u64::from_be_bytes(size))
+        }
+    }
+}
+
+/// The bytes of an empty overlay of `size` bytes whose backing file is `backing_name`
+/// (as QEMU will open it: absolute, or relative to the overlay's directory).
+pub fn overlay_image(
+    backing_name: &str,
+    format: BaseFormat,
+    size: u64,
+) -> std::io::Result<Vec<u8>> {
+    let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, m);
+    if backing_name.is_empty() || backing_name.len() > MAX_BACKING_NAME {
+        return Err(invalid(format!(
+            "a backing file name must be 1 to {MAX_BACKING_NAME} bytes"
+        )));
+    }
+    // One L2 table (a cluster of 8-byte entries) maps CLUSTER / 8 clusters.
+    let per_l2 = (CLUSTER / 8) * CLUSTER;
+    let l1_entries = size.div_ceil(per_l2).max(1);
+    let l1_clusters = (l1_entries * 8).div_ceil(CLUSTER);
+    let total_clusters = 3 + l1_clusters;
+    // One refcount block (CLUSTER / 2 sixteen-bit entries) covers them all up to
+    // 2 TiB of L1-mapped disk, far beyond any guest disk forkd makes.
+    if total_clusters > CLUSTER / 2 {
+        return Err(invalid(format!(
+            "a {size}-byte disk is too large for one refcount block"
+        )));
+    }
+    let mut img = vec![
+        0u8;
+        usize::try_from(total_clusters * CLUSTER)
+            .map_err(|_| invalid("too large".into()))?
+    ];
+
+    // Header extensions, then the backing file name, right after the header.
+    let mut ext = Vec::new();
+    let fmt = format.name().as_bytes();
+    ext.extend_from_slice(&EXT_BACKING_FORMAT.to_be_bytes());
+    ext.extend_from_slice(&(fmt.len() as u32).to_be_bytes());
+    ext.extend_from_slice(fmt);
+    ext.resize(ext.len().next_multiple_of(8), 0);
+    ext.extend_from_slice(&[0u8; 8]); // end of the extensions
+    let name_offset = HEADER_LEN as usize + ext.len();
+    img[HEADER_LEN as usize..name_offset].copy_from_slice(&ext);
+    img[name_offset..name_offset + backing_name.len()].copy_from_slice(backing_name.as_bytes());
+
+    let mut h = Vec::with_capacity(HEADER_LEN as usize);
+    h.extend_from_slice(&MAGIC.to_be_bytes());
+    h.extend_from_slice(&VERSION.to_be_bytes());
+    h.extend_from_slice(&(name_offset as u64).to_be_bytes());
+    h.extend_from_slice(&(backing_name.len() as u32).to_be_bytes());
+    h.extend_from_slice(&CLUSTER_BITS.to_be_bytes());
+    h.extend_from_slice(&size.to_be_bytes());
+    h.extend_from_slice(&0u32.to_be_bytes()); // no encryption
+    h.extend_from_slice(&(l1_entries as u32).to_be_bytes());
+    h.extend_from_slice(&(3 * CLUSTER).to_be_bytes()); // L1 table
+    h.extend_from_slice(&CLUSTER.to_be_bytes()); // refcount table
+    h.extend_from_slice(&1u32.to_be_bytes()); // refcount table clusters
+    h.extend_from_slice(&0u32.to_be_bytes()); // snapshots
+    h.extend_from_slice(&0u64.to_be_bytes()); // snapshots offset
+    h.extend_from_slice(&0u64.to_be_bytes()); // incompatible features
+    h.extend_from_slice(&0u64.to_be_bytes()); // compatible features
+    h.extend_from_slice(&0u64.to_be_bytes()); // autoclear features
+    h.extend_from_slice(&REFCOUNT_ORDER.to_be_bytes());
+    h.extend_from_slice(&HEADER_LEN.to_be_bytes());
+    debug_assert_eq!(h.len(), HEADER_LEN as usize);
+    img[..h.len()].copy_from_slice(&h);
+
+    // Refcount table: its one entry points at the refcount block in cluster 2.
+    let rt = CLUSTER as usize;
+    img[rt..rt + 8].copy_from_slice(&(2 * CLUSTER).to_be_bytes());
+    // Refcount block: every cluster of the image is used once.
+    let rb = 2 * CLUSTER as usize;
+    for c in 0..total_clusters as usize {
+        img[rb + 2 * c..rb + 2 * c + 2].copy_from_slice(&1u16.to_be_bytes());
+    }
+    Ok(img)
+}
+
+/// Writes an empty overlay at `path` over `base` (named `backing_name` in the image),
+/// created exclusively and synced.
+pub fn create_overlay(
+    path: &Path,
+    base: &Path,
+    backing_name: &str,
+    format: BaseFormat,
+) -> std::io::Result<()> {
+    let size = virtual_size(base, format)?;
+    let img = overlay_image(backing_name, format, size)?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)?;
+    f.write_all(&img)?;
+    f.sync_data()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    fn qemu_img(args: &[&str]) -> (bool, String) {
+        let out = Command::new("qemu-img").args(args).output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    }
+
+    #[test]
+    fn qemu_img_reads_our_overlays_as_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let raw = dir.path().join("base.raw");
+        let mut data = vec![0u8; 3 << 20];
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        std::fs::write(&raw, &data).unwrap();
+        // A layer over the raw base, named relatively (as in a snapshot directory).
+        let mid = dir.path().join("mid.qcow2");
+        create_overlay(&mid, &raw, "base.raw", BaseFormat::Raw).unwrap();
+        // And a layer over that layer, named absolutely (as a child's is).
+        let top = dir.path().join("top.qcow2");
+        create_overlay(&top, &mid, mid.to_str().unwrap(), BaseFormat::Qcow2).unwrap();
+        for img in [&mid, &top] {
+            let (ok, out) = qemu_img(&["check", img.to_str().unwrap()]);
+            assert!(ok && out.contains("No errors"), "{out}");
+        }
+        let (ok, info) = qemu_img(&["info", "--output=json", top.to_str().unwrap()]);
+        assert!(ok, "{info}");
+        let v: serde_json::Value = serde_json::from_str(&info).unwrap();
+        assert_eq!(v["format"], "qcow2");
+        assert_eq!(v["virtual-size"], 3 << 20);
+        assert_eq!(v["backing-filename"], mid.to_str().unwrap());
+        assert_eq!(v["backing-filename-format"], "qcow2");
+        // Reads go through both layers to the base.
+        let (ok, out) = qemu_img(&["compare", top.to_str().unwrap(), raw.to_str().unwrap()]);
+        assert!(ok, "{out}");
+        assert_eq!(std::fs::read(&raw).unwrap(), data);
+        assert!(
+            create_overlay(&top, &mid, "x", BaseFormat::Qcow2).is_err(),
+            "never overwrites"
+        );
+        assert!(overlay_image("", BaseFormat::Raw, 1).is_err());
+    }
+}
