@@ -377,3 +377,20 @@ fn a_second_daemon_on_the_same_data_directory_refuses_to_start_and_harms_nothing
     });
     h.stop();
 }
+
+#[test]
+fn a_sigterm_as_soon_as_the_socket_answers_stops_the_daemon_in_order() {
+    // No VM needed: the race is between the socket's bind and the signal handlers.
+    let mut h = Home::new(None);
+    for _ in 0..10 {
+        let _ = std::fs::remove_file(h.socket());
+        h.spawn(None);
+        // Without a pause between attempts: the signal must come right after the bind.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while std::os::unix::net::UnixStream::connect(h.socket()).is_err() {
+            assert!(Instant::now() < deadline, "no answer: {}", h.log());
+        }
+        // `stop` asserts a clean exit, not death by the signal's default action.
+        h.stop();
+    }
+}
