@@ -175,11 +175,69 @@ impl Home {
         }
     }
 
+    /// Waits for the daemon to abort at `failpoint`.
+    fn expect_abort(&mut self, failpoint: &str) {
+        use std::os::unix::process::ExitStatusExt;
+        let status = self.wait_exit(Duration::from_secs(120));
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGABRT),
+            "the daemon should have aborted at {failpoint}: {status}: {}",
+            self.log()
+        );
+        assert!(
+            self.log()
+                .contains(&format!("failpoint {failpoint} reached")),
+            "{}",
+            self.log()
+        );
+    }
+
     /// SIGTERM, and waits for the daemon to exit (it leaves its sandboxes running).
     fn stop(&mut self) {
         terminate(self.pid());
         let status = self.wait_exit(Duration::from_secs(60));
         assert!(status.success(), "{status}: {}", self.log());
+    }
+
+    /// The QEMU processes whose command line names this directory.
+    fn qemus(&self) -> Vec<u32> {
+        processes_naming(self.path())
+            .into_iter()
+            .filter(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                    .is_ok_and(|c| c.starts_with("qemu"))
+            })
+            .collect()
+    }
+
+    /// The sandbox directories under run/sandboxes, sorted.
+    fn sandbox_dirs(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(self.path().join("run/sandboxes"))
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+
+    /// (id, state) of every row of the state database's sandboxes table, sorted.
+    fn db_rows(&self) -> Vec<(String, String)> {
+        let db = rusqlite::Connection::open_with_flags(
+            self.path().join("forkd.db"),
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+        )
+        .unwrap();
+        let mut q = db
+            .prepare("SELECT id, state FROM sandboxes ORDER BY id")
+            .unwrap();
+        q.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
     }
 }
 
@@ -260,6 +318,15 @@ async fn list(c: &Client) -> Vec<Value> {
     let (s, v) = call(c, Method::GET, "/v1/sandboxes", None).await;
     assert_eq!(s, StatusCode::OK, "{v}");
     v["sandboxes"].as_array().unwrap().clone()
+}
+
+fn ids_of(list: &[Value]) -> Vec<String> {
+    let mut v: Vec<String> = list
+        .iter()
+        .map(|s| s["id"].as_str().unwrap().to_owned())
+        .collect();
+    v.sort();
+    v
 }
 
 async fn create(c: &Client, n: u32) -> Vec<Value> {
@@ -376,6 +443,224 @@ fn a_second_daemon_on_the_same_data_directory_refuses_to_start_and_harms_nothing
         }
     });
     h.stop();
+}
+
+/// What a restarted daemon must have made of its data directory: every QEMU of the
+/// directory is a listed sandbox's (or gone), every sandbox directory is a listed
+/// sandbox's, the database's rows are exactly the listed sandboxes in the listed states,
+/// and /v1/health counts them once. Returns the list.
+async fn assert_consistent(h: &Home, c: &Client, after: &str) -> Vec<Value> {
+    // The restarted daemon kills what it does not adopt; give the kills time to land.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let listed = loop {
+        let listed = list(c).await;
+        let pids: Vec<u32> = listed.iter().map(pid_of).collect();
+        let strays: Vec<u32> = h
+            .qemus()
+            .into_iter()
+            .filter(|p| !pids.contains(p))
+            .collect();
+        if strays.is_empty() {
+            break listed;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after {after}: QEMU processes {strays:?} of the data directory are not listed: {listed:?}\n{}",
+            h.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let ids = ids_of(&listed);
+    for s in &listed {
+        assert!(
+            forkd_hypervisor::process::is_alive(pid_of(s)),
+            "after {after}: listed with a dead QEMU: {s}"
+        );
+    }
+    assert_eq!(
+        h.sandbox_dirs(),
+        ids,
+        "after {after}: sandbox directories against the listed sandboxes"
+    );
+    let mut api_rows: Vec<(String, String)> = listed
+        .iter()
+        .map(|s| {
+            (
+                s["id"].as_str().unwrap().to_owned(),
+                s["status"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    api_rows.sort();
+    assert_eq!(
+        h.db_rows(),
+        api_rows,
+        "after {after}: the database's rows against the API's list"
+    );
+    let (s, health) = call(c, Method::GET, "/v1/health", None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        health["sandboxes"].as_u64(),
+        Some(listed.len() as u64),
+        "after {after}: {health}"
+    );
+    listed
+}
+
+/// Operations of `kind` the database still says are running: none may be after a
+/// restart, since nothing runs them any more.
+fn running_operations(h: &Home, kind: &str) -> Vec<String> {
+    let db = rusqlite::Connection::open_with_flags(
+        h.path().join("forkd.db"),
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+    )
+    .unwrap();
+    let mut q = db
+        .prepare("SELECT id FROM operations WHERE kind = ?1 AND status = 'running'")
+        .unwrap();
+    q.query_map([kind], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+#[test]
+fn a_daemon_killed_at_any_failpoint_leaves_what_its_restart_makes_consistent() {
+    let mut h = Home::with_template();
+    let rt = runtime();
+    let c = h.client();
+
+    // A fork killed at each of its steps. Before the first child is ready no child was
+    // handed out: the restart must remove them all, VMs included.
+    for fp in ["fork.after_row", "fork.after_vm_start", "fork.after_ready"] {
+        h.start(Some(fp));
+        rt.block_on(async {
+            // The daemon dies under the request: no answer is expected.
+            let _ = c
+                .call(
+                    Method::POST,
+                    "/v1/sandboxes",
+                    Some(&json!({"snapshot": TAG, "n": 2})),
+                )
+                .await;
+        });
+        h.expect_abort(fp);
+        h.start(None);
+        rt.block_on(async {
+            let listed = assert_consistent(&h, &c, fp).await;
+            assert_eq!(running_operations(&h, "fork"), Vec::<String>::new(), "{fp}");
+            if fp == "fork.after_ready" {
+                // A child recorded as running is adopted, and serves.
+                assert!(!listed.is_empty(), "{fp}: the ready child was dropped");
+                for s in &listed {
+                    assert_eq!(s["status"], "running", "{s}");
+                    exec_ok(&c, s["id"].as_str().unwrap(), "true").await;
+                }
+            } else {
+                assert_eq!(listed, Vec::<Value>::new(), "{fp}");
+            }
+        });
+        h.stop();
+    }
+
+    // A delete killed after it marked the row: the restart finishes it.
+    let before = rt.block_on(async {
+        h.start(None);
+        let before = list(&c).await;
+        h.stop();
+        before
+    });
+    let victim = before[0].clone();
+    let victim_id = victim["id"].as_str().unwrap().to_owned();
+    h.start(Some("delete.after_mark"));
+    rt.block_on(async {
+        let _ = c
+            .call(Method::DELETE, &format!("/v1/sandboxes/{victim_id}"), None)
+            .await;
+    });
+    h.expect_abort("delete.after_mark");
+    h.start(None);
+    rt.block_on(async {
+        let listed = assert_consistent(&h, &c, "delete.after_mark").await;
+        let mut expected = ids_of(&before);
+        expected.retain(|id| *id != victim_id);
+        assert_eq!(ids_of(&listed), expected, "delete.after_mark");
+        assert!(!forkd_hypervisor::process::is_alive(pid_of(&victim)));
+        // Enough sandboxes for a restart that adopts several.
+        create(&c, 2).await;
+    });
+
+    // A restart killed after adopting one of several: the next adopts them all.
+    let before = rt.block_on(list(&c));
+    assert!(before.len() >= 2, "{before:?}");
+    h.stop();
+    h.spawn(Some("adopt.after_first"));
+    h.expect_abort("adopt.after_first");
+    h.start(None);
+    rt.block_on(async {
+        let listed = assert_consistent(&h, &c, "adopt.after_first").await;
+        assert_eq!(ids_of(&listed), ids_of(&before), "adopt.after_first");
+        for s in &listed {
+            assert_eq!(s["status"], "running", "{s}");
+            exec_ok(&c, s["id"].as_str().unwrap(), "true").await;
+        }
+    });
+    h.stop();
+
+    // A template build killed once its parent VM booted: nothing of the build is left,
+    // and the sandboxes are untouched.
+    h.start(Some("build.after_boot"));
+    let op = rt.block_on(async {
+        let (s, op) = call(
+            &c,
+            Method::POST,
+            "/v1/snapshots",
+            Some(json!({"template": "minimal", "tag": "crashed-build"})),
+        )
+        .await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{op}");
+        op["id"].as_str().unwrap().to_owned()
+    });
+    h.expect_abort("build.after_boot");
+    h.start(None);
+    rt.block_on(async {
+        let listed = assert_consistent(&h, &c, "build.after_boot").await;
+        assert_eq!(ids_of(&listed), ids_of(&before), "build.after_boot");
+        let (s, v) = call(&c, Method::GET, &format!("/v1/operations/{op}"), None).await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(v["status"], "interrupted", "{v}");
+        let (s, v) = call(&c, Method::GET, "/v1/snapshots", None).await;
+        assert_eq!(s, StatusCode::OK);
+        assert!(!v.to_string().contains("crashed-build"), "{v}");
+        let staged: Vec<String> = std::fs::read_dir(h.path().join("snapshots/.staging"))
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert_eq!(staged, Vec::<String>::new(), "the crashed build's staging");
+
+        // Nothing of the data directory outlives its sandboxes.
+        for s in &listed {
+            let (st, v) = call(
+                &c,
+                Method::DELETE,
+                &format!("/v1/sandboxes/{}", s["id"].as_str().unwrap()),
+                None,
+            )
+            .await;
+            assert_eq!(st, StatusCode::NO_CONTENT, "{v}");
+        }
+        let listed = assert_consistent(&h, &c, "deleting everything").await;
+        assert_eq!(listed, Vec::<Value>::new());
+    });
+    h.stop();
+    assert_eq!(h.qemus(), Vec::<u32>::new());
+    let path = h.path().to_owned();
+    drop(h);
+    assert!(!path.exists());
+    assert_eq!(processes_naming(&path), Vec::<u32>::new());
 }
 
 #[test]
