@@ -365,8 +365,28 @@ async fn status_of(c: &Client, id: &str) -> String {
     v["status"].as_str().unwrap().to_owned()
 }
 
+/// Polls `id` until its status is `want` (at most `within`).
+async fn wait_status(c: &Client, id: &str, want: &str, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let st = status_of(c, id).await;
+        if st == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{id} is still {st}, not {want}, after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 fn pid_of(s: &Value) -> u32 {
     s["pid"].as_u64().unwrap() as u32
+}
+
+fn signal(pid: u32, sig: nix::sys::signal::Signal) {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).unwrap();
 }
 
 #[test]
@@ -678,4 +698,89 @@ fn a_sigterm_as_soon_as_the_socket_answers_stops_the_daemon_in_order() {
         // `stop` asserts a clean exit, not death by the signal's default action.
         h.stop();
     }
+}
+
+#[test]
+fn starved_guests_are_kept_and_a_stopped_vm_is_unresponsive_until_it_runs_again() {
+    let mut h = Home::with_template();
+    h.start(None);
+    let rt = runtime();
+    let c = h.client();
+    rt.block_on(async {
+        let kids = create(&c, 6).await;
+        let ids: Vec<String> = kids
+            .iter()
+            .map(|k| k["id"].as_str().unwrap().to_owned())
+            .collect();
+        let pids: Vec<u32> = kids.iter().map(pid_of).collect();
+        // Every thread of all six VMs on one core.
+        for pid in &pids {
+            let out = Command::new("taskset")
+                .args(["-a", "-cp", "0", &pid.to_string()])
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "taskset: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        // A CPU-bound loop for 60 s in three of them, in the background of the guest.
+        let looping = Instant::now();
+        for id in &ids[..3] {
+            let pid = exec_ok(
+                &c,
+                id,
+                "timeout 60 sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $!",
+            )
+            .await;
+            // The loop outlives the exec that started it.
+            exec_ok(&c, id, &format!("kill -0 {}", pid.trim())).await;
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        while looping.elapsed() < Duration::from_secs(62) {
+            let listed = list(&c).await;
+            assert_eq!(
+                ids_of(&listed),
+                {
+                    let mut v = ids.clone();
+                    v.sort();
+                    v
+                },
+                "a starved sandbox was torn down: {}",
+                h.log()
+            );
+            for s in &listed {
+                seen.insert(s["status"].as_str().unwrap().to_owned());
+            }
+            for pid in &pids {
+                assert!(forkd_hypervisor::process::is_alive(*pid), "QEMU {pid} died");
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+        eprintln!("states seen under load: {seen:?}");
+        for id in &ids {
+            // A sandbox shown unresponsive under load comes back once the load is gone.
+            wait_status(&c, id, "running", Duration::from_secs(60)).await;
+            assert_eq!(exec_ok(&c, id, "echo ok").await, "ok\n");
+        }
+        for pid in &pids {
+            assert!(forkd_hypervisor::process::is_alive(*pid), "QEMU {pid} died");
+        }
+
+        // The VM process of one stopped from the host: its agent and QMP go silent.
+        let (id, pid) = (&ids[5], pids[5]);
+        signal(pid, nix::sys::signal::Signal::SIGSTOP);
+        wait_status(&c, id, "unresponsive", Duration::from_secs(60)).await;
+        let (s, v) = exec(&c, id, "echo ok").await;
+        assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+        assert_eq!(v["error"]["code"], "sandbox_unresponsive", "{v}");
+        assert!(ids_of(&list(&c).await).contains(id), "{id} was dropped");
+        assert!(forkd_hypervisor::process::is_alive(pid));
+        signal(pid, nix::sys::signal::Signal::SIGCONT);
+        wait_status(&c, id, "running", Duration::from_secs(60)).await;
+        assert_eq!(exec_ok(&c, id, "echo ok").await, "ok\n");
+        assert_eq!(ids_of(&list(&c).await).len(), 6);
+    });
+    h.stop();
 }
