@@ -784,3 +784,153 @@ fn starved_guests_are_kept_and_a_stopped_vm_is_unresponsive_until_it_runs_again(
     });
     h.stop();
 }
+
+/// Bytes free for an unprivileged writer on the filesystem holding `p`.
+fn free_bytes(p: &Path) -> u64 {
+    let s = nix::sys::statvfs::statvfs(p).unwrap();
+    s.blocks_available() as u64 * s.fragment_size() as u64
+}
+
+/// Runs `shell` in `id` with streamed output (the request is audited when its answer
+/// starts, before the command runs): its exit code and its stdout and stderr together.
+async fn exec_streamed(c: &Client, id: &str, shell: &str) -> (i32, String) {
+    use forkd_daemon::client::{ExecLine, Lines};
+    let body = serde_json::to_vec(&json!({"shell": shell, "stream": true})).unwrap();
+    let resp = c
+        .send(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(body),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut lines = Lines::new(resp);
+    let mut out = Vec::new();
+    while let Some(line) = lines.next_exec().await.unwrap() {
+        match line {
+            ExecLine::Stdout(b) | ExecLine::Stderr(b) => out.extend(b),
+            ExecLine::Exit(code) => return (code, String::from_utf8_lossy(&out).into_owned()),
+            ExecLine::Error(e) => panic!("exec in {id} failed: {e}"),
+        }
+    }
+    panic!("the exec stream of {id} ended without an exit");
+}
+
+#[test]
+fn a_full_disk_refuses_forks_with_507_and_corrupts_nothing() {
+    // The data directory on a tmpfs of its own: the snapshot copies the guest assets
+    // (the minimal rootfs is ~700 MiB), then the rest is filled.
+    let mut h = Home::new(Some("1200m"));
+    h.start(None);
+    let rt = runtime();
+    let c = h.client();
+    let fill = h.path().join("fill");
+    rt.block_on(async {
+        common::build_snapshot(&c, "minimal", TAG).await;
+        let id = create(&c, 1).await[0]["id"].as_str().unwrap().to_owned();
+        assert_eq!(exec_ok(&c, id.as_str(), "echo ok").await, "ok\n");
+        eprintln!(
+            "free after the build and a fork: {} MiB",
+            free_bytes(h.path()) >> 20
+        );
+
+        // Leave 1 MiB: room for the daemon's own small writes (audit lines, database
+        // pages), none for a child's disk.
+        let room = 1 << 20;
+        let f = std::fs::File::create(&fill).unwrap();
+        let len = free_bytes(h.path()) - room;
+        nix::fcntl::fallocate(
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            nix::fcntl::FallocateFlags::empty(),
+            0,
+            len as i64,
+        )
+        .unwrap();
+        drop(f);
+        assert!(free_bytes(h.path()) <= 2 * room, "{}", free_bytes(h.path()));
+        let listed = list(&c).await;
+        let dirs = h.sandbox_dirs();
+        let snapshots = std::fs::read_dir(h.path().join("snapshots"))
+            .unwrap()
+            .count();
+
+        // A running sandbox keeps answering.
+        assert_eq!(exec_ok(&c, &id, "echo ok").await, "ok\n");
+        // A fork and a build are refused, saying why, and leave nothing behind.
+        let (s, v) = call(
+            &c,
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"snapshot": TAG, "n": 1})),
+        )
+        .await;
+        assert_eq!(s, StatusCode::INSUFFICIENT_STORAGE, "{v}");
+        assert_eq!(v["error"]["code"], "insufficient_storage", "{v}");
+        eprintln!("fork refused: {v}");
+        let (s, v) = call(
+            &c,
+            Method::POST,
+            "/v1/snapshots",
+            Some(json!({"template": "minimal", "tag": "no-room"})),
+        )
+        .await;
+        assert_eq!(s, StatusCode::INSUFFICIENT_STORAGE, "{v}");
+        assert_eq!(v["error"]["code"], "insufficient_storage", "{v}");
+        assert_eq!(list(&c).await, listed);
+        assert_eq!(h.sandbox_dirs(), dirs);
+        assert_eq!(
+            std::fs::read_dir(h.path().join("snapshots"))
+                .unwrap()
+                .count(),
+            snapshots
+        );
+
+        // The guest writes more than the host has: the guest sees an error (its disk
+        // reports errors rather than pausing the VM), and the sandbox is kept.
+        let (code, out) =
+            exec_streamed(&c, &id, "dd if=/dev/zero of=/big bs=1M count=64 conv=fsync").await;
+        assert_ne!(code, 0, "{out}");
+        assert!(
+            out.contains("No space left") || out.contains("Input/output error"),
+            "{out}"
+        );
+        // Requests that write nothing on the host (the host disk may now be full to
+        // the last byte, and a mutating request must be audited) reach the guest.
+        assert_eq!(status_of(&c, &id).await, "running");
+        let (s, v) = call(
+            &c,
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/files/stat?path=/etc/hostname"),
+            None,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        std::fs::remove_file(&fill).unwrap();
+        assert_eq!(exec_ok(&c, &id, "echo ok").await, "ok\n");
+        assert_eq!(status_of(&c, &id).await, "running");
+    });
+    h.stop();
+
+    // Nothing is corrupted: the audit chain holds and so does the database.
+    let out = Command::new(env!("CARGO_BIN_EXE_forkd"))
+        .args(["audit", "verify"])
+        .env("FORKD_HOME", h.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let db = rusqlite::Connection::open_with_flags(
+        h.path().join("forkd.db"),
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+    )
+    .unwrap();
+    let check: String = db
+        .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(check, "ok");
+}
