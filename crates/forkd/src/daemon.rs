@@ -75,17 +75,24 @@ pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
     .await
 }
 
-async fn shutdown_signal() {
+/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called, not
+/// when the future is first polled: the server polls it only once its accept loop runs,
+/// and a SIGTERM sent as soon as the socket answers used to find no handler yet and kill
+/// the daemon outright (without its orderly stop).
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
+    let streams = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
-    ) else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => {},
-        _ = int.recv() => {},
+    );
+    async move {
+        let (Ok(mut term), Ok(mut int)) = streams else {
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => {},
+            _ = int.recv() => {},
+        }
     }
 }
 
