@@ -42,6 +42,45 @@ pub fn ensure_room(path: &Path, needed: u64, what: &str) -> Result<(), SandboxEr
     Ok(())
 }
 
+/// On a tmpfs, allocates every hole of `file` (a snapshot's RAM image). Children map
+/// that file privately: on tmpfs the page cache *is* the storage, so the first touch of
+/// a hole must take a tmpfs page, and on a full tmpfs the kernel answers with SIGBUS,
+/// killing the child's QEMU. Allocated once here, the pages are the snapshot's, and a
+/// child's writes land in its own anonymous memory. On other filesystems a hole reads
+/// as zeros through the page cache without taking disk space, so nothing is done.
+/// Returns whether it allocated.
+pub fn fill_holes_on_tmpfs(file: &Path) -> Result<bool, SandboxError> {
+    let io = |source| SandboxError::Io {
+        context: format!("allocating {} on its tmpfs", file.display()),
+        source,
+    };
+    let fs = nix::sys::statfs::statfs(file).map_err(|e| io(e.into()))?;
+    if fs.filesystem_type() != nix::sys::statfs::TMPFS_MAGIC {
+        return Ok(false);
+    }
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(file)
+        .map_err(io)?;
+    let len = f.metadata().map_err(io)?.len();
+    let len = i64::try_from(len).map_err(|_| io(std::io::Error::other("file too large")))?;
+    match nix::fcntl::fallocate(
+        std::os::fd::AsRawFd::as_raw_fd(&f),
+        nix::fcntl::FallocateFlags::empty(),
+        0,
+        len,
+    ) {
+        Ok(()) => Ok(true),
+        Err(nix::errno::Errno::ENOSPC) => Err(SandboxError::NoSpace {
+            what: format!("the memory image {}", file.display()),
+            path: file.display().to_string(),
+            needed_mib: (len as u64).div_ceil(1 << 20),
+            available_mib: available(file).unwrap_or(0) / (1 << 20),
+        }),
+        Err(e) => Err(io(e.into())),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -62,5 +101,31 @@ mod tests {
             msg.contains(&format!("{} MiB free", free / (1 << 20))),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn holes_are_filled_only_on_tmpfs() {
+        use std::os::unix::fs::MetadataExt;
+        // /dev/shm is a tmpfs on every Linux host forkd runs on.
+        let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+        let ram = shm.path().join("memory.ram");
+        let f = std::fs::File::create(&ram).unwrap();
+        f.set_len(4 << 20).unwrap();
+        drop(f);
+        assert_eq!(std::fs::metadata(&ram).unwrap().blocks(), 0, "sparse");
+        assert!(fill_holes_on_tmpfs(&ram).unwrap());
+        assert!(std::fs::metadata(&ram).unwrap().blocks() * 512 >= 4 << 20);
+        assert_eq!(std::fs::read(&ram).unwrap(), vec![0u8; 4 << 20]);
+        let disk = tempfile::tempdir().unwrap();
+        let other = disk.path().join("memory.ram");
+        std::fs::File::create(&other)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let on_tmpfs = nix::sys::statfs::statfs(disk.path())
+            .unwrap()
+            .filesystem_type()
+            == nix::sys::statfs::TMPFS_MAGIC;
+        assert_eq!(fill_holes_on_tmpfs(&other).unwrap(), on_tmpfs);
     }
 }

@@ -265,6 +265,9 @@ pub async fn build(
     let freeze = t_freeze.elapsed();
     parent.destroy().await?;
     frozen?;
+    if crate::space::fill_holes_on_tmpfs(&staging.part(parts::MEMORY))? {
+        progress("allocated the memory image on its tmpfs (children's first touches then never need a page of it)");
+    }
     let manifest = Manifest {
         format: FORMAT,
         tag: tag.to_string(),

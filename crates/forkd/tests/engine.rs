@@ -820,8 +820,9 @@ async fn exec_streamed(c: &Client, id: &str, shell: &str) -> (i32, String) {
 #[test]
 fn a_full_disk_refuses_forks_with_507_and_corrupts_nothing() {
     // The data directory on a tmpfs of its own: the snapshot copies the guest assets
-    // (the minimal rootfs is ~700 MiB), then the rest is filled.
-    let mut h = Home::new(Some("1200m"));
+    // (the minimal rootfs is ~700 MiB) and holds its memory image fully allocated (512
+    // MiB), then the rest is filled.
+    let mut h = Home::new(Some("1700m"));
     h.start(None);
     let rt = runtime();
     let c = h.client();
