@@ -63,9 +63,10 @@ impl Default for ForkOptions {
 /// child before anything of it exists on the host and forget it if it fails: a process
 /// killed at any point of a fork then leaves nothing its next start cannot find.
 pub trait ForkObserver: Send + Sync {
-    /// A child is about to be made: `config` names its id and runtime directory, which
-    /// exists (empty); its disk layer and VM do not yet. An error stops this child.
-    fn planned(&self, config: &VmConfig) -> Result<(), SandboxError>;
+    /// The children are about to be made: each config names a child's id and runtime
+    /// directory, which exists (empty); their disk layers and VMs do not yet. An error
+    /// stops the fork before anything starts.
+    fn planned(&self, configs: &[VmConfig]) -> Result<(), SandboxError>;
     /// The child answers; it is about to be handed to the caller. An error stops it.
     fn ready(&self, child: &Sandbox) -> Result<(), SandboxError>;
     /// The child `id` failed (or was stopped because a sibling failed); its VM is gone
@@ -77,7 +78,7 @@ pub trait ForkObserver: Send + Sync {
 pub struct Unrecorded;
 
 impl ForkObserver for Unrecorded {
-    fn planned(&self, _: &VmConfig) -> Result<(), SandboxError> {
+    fn planned(&self, _: &[VmConfig]) -> Result<(), SandboxError> {
         Ok(())
     }
     fn ready(&self, _: &Sandbox) -> Result<(), SandboxError> {
@@ -180,13 +181,15 @@ async fn fork_each(
         per_child.saturating_mul(opts.count as u64),
         &format!("forking {} children of {}", opts.count, snap.tag),
     )?;
-    let results: Vec<Result<Sandbox, SandboxError>> = futures::stream::iter(0..opts.count)
-        .map(|_| async {
-            if opts.cancel.is_cancelled() {
-                return Err(SandboxError::Cancelled);
-            }
-            fork_one(hv, home, snap, opts, observer).await
-        })
+    // Every child is planned and recorded first, in one go: one write for the whole
+    // fork, and all of it on record before any VM starts.
+    let planned = (0..opts.count)
+        .map(|_| plan_child(home, snap, opts))
+        .collect::<Result<Vec<_>, _>>()?;
+    let configs: Vec<VmConfig> = planned.iter().map(|(c, _)| c.clone()).collect();
+    observer.planned(&configs)?;
+    let results: Vec<Result<Sandbox, SandboxError>> = futures::stream::iter(planned)
+        .map(|(config, guard)| fork_one(hv, snap, opts, observer, config, guard))
         .buffer_unordered(opts.parallel.max(1))
         .collect()
         .await;
@@ -207,23 +210,22 @@ async fn discard(children: Vec<Sandbox>, observer: &dyn ForkObserver) {
     }
 }
 
-async fn fork_one(
-    hv: &dyn Hypervisor,
+/// A child's id, runtime directory (guarded: removed unless the child launches) and
+/// launch description, before anything of it runs.
+fn plan_child(
     home: &Home,
     snap: &Snapshot,
     opts: &ForkOptions,
-    observer: &dyn ForkObserver,
-) -> Result<Sandbox, SandboxError> {
+) -> Result<(VmConfig, crate::sandbox::DirGuard), SandboxError> {
     let m = &snap.manifest.machine;
     let (id, dir, guard) = new_sandbox_dir(home)?;
-    let overlay = dir.join("root.qcow2");
     let config = VmConfig {
         id,
+        root_disk: dir.join("root.qcow2"),
         dir,
         kernel: snap.part(parts::KERNEL),
         initramfs: snap.part(parts::INITRAMFS),
         cmdline: m.cmdline.clone(),
-        root_disk: overlay.clone(),
         vcpus: m.vcpus,
         memory_mib: m.memory_mib,
         memory: MemoryBackend::File {
@@ -234,11 +236,26 @@ async fn fork_one(
         seccomp: opts.seccomp,
         detached: opts.detached,
     };
-    observer.planned(&config)?;
+    Ok((config, guard))
+}
+
+/// Makes one planned child: its disk layer, its VM, its agent; tells the observer it is
+/// ready, or discarded.
+async fn fork_one(
+    hv: &dyn Hypervisor,
+    snap: &Snapshot,
+    opts: &ForkOptions,
+    observer: &dyn ForkObserver,
+    config: VmConfig,
+    guard: crate::sandbox::DirGuard,
+) -> Result<Sandbox, SandboxError> {
     let id = config.id.clone();
     let child = async {
+        if opts.cancel.is_cancelled() {
+            return Err(SandboxError::Cancelled);
+        }
         hv.create_disk_layer(DiskLayer {
-            path: &overlay,
+            path: &config.root_disk,
             base: &snap.part(parts::DISK),
             base_format: DiskFormat::Layer,
             relative: false,

@@ -68,7 +68,14 @@ async fn a_guest_flooding_its_console_stays_within_the_cap() {
         .unwrap_err();
     assert!(matches!(err, SandboxError::GuestExited { .. }), "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("write_sysrq_trigger"), "{msg}");
+    // The error quotes the last 30 console lines: some part of the crash's trace (which
+    // part depends on how much of it the guest wrote before QEMU exited).
+    assert!(
+        ["sysrq", "proc_reg_write", "Kernel panic"]
+            .iter()
+            .any(|s| msg.contains(s)),
+        "{msg}"
+    );
     fp.assert_gone();
 }
 

@@ -31,6 +31,9 @@ pub struct DaemonConfig {
     pub max_sandboxes: usize,
     /// Most children a fork restores at once.
     pub fork_parallelism: usize,
+    /// Forks are admitted while their children's estimated cost fits in the host's
+    /// available memory times this.
+    pub memory_overcommit: f64,
 }
 
 /// PEM files of the TCP listener's certificate chain and private key.
@@ -70,6 +73,9 @@ pub enum ConfigError {
     /// --max-sandboxes must be at least 1
     #[error("--max-sandboxes must be at least 1")]
     NoCapacity,
+    /// The overcommit must be a positive number.
+    #[error("--memory-overcommit must be a number above 0 (1 admits what fits in the available memory), not {0}")]
+    Overcommit(f64),
 }
 
 impl DaemonConfig {
@@ -84,6 +90,7 @@ impl DaemonConfig {
             token: None,
             max_sandboxes: DEFAULT_MAX_SANDBOXES,
             fork_parallelism: forkd_core::fork::default_parallel(),
+            memory_overcommit: 1.0,
         }
     }
 
@@ -107,6 +114,9 @@ impl DaemonConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.max_sandboxes == 0 {
             return Err(ConfigError::NoCapacity);
+        }
+        if !(self.memory_overcommit.is_finite() && self.memory_overcommit > 0.0) {
+            return Err(ConfigError::Overcommit(self.memory_overcommit));
         }
         if let Some(addr) = self.listen {
             if !addr.ip().is_loopback() && self.token.is_none() {

@@ -3,6 +3,7 @@
 //! and, when asked, on TCP with a bearer token and TLS.
 //!
 //! - [`config`]: how it runs, checked before anything starts.
+//! - [`admission`]: what a fork's children really cost, checked against the host's memory.
 //! - [`owner`]: the lock that makes a daemon the one owner of its data directory.
 //! - [`state`]: the SQLite database (sandboxes, operations).
 //! - [`registry`]: the live sandboxes, the capacity limit, re-adoption after a restart.
@@ -11,6 +12,7 @@
 //! - [`metrics`], [`audit`]: Prometheus metrics and the hash-chained audit log.
 //! - [`client`]: a small HTTP client over the unix socket or TCP (the CLI and the tests).
 
+pub mod admission;
 pub mod api;
 pub mod audit;
 pub mod client;

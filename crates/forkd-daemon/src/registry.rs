@@ -37,6 +37,9 @@ pub enum RegistryError {
     },
     /// {0}
     #[error(transparent)]
+    Memory(#[from] crate::admission::InsufficientMemory),
+    /// {0}
+    #[error(transparent)]
     Sandbox(#[from] SandboxError),
     /// {0}
     #[error(transparent)]
@@ -71,6 +74,7 @@ pub struct Registry {
     max: usize,
     agent_timeout: Duration,
     fork_parallel: usize,
+    memory_overcommit: f64,
     slots: Mutex<Slots>,
 }
 
@@ -94,6 +98,9 @@ struct Slots {
     unattached: HashMap<String, Unattached>,
     /// Cancellation of the forks in progress, by operation id.
     cancels: HashMap<String, tokio_util::sync::CancellationToken>,
+    /// Children ready so far in the forks in progress, by operation id (kept in
+    /// memory: written once, when the fork ends).
+    progress: HashMap<String, u64>,
     /// Slots promised to forks in progress.
     reserved: usize,
     /// Forks in progress, by snapshot tag: they use the snapshot as much as its
@@ -190,6 +197,7 @@ impl Registry {
             max,
             agent_timeout: SandboxOptions::default().agent_timeout,
             fork_parallel: forkd_core::fork::default_parallel(),
+            memory_overcommit: 1.0,
             slots: Mutex::new(Slots::default()),
         }
     }
@@ -197,6 +205,13 @@ impl Registry {
     /// Most restores in flight at once in a fork (see [`ForkOptions::parallel`]).
     pub fn with_fork_parallelism(mut self, k: usize) -> Registry {
         self.fork_parallel = k.max(1);
+        self
+    }
+
+    /// How far forks may overcommit the host's available memory (see
+    /// [`crate::admission`]).
+    pub fn with_memory_overcommit(mut self, ratio: f64) -> Registry {
+        self.memory_overcommit = ratio;
         self
     }
 
@@ -272,6 +287,14 @@ impl Registry {
         snap: &Snapshot,
         spec: CreateSpec,
     ) -> Result<CreateOutcome, RegistryError> {
+        let pids: Vec<u32> = self
+            .list()
+            .iter()
+            .filter(|l| l.row.snapshot == snap.tag.as_str() && l.row.pid != 0)
+            .map(|l| l.row.pid)
+            .collect();
+        let (per_child, basis) = crate::admission::estimate_child_cost(&pids);
+        let available = crate::admission::mem_available().unwrap_or(u64::MAX);
         let _reservation = {
             let mut slots = self.slots();
             let live = slots.live.len() + slots.unattached.len() + slots.reserved;
@@ -282,6 +305,15 @@ impl Registry {
                     max: self.max,
                 });
             }
+            // Children of forks still under way have not taken their memory yet: count
+            // them with this one.
+            crate::admission::admit(
+                spec.count + slots.reserved,
+                per_child,
+                &basis,
+                available,
+                self.memory_overcommit,
+            )?;
             slots.reserved += spec.count;
             *slots.forking.entry(snap.tag.to_string()).or_default() += 1;
             Reservation {
@@ -330,19 +362,51 @@ impl Registry {
                     failures: Vec::new(),
                 })
         };
-        self.slots().cancels.remove(&op.id);
-        let outcome = forked.map(|f| CreateOutcome {
-            entries: self.hand_out(f.children),
-            failures: f.failures,
-        });
-        self.finish_fork(&op.id, &outcome);
+        let outcome = match forked {
+            Ok(f) => self
+                .hand_out(f.children)
+                .await
+                .map(|entries| CreateOutcome {
+                    entries,
+                    failures: f.failures,
+                }),
+            Err(e) => Err(e),
+        };
+        {
+            let mut slots = self.slots();
+            slots.cancels.remove(&op.id);
+            slots.progress.remove(&op.id);
+        }
+        self.finish_fork(&op.id, spec.count, &outcome);
         Ok(outcome?)
     }
 
-    /// Moves forked children from `starting` to the live handles.
-    fn hand_out(&self, children: Vec<Sandbox>) -> Vec<Entry> {
+    /// Records the forked children `running` (one write for all of them) and moves them
+    /// from `starting` to the live handles. Children that cannot be recorded are not
+    /// owned: they are stopped, and the error says why.
+    async fn hand_out(&self, children: Vec<Sandbox>) -> Result<Vec<Entry>, SandboxError> {
+        let processes: Vec<(String, u32, u64)> = children
+            .iter()
+            .map(|c| {
+                (
+                    c.id().to_owned(),
+                    c.pid().unwrap_or(0),
+                    c.vm().start_time().unwrap_or(0),
+                )
+            })
+            .collect();
+        if let Err(e) = self.state.mark_running(&processes) {
+            for c in children {
+                let id = c.id().to_owned();
+                let _ = c.destroy().await;
+                let _ = self.state.delete_sandbox(&id);
+                self.slots().starting.remove(&id);
+            }
+            return Err(recording_failed(e));
+        }
+        failpoint::hit("fork.after_ready");
         let mut slots = self.slots();
-        children
+        Ok(children
             .into_iter()
             .filter_map(|child| {
                 let mut row = slots.starting.remove(child.id())?;
@@ -356,11 +420,16 @@ impl Registry {
                 slots.live.insert(entry.row.id.clone(), entry.clone());
                 Some(entry)
             })
-            .collect()
+            .collect())
+    }
+
+    /// Children ready so far in the running fork `op`, if it runs.
+    pub fn progress(&self, op: &str) -> Option<u64> {
+        self.slots().progress.get(op).copied()
     }
 
     /// Records how a fork ended: its status, error and result (children and errors).
-    fn finish_fork(&self, op: &str, outcome: &Result<CreateOutcome, SandboxError>) {
+    fn finish_fork(&self, op: &str, total: usize, outcome: &Result<CreateOutcome, SandboxError>) {
         let (status, error, result) = match outcome {
             Ok(o) => (
                 "succeeded",
@@ -381,10 +450,15 @@ impl Registry {
                 serde_json::json!({"sandboxes": [], "errors": [e.to_string()]}),
             ),
         };
-        let recorded = self.state.set_result(op, &result).and_then(|()| {
-            self.state
-                .finish_operation(op, status, error.as_deref(), &crate::now_rfc3339())
-        });
+        let done = outcome.as_ref().map_or(0, |o| o.entries.len() as u64);
+        let recorded = self
+            .state
+            .set_result(op, &result)
+            .and_then(|()| self.state.set_progress(op, done, total as u64))
+            .and_then(|()| {
+                self.state
+                    .finish_operation(op, status, error.as_deref(), &crate::now_rfc3339())
+            });
         if let Err(e) = recorded {
             tracing::warn!(%op, "recording the end of the fork: {e}");
         }
@@ -789,49 +863,49 @@ fn recording_failed(e: StateError) -> SandboxError {
 }
 
 impl ForkObserver for Recorder<'_> {
-    fn planned(&self, config: &VmConfig) -> Result<(), SandboxError> {
-        let row = SandboxRow {
-            id: config.id.clone(),
-            snapshot: self.tag.clone(),
-            pid: 0,
-            start_time: 0,
-            config: config.clone(),
-            labels: self.spec.labels.clone(),
-            timeout_at: self.spec.timeout_at,
-            created_at: crate::now_rfc3339(),
-            state: SandboxState::Starting,
-            error: None,
-        };
+    fn planned(&self, configs: &[VmConfig]) -> Result<(), SandboxError> {
+        let created_at = crate::now_rfc3339();
+        let rows: Vec<SandboxRow> = configs
+            .iter()
+            .map(|config| SandboxRow {
+                id: config.id.clone(),
+                snapshot: self.tag.clone(),
+                pid: 0,
+                start_time: 0,
+                config: config.clone(),
+                labels: self.spec.labels.clone(),
+                timeout_at: self.spec.timeout_at,
+                created_at: created_at.clone(),
+                state: SandboxState::Starting,
+                error: None,
+            })
+            .collect();
         self.registry
             .state
-            .insert_sandbox(&row)
+            .insert_sandboxes(&rows)
             .map_err(recording_failed)?;
-        self.registry.slots().starting.insert(row.id.clone(), row);
+        let mut slots = self.registry.slots();
+        for row in rows {
+            slots.starting.insert(row.id.clone(), row);
+        }
+        drop(slots);
         failpoint::hit("fork.after_row");
         Ok(())
     }
 
     fn ready(&self, child: &Sandbox) -> Result<(), SandboxError> {
+        // Known in memory only: the row says `running` when the child is handed out,
+        // in one write for the whole fork (a daemon killed before that removes it).
         let process = (
             child.pid().unwrap_or(0),
             child.vm().start_time().unwrap_or(0),
         );
-        self.registry
-            .state
-            .set_state(child.id(), SandboxState::Running, None, Some(process))
-            .map_err(recording_failed)?;
-        if let Some(row) = self.registry.slots().starting.get_mut(child.id()) {
+        let mut slots = self.registry.slots();
+        if let Some(row) = slots.starting.get_mut(child.id()) {
             (row.pid, row.start_time) = process;
         }
-        failpoint::hit("fork.after_ready");
         let done = self.done.fetch_add(1, Ordering::SeqCst) + 1;
-        if let Err(e) = self
-            .registry
-            .state
-            .set_progress(&self.op, done, self.spec.count as u64)
-        {
-            tracing::warn!(op = %self.op, "recording progress: {e}");
-        }
+        slots.progress.insert(self.op.clone(), done);
         Ok(())
     }
 
@@ -1270,8 +1344,7 @@ mod tests {
         let cancel = async {
             // Cancel once a few children are up.
             loop {
-                let done = w.state.operation(&op).unwrap().map_or(0, |o| o.done);
-                if done >= 2 {
+                if r.progress(&op).unwrap_or(0) >= 2 {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
@@ -1296,5 +1369,29 @@ mod tests {
             .map(|d| d.count())
             .unwrap_or(0);
         assert_eq!(left, 0, "no sandbox directory is left");
+    }
+
+    #[tokio::test]
+    async fn a_fork_that_would_not_fit_in_memory_is_refused_before_anything_starts() {
+        let w = world();
+        let r = w.registry(16).with_memory_overcommit(1e-12);
+        let Err(e) = r.create(&w.snap, spec(2)).await else {
+            panic!("a fork past the memory budget was admitted");
+        };
+        assert!(matches!(e, RegistryError::Memory(_)), "{e}");
+        assert!(e.to_string().contains("the default"), "{e}");
+        assert!(w.state.sandboxes().unwrap().is_empty());
+        assert!(vms_of(&w).is_empty());
+        // With a child alive, the estimate is measured on it.
+        let r = w.registry(16);
+        let one = r.create(&w.snap, spec(1)).await.unwrap().entries;
+        let r2 = w.registry(16).with_memory_overcommit(1e-12);
+        r2.adopt_all().await.unwrap();
+        let Err(e) = r2.create(&w.snap, spec(1)).await else {
+            panic!("a fork past the memory budget was admitted");
+        };
+        assert!(e.to_string().contains("measured on 1 live"), "{e}");
+        drop(r);
+        r2.delete(&one[0].row.id).await.unwrap();
     }
 }

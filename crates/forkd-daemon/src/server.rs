@@ -94,7 +94,8 @@ pub async fn run(
         state,
         config.max_sandboxes,
     )
-    .with_fork_parallelism(config.fork_parallelism);
+    .with_fork_parallelism(config.fork_parallelism)
+    .with_memory_overcommit(config.memory_overcommit);
     let (adopted, gone) = registry.adopt_all().await?;
     // Directories that no row owns and no VM uses (a `forkd run` killed outright, a
     // daemon killed before it wrote a child's row): nothing will ever clean them

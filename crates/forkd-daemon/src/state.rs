@@ -72,6 +72,12 @@ pub enum StateError {
     /// state database: a stored row is not valid: {0}
     #[error("state database: a stored row is not valid: {0}")]
     Row(#[from] serde_json::Error),
+    /// A child to be recorded running was not starting (or not recorded at all).
+    #[error("sandbox {id} is not starting: it cannot be recorded running")]
+    NotStarting {
+        /// The sandbox.
+        id: String,
+    },
     /// A state change the lifecycle does not allow.
     #[error("sandbox {id} cannot go from {from} to {to}")]
     Transition {
@@ -209,6 +215,53 @@ impl State {
                 row.error
             ],
         )?;
+        Ok(())
+    }
+
+    /// Records the children of a fork, all in one transaction.
+    pub fn insert_sandboxes(&self, rows: &[SandboxRow]) -> Result<(), StateError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        {
+            let mut stmt = tx.prepare(
+                "INSERT INTO sandboxes (id, snapshot, pid, start_time, config, labels, timeout_at, created_at, state, error)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+            )?;
+            for row in rows {
+                stmt.execute(params![
+                    row.id,
+                    row.snapshot,
+                    row.pid,
+                    row.start_time as i64,
+                    serde_json::to_string(&row.config)?,
+                    serde_json::to_string(&row.labels)?,
+                    row.timeout_at,
+                    row.created_at,
+                    row.state.as_str(),
+                    row.error
+                ])?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Records forked children `running` with their VM processes (id, pid, start time),
+    /// all in one transaction; each must be `starting`.
+    pub fn mark_running(&self, children: &[(String, u32, u64)]) -> Result<(), StateError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        for (id, pid, start_time) in children {
+            let changed = tx.execute(
+                "UPDATE sandboxes SET state = 'running', pid = ?2, start_time = ?3
+                 WHERE id = ?1 AND state = 'starting'",
+                params![id, pid, *start_time as i64],
+            )?;
+            if changed != 1 {
+                return Err(StateError::NotStarting { id: id.clone() });
+            }
+        }
+        tx.commit()?;
         Ok(())
     }
 

@@ -35,6 +35,10 @@ pub struct DaemonArgs {
     /// host CPU).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     fork_parallelism: Option<u32>,
+    /// Admit forks while their children's cost (measured private memory of live
+    /// children of the snapshot) fits in the host's available memory times this.
+    #[arg(long, default_value_t = 1.0)]
+    memory_overcommit: f64,
 }
 
 /// `forkd audit ...`.
@@ -56,6 +60,7 @@ pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
     config.socket_group = args.socket_group;
     config.listen = args.listen;
     config.max_sandboxes = args.max_sandboxes;
+    config.memory_overcommit = args.memory_overcommit;
     if let Some(k) = args.fork_parallelism {
         config.fork_parallelism = k as usize;
     }

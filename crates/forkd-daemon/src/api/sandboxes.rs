@@ -28,6 +28,11 @@ impl From<RegistryError> for ApiError {
                 "at_capacity",
                 e.to_string(),
             ),
+            RegistryError::Memory(_) => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "insufficient_memory",
+                e.to_string(),
+            ),
             RegistryError::Sandbox(s) => s.into(),
             RegistryError::State(s) => s.into(),
         }

@@ -223,11 +223,16 @@ pub async fn operation(
     State(app): State<App>,
     PathParams(id): PathParams<String>,
 ) -> Result<Json<OperationRow>, ApiError> {
-    app.registry
+    let mut op = app
+        .registry
         .state()
         .operation(&id)?
-        .map(Json)
-        .ok_or_else(|| ApiError::not_found(format!("no operation {id}")))
+        .ok_or_else(|| ApiError::not_found(format!("no operation {id}")))?;
+    // A running fork's progress is kept in memory, not written per child.
+    if let Some(done) = app.registry.progress(&id) {
+        op.done = done;
+    }
+    Ok(Json(op))
 }
 
 /// Cancels a running fork: children not started yet are not, started ones are stopped
