@@ -175,6 +175,16 @@ async fn fork_each(
         // A KVM snapshot cannot run under TCG (and the other way round).
         accel::resolve(AccelChoice::Kvm)?;
     }
+    if m_accel_is_tcg(snap) {
+        snap.manifest
+            .machine
+            .clock
+            .check_restorable()
+            .map_err(|detail| SandboxError::Template {
+                name: snap.tag.to_string(),
+                detail,
+            })?;
+    }
     let per_child = crate::space::PER_CHILD + forkd_proto::limits::get().console_cap;
     crate::space::ensure_room(
         &crate::sandbox::sandboxes_dir(home),
@@ -199,6 +209,10 @@ async fn fork_each(
         return Err(SandboxError::Cancelled);
     }
     Ok(results)
+}
+
+fn m_accel_is_tcg(snap: &Snapshot) -> bool {
+    snap.manifest.machine.accel == Accel::Tcg
 }
 
 /// Stops children that will not be handed out and tells the observer.
@@ -233,6 +247,7 @@ fn plan_child(
             shared: false,
         },
         accel: m.accel,
+        clock: m.clock,
         seccomp: opts.seccomp,
         detached: opts.detached,
     };

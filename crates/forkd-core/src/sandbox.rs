@@ -129,6 +129,7 @@ impl Sandbox {
             relative: false,
         })
         .await?;
+        let accel = accel::resolve(opts.accel)?;
         let config = VmConfig {
             id: id.clone(),
             dir: dir.clone(),
@@ -139,7 +140,8 @@ impl Sandbox {
             vcpus: opts.vcpus,
             memory_mib: opts.memory_mib,
             memory: MemoryBackend::Anonymous,
-            accel: accel::resolve(opts.accel)?,
+            accel,
+            clock: clock_for(accel),
             seccomp: opts.seccomp,
             detached: false,
         };
@@ -636,6 +638,15 @@ pub(crate) fn new_sandbox_dir(home: &Home) -> Result<(String, PathBuf, DirGuard)
 /// Where sandbox runtime directories live.
 pub fn sandboxes_dir(home: &Home) -> PathBuf {
     home.run_dir().join("sandboxes")
+}
+
+/// How a new guest keeps time: the host TSC under TCG where it can be measured (half the
+/// idle CPU of instruction counting), its own clocks under KVM.
+pub(crate) fn clock_for(accel: forkd_hypervisor::Accel) -> forkd_hypervisor::GuestClock {
+    match accel {
+        forkd_hypervisor::Accel::Tcg => forkd_hypervisor::GuestClock::for_tcg(),
+        forkd_hypervisor::Accel::Kvm => forkd_hypervisor::GuestClock::Icount,
+    }
 }
 
 /// The guest kernel's command line. `reboot=t`: microvm has no keyboard controller, so a

@@ -232,6 +232,7 @@ pub async fn build(
             shared: true,
         },
         accel,
+        clock: crate::sandbox::clock_for(accel),
         seccomp: opts.seccomp,
         detached: false,
     };
@@ -283,6 +284,7 @@ pub async fn build(
                 Accel::Tcg => "max".into(),
             },
             cmdline: config.cmdline.clone(),
+            clock: config.clock,
         },
         versions: Versions {
             kernel: assets.kernel.release.clone(),

@@ -973,6 +973,7 @@ mod tests {
                 accel: Accel::Tcg,
                 cpu: "max".into(),
                 cmdline: String::new(),
+                clock: Default::default(),
             },
             versions: Versions {
                 kernel: "none".into(),

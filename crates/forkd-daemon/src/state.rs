@@ -564,6 +564,7 @@ mod tests {
                     shared: false,
                 },
                 accel: Accel::Tcg,
+                clock: Default::default(),
                 seccomp: true,
                 detached: true,
             },

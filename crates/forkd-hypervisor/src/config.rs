@@ -45,6 +45,9 @@ pub struct VmConfig {
     pub memory: MemoryBackend,
     /// KVM or TCG.
     pub accel: Accel,
+    /// How a TCG guest keeps time (records made before it are icount guests).
+    #[serde(default)]
+    pub clock: crate::GuestClock,
     /// Enable the hypervisor's syscall filter (QEMU `-sandbox on,...`).
     pub seccomp: bool,
     /// The VM outlives the handle that started it: it runs in its own session and is not

@@ -6,6 +6,7 @@
 //! Firecracker backend can implement the same trait on hosts that have it.
 
 pub mod accel;
+pub mod clock;
 pub mod config;
 pub mod error;
 #[cfg(feature = "fake")]
@@ -15,6 +16,7 @@ pub mod qemu;
 pub mod smaps;
 
 pub use accel::{Accel, AccelChoice};
+pub use clock::GuestClock;
 pub use config::{MemoryBackend, VmConfig};
 pub use error::HypervisorError;
 

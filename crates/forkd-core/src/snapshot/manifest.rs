@@ -75,6 +75,10 @@ pub struct Machine {
     pub cpu: String,
     /// The kernel command line.
     pub cmdline: String,
+    /// How the guest keeps time under TCG; a host-TSC snapshot restores only on a host
+    /// whose TSC runs at the same rate (snapshots without it are icount guests).
+    #[serde(default)]
+    pub clock: forkd_hypervisor::GuestClock,
 }
 
 /// Versions of what made the snapshot.

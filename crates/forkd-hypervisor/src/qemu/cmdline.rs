@@ -5,7 +5,7 @@
 //! `-no-user-config` keep QEMU from adding devices nobody asked for; `-no-reboot` turns a
 //! guest reboot (and a panic, with `panic=-1`) into QEMU exiting.
 
-use crate::{Accel, MemoryBackend, VmConfig};
+use crate::{Accel, GuestClock, MemoryBackend, VmConfig};
 use std::ffi::OsString;
 
 /// QEMU's seccomp filter: deny obsolete syscalls, privilege changes, spawning processes and
@@ -26,16 +26,16 @@ pub fn build(config: &VmConfig) -> Vec<OsString> {
     args.push("-M").push(machine);
     match config.accel {
         Accel::Kvm => args.push("-accel").push("kvm").push("-cpu").push("host"),
-        // Under TCG the guest's timers only advance with instruction counting on the QEMU
-        // 7.2 builds forkd is tested with: without `-icount`, the 6.1 cloud kernel on
-        // microvm cannot calibrate against the PIT and hangs with jiffies stuck at zero.
-        Accel::Tcg => args
-            .push("-accel")
-            .push("tcg")
-            .push("-cpu")
-            .push("max")
-            .push("-icount")
-            .push("shift=auto"),
+        // Under TCG the 6.1 cloud kernel on microvm cannot calibrate against the PIT
+        // (jiffies stuck at zero): either QEMU counts instructions, or the kernel is told
+        // the TSC rate (see `clock.rs`; the latter costs half the idle CPU).
+        Accel::Tcg => {
+            args.push("-accel").push("tcg").push("-cpu").push("max");
+            if config.clock == GuestClock::Icount {
+                args.push("-icount").push("shift=auto");
+            }
+            &mut args
+        }
     };
     args.push("-m").push(format!("{}M", config.memory_mib));
     args.push("-smp").push(config.vcpus.to_string());
@@ -63,7 +63,11 @@ pub fn build(config: &VmConfig) -> Vec<OsString> {
     args.push("-serial").push("chardev:console0");
     args.push("-kernel").push(config.kernel.as_os_str());
     args.push("-initrd").push(config.initramfs.as_os_str());
-    args.push("-append").push(config.cmdline.as_str());
+    let mut append = config.cmdline.clone();
+    if let (Accel::Tcg, GuestClock::HostTsc { khz }) = (config.accel, config.clock) {
+        append.push_str(&format!(" tsc_early_khz={khz}"));
+    }
+    args.push("-append").push(append);
 
     let mut drive = OsString::from(
         "id=root,format=qcow2,if=none,cache=unsafe,werror=report,rerror=report,file=",
@@ -147,6 +151,7 @@ mod tests {
             memory_mib: 512,
             memory: MemoryBackend::Anonymous,
             accel: Accel::Tcg,
+            clock: GuestClock::Icount,
             seccomp: true,
             detached: false,
         }
@@ -182,6 +187,24 @@ mod tests {
         assert!(s.contains("file=/run/x,,y/root.qcow2"), "{s}");
         assert!(s.contains("werror=report,rerror=report"), "{s}");
         assert!(!s.contains("memory-backend"), "{s}");
+        assert!(!s.contains("tsc_early_khz"), "{s}");
+    }
+
+    #[test]
+    fn a_host_tsc_guest_runs_without_icount() {
+        let mut c = config();
+        c.clock = GuestClock::HostTsc { khz: 2_445_426 };
+        let s = joined(&c);
+        assert!(!s.contains("-icount"), "{s}");
+        assert!(
+            s.contains("-append console=ttyS0 tsc_early_khz=2445426"),
+            "{s}"
+        );
+        c.accel = Accel::Kvm;
+        assert!(
+            !joined(&c).contains("tsc_early_khz"),
+            "KVM guests have their own clock"
+        );
     }
 
     #[test]
