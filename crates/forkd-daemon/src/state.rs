@@ -199,23 +199,7 @@ impl State {
 
     /// Records a sandbox.
     pub fn insert_sandbox(&self, row: &SandboxRow) -> Result<(), StateError> {
-        self.conn().execute(
-            "INSERT INTO sandboxes (id, snapshot, pid, start_time, config, labels, timeout_at, created_at, state, error)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
-            params![
-                row.id,
-                row.snapshot,
-                row.pid,
-                row.start_time as i64,
-                serde_json::to_string(&row.config)?,
-                serde_json::to_string(&row.labels)?,
-                row.timeout_at,
-                row.created_at,
-                row.state.as_str(),
-                row.error
-            ],
-        )?;
-        Ok(())
+        self.insert_sandboxes(std::slice::from_ref(row))
     }
 
     /// Records the children of a fork, all in one transaction.

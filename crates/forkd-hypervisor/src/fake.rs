@@ -98,15 +98,7 @@ impl AgentProcesses {
             .stderr(log)
             .kill_on_drop(false);
         if config.detached {
-            // SAFETY: runs in the forked child before exec and only calls setsid(2),
-            // which is async-signal-safe.
-            unsafe {
-                cmd.pre_exec(|| {
-                    nix::unistd::setsid()
-                        .map(drop)
-                        .map_err(std::io::Error::from)
-                });
-            }
+            crate::process::start_detached(&mut cmd);
         }
         let mut child = cmd.spawn().map_err(|source| HypervisorError::Spawn {
             program: self.agent.display().to_string(),

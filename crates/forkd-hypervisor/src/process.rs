@@ -70,6 +70,20 @@ impl PidFd {
     }
 }
 
+/// Makes the process `cmd` will start the leader of a session of its own, so that it
+/// outlives whoever started it: no terminal signal and no hang-up of ours reaches it.
+pub fn start_detached(cmd: &mut tokio::process::Command) {
+    // SAFETY: runs in the forked child before exec and only calls setsid(2), which is
+    // async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            nix::unistd::setsid()
+                .map(drop)
+                .map_err(std::io::Error::from)
+        });
+    }
+}
+
 /// True while the process `pid` that started at `start_time` runs (not a zombie).
 pub fn is_running(pid: u32, start_time: u64) -> bool {
     pid != 0 && is_alive(pid) && self::start_time(pid) == Some(start_time)

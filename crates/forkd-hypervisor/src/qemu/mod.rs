@@ -185,16 +185,7 @@ impl QemuVm {
             .stderr(log)
             .kill_on_drop(!config.detached);
         if config.detached {
-            // Its own session: no terminal signal and no hang-up of ours reaches it.
-            // SAFETY: runs in the forked child before exec and only calls setsid(2), which
-            // is async-signal-safe.
-            unsafe {
-                cmd.pre_exec(|| {
-                    nix::unistd::setsid()
-                        .map(drop)
-                        .map_err(std::io::Error::from)
-                });
-            }
+            crate::process::start_detached(&mut cmd);
         } else {
             // Own process group: a Ctrl-C meant for the CLI must not reach the VM
             // directly; the CLI tears it down itself.
