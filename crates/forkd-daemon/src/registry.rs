@@ -86,6 +86,9 @@ struct Unattached {
     next_try: Instant,
 }
 
+/// How long a measured child cost stands for a snapshot's next forks.
+const COST_TTL: Duration = Duration::from_secs(10);
+
 /// How long to wait before trying again to take over an unattached sandbox.
 const REATTACH_EVERY: Duration = Duration::from_secs(10);
 
@@ -101,6 +104,8 @@ struct Slots {
     /// Children ready so far in the forks in progress, by operation id (kept in
     /// memory: written once, when the fork ends).
     progress: HashMap<String, u64>,
+    /// The last measured cost of a child, by snapshot tag, and when it was measured.
+    costs: HashMap<String, (u64, String, Instant)>,
     /// Slots promised to forks in progress.
     reserved: usize,
     /// Forks in progress, by snapshot tag: they use the snapshot as much as its
@@ -261,6 +266,30 @@ impl Registry {
         counts
     }
 
+    /// What a child of `tag` costs the host (see [`crate::admission`]). Measuring reads
+    /// each sampled child's smaps_rollup, which walks its page tables: the estimate is
+    /// kept for [`COST_TTL`] so that a burst of forks does not pay it every time.
+    fn child_cost(&self, tag: &str) -> (u64, String) {
+        if let Some((cost, basis, at)) = self.slots().costs.get(tag) {
+            if at.elapsed() < COST_TTL {
+                return (*cost, basis.clone());
+            }
+        }
+        let pids: Vec<u32> = self
+            .list()
+            .iter()
+            .filter(|l| l.row.snapshot == tag && l.row.pid != 0)
+            .map(|l| l.row.pid)
+            .collect();
+        let (cost, basis) = crate::admission::estimate_child_cost(&pids);
+        if !pids.is_empty() {
+            self.slots()
+                .costs
+                .insert(tag.to_owned(), (cost, basis.clone(), Instant::now()));
+        }
+        (cost, basis)
+    }
+
     /// Refuses at once a fork of `count` that would not fit under the limit now (a
     /// fork that answers before it ends checks here; [`Registry::create`] reserves).
     pub fn admit(&self, count: usize) -> Result<(), RegistryError> {
@@ -287,13 +316,7 @@ impl Registry {
         snap: &Snapshot,
         spec: CreateSpec,
     ) -> Result<CreateOutcome, RegistryError> {
-        let pids: Vec<u32> = self
-            .list()
-            .iter()
-            .filter(|l| l.row.snapshot == snap.tag.as_str() && l.row.pid != 0)
-            .map(|l| l.row.pid)
-            .collect();
-        let (per_child, basis) = crate::admission::estimate_child_cost(&pids);
+        let (per_child, basis) = self.child_cost(snap.tag.as_str());
         let available = crate::admission::mem_available().unwrap_or(u64::MAX);
         let _reservation = {
             let mut slots = self.slots();
