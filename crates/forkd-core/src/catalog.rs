@@ -119,19 +119,6 @@ pub fn list(home: &Home) -> Vec<Entry> {
     out
 }
 
-/// Removes the directories of sandboxes whose VM has exited; returns their ids.
-pub fn prune(home: &Home) -> Vec<String> {
-    list(home)
-        .into_iter()
-        .filter(|e| e.status == "gone")
-        .filter_map(|e| {
-            crate::sandbox::remove_dir(&e.record.config.dir)
-                .ok()
-                .map(|()| e.record.id)
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     #[test]

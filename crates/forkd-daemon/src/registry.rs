@@ -156,6 +156,22 @@ pub struct CreateOutcome {
     pub failures: Vec<SandboxError>,
 }
 
+impl Slots {
+    /// Whether `count` more sandboxes fit under `max`, counting every one that holds a
+    /// VM or has a slot promised to a fork under way.
+    fn fits(&self, count: usize, max: usize) -> Result<(), RegistryError> {
+        let live = self.live.len() + self.unattached.len() + self.reserved;
+        if live + count > max {
+            return Err(RegistryError::AtCapacity {
+                live,
+                asked: count,
+                max,
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Returns reserved slots when a fork ends, however it ends.
 struct Reservation<'a> {
     registry: &'a Registry,
@@ -293,16 +309,7 @@ impl Registry {
     /// Refuses at once a fork of `count` that would not fit under the limit now (a
     /// fork that answers before it ends checks here; [`Registry::create`] reserves).
     pub fn admit(&self, count: usize) -> Result<(), RegistryError> {
-        let slots = self.slots();
-        let live = slots.live.len() + slots.unattached.len() + slots.reserved;
-        if live + count > self.max {
-            return Err(RegistryError::AtCapacity {
-                live,
-                asked: count,
-                max: self.max,
-            });
-        }
-        Ok(())
+        self.slots().fits(count, self.max)
     }
 
     /// Forks `spec.count` children of `snap` and records them: each child's row is
@@ -320,14 +327,7 @@ impl Registry {
         let available = crate::admission::mem_available().unwrap_or(u64::MAX);
         let _reservation = {
             let mut slots = self.slots();
-            let live = slots.live.len() + slots.unattached.len() + slots.reserved;
-            if live + spec.count > self.max {
-                return Err(RegistryError::AtCapacity {
-                    live,
-                    asked: spec.count,
-                    max: self.max,
-                });
-            }
+            slots.fits(spec.count, self.max)?;
             // Children of forks still under way have not taken their memory yet: count
             // them with this one.
             crate::admission::admit(
@@ -425,7 +425,7 @@ impl Registry {
                 let _ = self.state.delete_sandbox(&id);
                 self.slots().starting.remove(&id);
             }
-            return Err(recording_failed(e));
+            return Err(recording_failed(self, e));
         }
         failpoint::hit("fork.after_ready");
         let mut slots = self.slots();
@@ -870,13 +870,14 @@ struct Recorder<'a> {
     done: AtomicU64,
 }
 
-fn recording_failed(e: StateError) -> SandboxError {
+fn recording_failed(registry: &Registry, e: StateError) -> SandboxError {
     if e.is_disk_full() {
+        let root = registry.home.root();
         return SandboxError::NoSpace {
-            what: "recording a sandbox in the state database".into(),
-            path: "the data directory".into(),
-            needed_mib: 1,
-            available_mib: 0,
+            what: "recording sandboxes in the state database".into(),
+            path: root.display().to_string(),
+            needed_mib: forkd_core::space::RESERVE.div_ceil(1 << 20),
+            available_mib: forkd_core::space::available(root).unwrap_or(0) >> 20,
         };
     }
     SandboxError::Io {
@@ -906,7 +907,7 @@ impl ForkObserver for Recorder<'_> {
         self.registry
             .state
             .insert_sandboxes(&rows)
-            .map_err(recording_failed)?;
+            .map_err(|e| recording_failed(self.registry, e))?;
         let mut slots = self.registry.slots();
         for row in rows {
             slots.starting.insert(row.id.clone(), row);

@@ -202,10 +202,7 @@ impl Hypervisor for AgentProcesses {
             id: config.id.clone(),
             pid,
         };
-        let pidfd = crate::process::PidFd::open(pid).map_err(|_| gone())?;
-        if crate::process::start_time(pid) != Some(start_time) {
-            return Err(gone());
-        }
+        let pidfd = crate::process::PidFd::open_checked(pid, start_time).ok_or_else(gone)?;
         let (exit_tx, exit) = watch::channel(None);
         tokio::spawn(async move {
             let _ = pidfd.exited().await;

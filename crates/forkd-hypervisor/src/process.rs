@@ -36,6 +36,14 @@ impl PidFd {
         Ok(PidFd(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }))
     }
 
+    /// A pidfd on `pid` if it is still the process that started at `start_time`. The
+    /// start time is checked after the pidfd is open: from then on the pidfd names that
+    /// process or none, whatever happens to the pid.
+    pub fn open_checked(pid: u32, start_time: u64) -> Option<PidFd> {
+        let fd = PidFd::open(pid).ok()?;
+        (self::start_time(pid) == Some(start_time)).then_some(fd)
+    }
+
     /// Sends `signal` through the pidfd: it reaches the process the pidfd was opened on
     /// or nobody, never a process that reused its pid.
     pub fn send_signal(&self, signal: nix::sys::signal::Signal) -> std::io::Result<()> {
@@ -110,14 +118,7 @@ pub fn kill(pid: u32, start_time: u64) -> bool {
 /// `start_time` (through a pidfd, so never to a process that reused the pid). Returns
 /// true if it was sent.
 pub fn signal(pid: u32, start_time: u64, sig: nix::sys::signal::Signal) -> bool {
-    let Ok(fd) = PidFd::open(pid) else {
-        return false;
-    };
-    // Checked after the pidfd is open: from here on the pid names our process or none.
-    if self::start_time(pid) != Some(start_time) {
-        return false;
-    }
-    fd.send_signal(sig).is_ok()
+    PidFd::open_checked(pid, start_time).is_some_and(|fd| fd.send_signal(sig).is_ok())
 }
 
 /// Processes (pid, start time) one of whose command-line arguments contains `needle`:

@@ -136,21 +136,13 @@ impl Home {
     /// Starts the daemon and waits until it answers on its socket.
     fn start(&mut self, failpoint: Option<&str>) {
         self.spawn(failpoint);
-        let deadline = Instant::now() + Duration::from_secs(90);
-        loop {
-            if std::os::unix::net::UnixStream::connect(self.socket()).is_ok() {
-                return;
-            }
-            if let Some(status) = self.daemon.as_mut().unwrap().try_wait().unwrap() {
+        let socket = self.socket();
+        let daemon = self.daemon.as_mut().unwrap();
+        if let Err(why) = common::wait_until_serving(&socket, daemon, 90) {
+            if daemon.try_wait().unwrap().is_some() {
                 self.daemon = None;
-                panic!("the daemon exited ({status}): {}", self.log());
             }
-            assert!(
-                Instant::now() < deadline,
-                "the daemon did not come up: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
+            panic!("{why}: {}", self.log());
         }
     }
 

@@ -277,11 +277,7 @@ impl QemuVm {
             id: config.id.clone(),
             pid,
         };
-        let pidfd = crate::process::PidFd::open(pid).map_err(|_| gone())?;
-        // Checked after the pidfd is open: from here on the pid cannot be reused under us.
-        if crate::process::start_time(pid) != Some(start_time) {
-            return Err(gone());
-        }
+        let pidfd = crate::process::PidFd::open_checked(pid, start_time).ok_or_else(gone)?;
         // QEMU went on listening for a console reader when the one before went away.
         let (console, console_done) = read_console(config);
         let (exit_tx, exit) = watch::channel(None);

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use forkd_daemon::client::{Client, Endpoint};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -61,20 +61,9 @@ impl Daemon {
             .spawn()
             .unwrap();
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if std::os::unix::net::UnixStream::connect(self.socket()).is_ok() {
-                return;
-            }
-            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("the daemon exited ({status}): {}", self.log());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the daemon did not come up: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
+        let socket = self.socket();
+        if let Err(why) = wait_until_serving(&socket, self.child.as_mut().unwrap(), 60) {
+            panic!("{why}: {}", self.log());
         }
     }
 
@@ -152,6 +141,24 @@ impl Drop for Daemon {
                 }
             }
         }
+    }
+}
+
+/// Waits up to `secs` for a daemon just started as `child` to accept on `socket`; says
+/// why not (it exited, or it did not come up in time).
+pub fn wait_until_serving(socket: &Path, child: &mut Child, secs: u64) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            return Err(format!("the daemon exited ({status})"));
+        }
+        if Instant::now() > deadline {
+            return Err(format!("the daemon did not come up within {secs} s"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
