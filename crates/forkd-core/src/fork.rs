@@ -9,7 +9,8 @@ use crate::sandbox::{new_sandbox_dir, Launch, Sandbox, SandboxOptions};
 use crate::snapshot::manifest::parts;
 use crate::snapshot::Snapshot;
 use forkd_hypervisor::{
-    accel, Accel, AccelChoice, DiskFormat, DiskLayer, Hypervisor, MemoryBackend, VmConfig,
+    accel, Accel, AccelChoice, DiskFormat, DiskLayer, Hypervisor, MemoryBackend, PreparedVm,
+    VmConfig,
 };
 use forkd_image::Home;
 use std::time::Duration;
@@ -17,6 +18,9 @@ use tokio_util::sync::CancellationToken;
 
 /// Most children one fork call makes.
 pub const MAX_CHILDREN: usize = 256;
+
+/// Largest warm pool a snapshot may have (children prepared ahead of forks).
+pub const MAX_POOL: usize = 64;
 
 /// How to fork.
 #[derive(Debug, Clone)]
@@ -97,7 +101,20 @@ pub async fn fork(
     opts: &ForkOptions,
     observer: &dyn ForkObserver,
 ) -> Result<Vec<Sandbox>, SandboxError> {
-    let results = fork_each(hv, home, snap, opts, observer).await?;
+    fork_using(hv, home, snap, opts, observer, Vec::new()).await
+}
+
+/// Like [`fork`], with `prepared` (children of `snap` made ready ahead, at most
+/// `opts.count` of them) standing for the first children: only their restore is left.
+pub async fn fork_using(
+    hv: &dyn Hypervisor,
+    home: &Home,
+    snap: &Snapshot,
+    opts: &ForkOptions,
+    observer: &dyn ForkObserver,
+    prepared: Vec<PreparedChild>,
+) -> Result<Vec<Sandbox>, SandboxError> {
+    let results = fork_each(hv, home, snap, opts, observer, prepared).await?;
     let mut children = Vec::with_capacity(results.len());
     let mut first_err = None;
     for r in results {
@@ -125,16 +142,17 @@ pub struct Forked {
     pub failures: Vec<SandboxError>,
 }
 
-/// Like [`fork`], but keeps the children that started when some fail (as E2B's fork
-/// does). A cancelled fork still keeps nothing.
+/// Like [`fork_using`], but keeps the children that started when some fail (as E2B's
+/// fork does). A cancelled fork still keeps nothing.
 pub async fn fork_partial(
     hv: &dyn Hypervisor,
     home: &Home,
     snap: &Snapshot,
     opts: &ForkOptions,
     observer: &dyn ForkObserver,
+    prepared: Vec<PreparedChild>,
 ) -> Result<Forked, SandboxError> {
-    let results = fork_each(hv, home, snap, opts, observer).await?;
+    let results = fork_each(hv, home, snap, opts, observer, prepared).await?;
     let (mut children, mut failures) = (Vec::new(), Vec::new());
     for r in results {
         match r {
@@ -160,9 +178,46 @@ async fn fork_each(
     snap: &Snapshot,
     opts: &ForkOptions,
     observer: &dyn ForkObserver,
+    prepared: Vec<PreparedChild>,
 ) -> Result<Vec<Result<Sandbox, SandboxError>>, SandboxError> {
     use futures::StreamExt;
-    if opts.count == 0 || opts.count > MAX_CHILDREN {
+    let planned = match plan_fork(home, snap, opts, observer, &prepared) {
+        Ok(p) => p,
+        Err(e) => {
+            // Nothing started: the prepared VMs are not anyone's any more.
+            for p in prepared {
+                p.discard().await;
+            }
+            return Err(e);
+        }
+    };
+    let units = prepared
+        .into_iter()
+        .map(Unit::Prepared)
+        .chain(planned.into_iter().map(Unit::Planned));
+    let results: Vec<Result<Sandbox, SandboxError>> = futures::stream::iter(units)
+        .map(|unit| fork_one(hv, snap, opts, observer, unit))
+        .buffer_unordered(opts.parallel.max(1))
+        .collect()
+        .await;
+    if opts.cancel.is_cancelled() {
+        let (children, _): (Vec<_>, Vec<_>) = results.into_iter().partition(Result::is_ok);
+        discard(children.into_iter().flatten().collect(), observer).await;
+        return Err(SandboxError::Cancelled);
+    }
+    Ok(results)
+}
+
+/// Checks a fork request, plans the children `prepared` does not cover, and tells the
+/// observer of them all (one record for the whole fork, before any VM starts).
+fn plan_fork(
+    home: &Home,
+    snap: &Snapshot,
+    opts: &ForkOptions,
+    observer: &dyn ForkObserver,
+    prepared: &[PreparedChild],
+) -> Result<Vec<PlannedChild>, SandboxError> {
+    if opts.count == 0 || opts.count > MAX_CHILDREN || prepared.len() > opts.count {
         return Err(SandboxError::Template {
             name: snap.tag.to_string(),
             detail: format!(
@@ -185,30 +240,23 @@ async fn fork_each(
                 detail,
             })?;
     }
+    let fresh = opts.count - prepared.len();
     let per_child = crate::space::PER_CHILD + forkd_proto::limits::get().console_cap;
     crate::space::ensure_room(
         &crate::sandbox::sandboxes_dir(home),
-        per_child.saturating_mul(opts.count as u64),
+        per_child.saturating_mul(fresh as u64),
         &format!("forking {} children of {}", opts.count, snap.tag),
     )?;
-    // Every child is planned and recorded first, in one go: one write for the whole
-    // fork, and all of it on record before any VM starts.
-    let planned = (0..opts.count)
-        .map(|_| plan_child(home, snap, opts))
+    let planned = (0..fresh)
+        .map(|_| plan(home, snap, opts))
         .collect::<Result<Vec<_>, _>>()?;
-    let configs: Vec<VmConfig> = planned.iter().map(|(c, _)| c.clone()).collect();
+    let configs: Vec<VmConfig> = prepared
+        .iter()
+        .map(|p| p.config.clone())
+        .chain(planned.iter().map(|p| p.config.clone()))
+        .collect();
     observer.planned(&configs)?;
-    let results: Vec<Result<Sandbox, SandboxError>> = futures::stream::iter(planned)
-        .map(|(config, guard)| fork_one(hv, snap, opts, observer, config, guard))
-        .buffer_unordered(opts.parallel.max(1))
-        .collect()
-        .await;
-    if opts.cancel.is_cancelled() {
-        let (children, _): (Vec<_>, Vec<_>) = results.into_iter().partition(Result::is_ok);
-        discard(children.into_iter().flatten().collect(), observer).await;
-        return Err(SandboxError::Cancelled);
-    }
-    Ok(results)
+    Ok(planned)
 }
 
 fn m_accel_is_tcg(snap: &Snapshot) -> bool {
@@ -226,11 +274,80 @@ async fn discard(children: Vec<Sandbox>, observer: &dyn ForkObserver) {
 
 /// A child's id, runtime directory (guarded: removed unless the child launches) and
 /// launch description, before anything of it runs.
-fn plan_child(
+pub struct PlannedChild {
+    config: VmConfig,
+    guard: crate::sandbox::DirGuard,
+}
+
+impl PlannedChild {
+    /// What the child's VM will be.
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    /// Makes the child's disk layer and starts its VM up to the restore (see
+    /// [`Hypervisor::prepare_restore`]): what a warm pool keeps.
+    pub async fn prepare(
+        self,
+        hv: &dyn Hypervisor,
+        snap: &Snapshot,
+    ) -> Result<PreparedChild, SandboxError> {
+        create_layer(hv, snap, &self.config).await?;
+        let vm = hv
+            .prepare_restore(&self.config, &snap.part(parts::STATE))
+            .await?;
+        Ok(PreparedChild {
+            config: self.config,
+            guard: self.guard,
+            vm,
+        })
+    }
+}
+
+/// A child made ready ahead of a fork: its directory, disk layer and a VM waiting for
+/// its restore. Dropping it removes the directory; [`PreparedChild::discard`] also ends
+/// the VM.
+pub struct PreparedChild {
+    config: VmConfig,
+    guard: crate::sandbox::DirGuard,
+    vm: Box<dyn PreparedVm>,
+}
+
+impl PreparedChild {
+    /// What the child's VM is.
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    /// The VM's process, while it runs: pid and start time.
+    pub fn process(&self) -> Option<(u32, u64)> {
+        Some((self.vm.pid()?, self.vm.start_time()?))
+    }
+
+    /// True once the VM's process has exited (it cannot serve a fork any more).
+    pub fn exited(&self) -> bool {
+        self.vm.exited()
+    }
+
+    /// Ends the VM and removes the child's files.
+    pub async fn discard(self) {
+        self.vm.discard().await;
+        drop(self.guard);
+    }
+}
+
+/// One child of a fork, as it enters the queue of restores.
+enum Unit {
+    Planned(PlannedChild),
+    Prepared(PreparedChild),
+}
+
+/// Plans a child of `snap` (see [`PlannedChild`]).
+pub fn plan(
     home: &Home,
     snap: &Snapshot,
     opts: &ForkOptions,
-) -> Result<(VmConfig, crate::sandbox::DirGuard), SandboxError> {
+) -> Result<PlannedChild, SandboxError> {
     let m = &snap.manifest.machine;
     let (id, dir, guard) = new_sandbox_dir(home)?;
     let config = VmConfig {
@@ -251,32 +368,62 @@ fn plan_child(
         seccomp: opts.seccomp,
         detached: opts.detached,
     };
-    Ok((config, guard))
+    Ok(PlannedChild { config, guard })
 }
 
-/// Makes one planned child: its disk layer, its VM, its agent; tells the observer it is
-/// ready, or discarded.
+async fn create_layer(
+    hv: &dyn Hypervisor,
+    snap: &Snapshot,
+    config: &VmConfig,
+) -> Result<(), SandboxError> {
+    hv.create_disk_layer(DiskLayer {
+        path: &config.root_disk,
+        base: &snap.part(parts::DISK),
+        base_format: DiskFormat::Layer,
+        relative: false,
+    })
+    .await?;
+    Ok(())
+}
+
+/// Makes one child: its disk layer and VM (or the restore of a prepared one), its
+/// agent; tells the observer it is ready, or discarded.
 async fn fork_one(
     hv: &dyn Hypervisor,
     snap: &Snapshot,
     opts: &ForkOptions,
     observer: &dyn ForkObserver,
-    config: VmConfig,
-    guard: crate::sandbox::DirGuard,
+    unit: Unit,
 ) -> Result<Sandbox, SandboxError> {
-    let id = config.id.clone();
+    let id = match &unit {
+        Unit::Planned(p) => p.config.id.clone(),
+        Unit::Prepared(p) => p.config.id.clone(),
+    };
     let child = async {
         if opts.cancel.is_cancelled() {
+            if let Unit::Prepared(p) = unit {
+                p.discard().await;
+            }
             return Err(SandboxError::Cancelled);
         }
-        hv.create_disk_layer(DiskLayer {
-            path: &config.root_disk,
-            base: &snap.part(parts::DISK),
-            base_format: DiskFormat::Layer,
-            relative: false,
-        })
-        .await?;
-        launch_child(hv, snap, opts, config, guard).await
+        let (config, guard, how) = match unit {
+            Unit::Planned(p) => {
+                create_layer(hv, snap, &p.config).await?;
+                let how = Launch::Restore {
+                    state: snap.part(parts::STATE),
+                    tag: snap.tag.to_string(),
+                };
+                (p.config, p.guard, how)
+            }
+            Unit::Prepared(p) => {
+                let how = Launch::Prepared {
+                    vm: p.vm,
+                    tag: snap.tag.to_string(),
+                };
+                (p.config, p.guard, how)
+            }
+        };
+        launch_child(snap, hv, opts, config, guard, how).await
     }
     .await;
     let checked = match child {
@@ -300,11 +447,12 @@ async fn fork_one(
 }
 
 async fn launch_child(
-    hv: &dyn Hypervisor,
     snap: &Snapshot,
+    hv: &dyn Hypervisor,
     opts: &ForkOptions,
     config: VmConfig,
     guard: crate::sandbox::DirGuard,
+    how: Launch,
 ) -> Result<Sandbox, SandboxError> {
     let m = &snap.manifest.machine;
     let sopts = SandboxOptions {
@@ -315,15 +463,5 @@ async fn launch_child(
         agent_timeout: opts.agent_timeout,
         seccomp: opts.seccomp,
     };
-    Sandbox::launch(
-        hv,
-        config,
-        Launch::Restore {
-            state: snap.part(parts::STATE),
-            tag: snap.tag.to_string(),
-        },
-        &sopts,
-        guard,
-    )
-    .await
+    Sandbox::launch(hv, config, how, &sopts, guard).await
 }

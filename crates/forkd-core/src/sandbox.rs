@@ -4,7 +4,8 @@
 use crate::agent::{AgentClient, AgentError, ExecOutput, ExecResult, ExecStream};
 use crate::error::SandboxError;
 use forkd_hypervisor::{
-    accel, AccelChoice, DiskFormat, DiskLayer, Hypervisor, MemoryBackend, Vm, VmConfig, VmStatus,
+    accel, AccelChoice, DiskFormat, DiskLayer, Hypervisor, MemoryBackend, PreparedVm, Vm, VmConfig,
+    VmStatus,
 };
 use forkd_image::{GuestAssets, Home};
 use forkd_proto::exec::ExecRequest;
@@ -99,7 +100,6 @@ impl Drop for DirGuard {
 }
 
 /// How [`Sandbox::launch`] brings the VM up.
-#[derive(Debug, Clone)]
 pub enum Launch {
     /// Boot the kernel.
     Boot,
@@ -107,6 +107,14 @@ pub enum Launch {
     Restore {
         /// The device-state file.
         state: PathBuf,
+        /// The snapshot's tag (recorded in the catalog).
+        tag: String,
+    },
+    /// Finish the restore of a VM prepared ahead (a warm pool's member), then run the
+    /// agent's resume hook.
+    Prepared {
+        /// The VM, its process started and its device state open.
+        vm: Box<dyn PreparedVm>,
         /// The snapshot's tag (recorded in the catalog).
         tag: String,
     },
@@ -160,17 +168,22 @@ impl Sandbox {
     ) -> Result<Sandbox, SandboxError> {
         let id = config.id.clone();
         let started = Instant::now();
-        let vm = match &how {
-            Launch::Boot => hv.boot(&config).await?,
-            Launch::Restore { state, .. } => hv.restore(&config, state).await?,
+        let snapshot = match &how {
+            Launch::Boot => None,
+            Launch::Restore { tag, .. } | Launch::Prepared { tag, .. } => Some(tag.clone()),
         };
-        crate::failpoint::hit(match how {
-            Launch::Boot => "build.after_boot",
-            Launch::Restore { .. } => "fork.after_vm_start",
+        let vm = match how {
+            Launch::Boot => hv.boot(&config).await?,
+            Launch::Restore { state, .. } => hv.restore(&config, &state).await?,
+            Launch::Prepared { vm, .. } => vm.finish().await?,
+        };
+        crate::failpoint::hit(match snapshot {
+            None => "build.after_boot",
+            Some(_) => "fork.after_vm_start",
         });
         let hypervisor_ready = started.elapsed();
         let agent_socket = config.agent_socket();
-        let restored = matches!(how, Launch::Restore { .. });
+        let restored = snapshot.is_some();
         let agent = tokio::select! {
             res = connect_agent(&agent_socket, opts.boot_timeout, restored.then_some(id.as_str())) => match res {
                 Ok(a) => a,
@@ -194,10 +207,7 @@ impl Sandbox {
         let first_answer = started.elapsed();
         let record = crate::catalog::Record {
             id: id.clone(),
-            snapshot: match &how {
-                Launch::Restore { tag, .. } => Some(tag.clone()),
-                Launch::Boot => None,
-            },
+            snapshot,
             pid: vm.pid().unwrap_or(0),
             start_time: vm.start_time().unwrap_or(0),
             created_at: forkd_image::timestamp::rfc3339_utc(std::time::SystemTime::now()),

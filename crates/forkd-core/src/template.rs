@@ -56,6 +56,10 @@ pub struct Recipe {
     /// Code contexts started in the parent; every child inherits them warm.
     #[serde(default)]
     pub contexts: Vec<ContextRecipe>,
+    /// Children a daemon keeps prepared for forks of the snapshot (its warm pool; the
+    /// API can change it).
+    #[serde(default)]
+    pub pool: u32,
 }
 
 /// One warm-up command.
@@ -112,6 +116,13 @@ impl Recipe {
             return Err(bad(format!(
                 "memory_mib = {} is outside 128..=262144",
                 r.memory_mib
+            )));
+        }
+        if r.pool as usize > crate::fork::MAX_POOL {
+            return Err(bad(format!(
+                "pool = {} is above {}",
+                r.pool,
+                crate::fork::MAX_POOL
             )));
         }
         Ok(r)
@@ -305,6 +316,7 @@ pub async fn build(
             publish_ms: 0,
             total_ms: ms(t0.elapsed()),
         },
+        pool: recipe.pool,
     };
     progress("hashing and publishing the snapshot");
     // Hashing reads hundreds of MiB: off the async threads.

@@ -7,6 +7,7 @@
 //! - [`owner`]: the lock that makes a daemon the one owner of its data directory.
 //! - [`state`]: the SQLite database (sandboxes, operations).
 //! - [`registry`]: the live sandboxes, the capacity limit, re-adoption after a restart.
+//! - [`pool`]: warm pools, children prepared ahead of forks.
 //! - [`api`]: routes, errors, the OpenAPI document.
 //! - [`server`]: listeners, authentication, the audit and metrics middleware.
 //! - [`metrics`], [`audit`]: Prometheus metrics and the hash-chained audit log.
@@ -19,6 +20,7 @@ pub mod client;
 pub mod config;
 pub mod metrics;
 pub mod owner;
+pub mod pool;
 pub mod registry;
 pub mod server;
 pub mod state;

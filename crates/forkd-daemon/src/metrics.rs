@@ -23,6 +23,11 @@ struct StateLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolLabels {
+    snapshot: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: String,
     agent_protocol: String,
@@ -35,6 +40,7 @@ pub struct Metrics {
     by_state: Family<StateLabels, Gauge>,
     capacity: Gauge,
     snapshot_bytes: Gauge,
+    pool_idle: Family<PoolLabels, Gauge>,
     /// Children forked.
     pub forks: Counter,
     /// Seconds from a create request to every child answering.
@@ -102,6 +108,12 @@ impl Metrics {
             exec_seconds.clone(),
         );
         registry.register("errors", "Error responses by code", errors.clone());
+        let pool_idle = Family::<PoolLabels, Gauge>::default();
+        registry.register(
+            "pool_idle",
+            "Warm pool members ready for a fork, by snapshot",
+            pool_idle.clone(),
+        );
         registry.register("build_info", "The daemon's version", build);
         Metrics {
             registry,
@@ -109,6 +121,7 @@ impl Metrics {
             by_state,
             capacity,
             snapshot_bytes,
+            pool_idle,
             forks,
             fork_seconds,
             exec_seconds,
@@ -135,6 +148,13 @@ impl Metrics {
                 .set(counts.get(&state).copied().unwrap_or(0) as i64);
         }
         self.capacity.set(sandboxes.capacity() as i64);
+        // A pool that emptied (or went away) reads 0, not its last value.
+        self.pool_idle.clear();
+        for (snapshot, n) in sandboxes.pool_idle() {
+            self.pool_idle
+                .get_or_create(&PoolLabels { snapshot })
+                .set(n as i64);
+        }
         let bytes: u64 = sandboxes
             .store()
             .list()

@@ -11,7 +11,7 @@
 
 use crate::state::{OperationRow, SandboxRow, State, StateError};
 use forkd_core::failpoint;
-use forkd_core::fork::{fork, fork_partial, ForkObserver, ForkOptions, Forked};
+use forkd_core::fork::{fork_partial, fork_using, ForkObserver, ForkOptions, Forked};
 use forkd_core::lifecycle::SandboxState;
 use forkd_core::snapshot::{Snapshot, Store};
 use forkd_core::{Sandbox, SandboxError, SandboxOptions};
@@ -76,6 +76,8 @@ pub struct Registry {
     fork_parallel: usize,
     memory_overcommit: f64,
     slots: Mutex<Slots>,
+    /// Wakes the pool filler (a fork ended, a pool size changed).
+    pub(crate) pool_wakeup: tokio::sync::Notify,
 }
 
 /// A sandbox whose VM runs but that a restarted daemon could not take over (its QMP
@@ -93,7 +95,7 @@ const COST_TTL: Duration = Duration::from_secs(10);
 const REATTACH_EVERY: Duration = Duration::from_secs(10);
 
 #[derive(Default)]
-struct Slots {
+pub(crate) struct Slots {
     live: HashMap<String, Entry>,
     /// Recorded, VM being started: not handed out yet.
     starting: HashMap<String, SandboxRow>,
@@ -107,10 +109,12 @@ struct Slots {
     /// The last measured cost of a child, by snapshot tag, and when it was measured.
     costs: HashMap<String, (u64, String, Instant)>,
     /// Slots promised to forks in progress.
-    reserved: usize,
+    pub(crate) reserved: usize,
     /// Forks in progress, by snapshot tag: they use the snapshot as much as its
     /// children do.
     forking: HashMap<String, usize>,
+    /// Warm pools (their members hold VMs too).
+    pub(crate) pools: crate::pool::Pools,
 }
 
 /// What a create request asks for.
@@ -158,9 +162,9 @@ pub struct CreateOutcome {
 
 impl Slots {
     /// Whether `count` more sandboxes fit under `max`, counting every one that holds a
-    /// VM or has a slot promised to a fork under way.
-    fn fits(&self, count: usize, max: usize) -> Result<(), RegistryError> {
-        let live = self.live.len() + self.unattached.len() + self.reserved;
+    /// VM (pool members too) or has a slot promised to a fork under way.
+    pub(crate) fn fits(&self, count: usize, max: usize) -> Result<(), RegistryError> {
+        let live = self.live.len() + self.unattached.len() + self.reserved + self.pools.held();
         if live + count > max {
             return Err(RegistryError::AtCapacity {
                 live,
@@ -220,6 +224,7 @@ impl Registry {
             fork_parallel: forkd_core::fork::default_parallel(),
             memory_overcommit: 1.0,
             slots: Mutex::new(Slots::default()),
+            pool_wakeup: tokio::sync::Notify::new(),
         }
     }
 
@@ -243,8 +248,18 @@ impl Registry {
         self
     }
 
-    fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
+    pub(crate) fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
         self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The data directory.
+    pub fn home(&self) -> &Home {
+        &self.home
+    }
+
+    /// How far forks may overcommit the host's available memory.
+    pub fn memory_overcommit(&self) -> f64 {
+        self.memory_overcommit
     }
 
     /// The hypervisor the VMs run on.
@@ -285,7 +300,7 @@ impl Registry {
     /// What a child of `tag` costs the host (see [`crate::admission`]). Measuring reads
     /// each sampled child's smaps_rollup, which walks its page tables: the estimate is
     /// kept for [`COST_TTL`] so that a burst of forks does not pay it every time.
-    fn child_cost(&self, tag: &str) -> (u64, String) {
+    pub(crate) fn child_cost(&self, tag: &str) -> (u64, String) {
         if let Some((cost, basis, at)) = self.slots().costs.get(tag) {
             if at.elapsed() < COST_TTL {
                 return (*cost, basis.clone());
@@ -306,10 +321,84 @@ impl Registry {
         (cost, basis)
     }
 
-    /// Refuses at once a fork of `count` that would not fit under the limit now (a
-    /// fork that answers before it ends checks here; [`Registry::create`] reserves).
-    pub fn admit(&self, count: usize) -> Result<(), RegistryError> {
-        self.slots().fits(count, self.max)
+    /// Refuses at once a fork of `count` children of `tag` that would not fit under the
+    /// limit now, even with every idle pool member reclaimed (a fork that answers before
+    /// it ends checks here; [`Registry::create`] reserves).
+    pub fn admit(&self, tag: &str, count: usize) -> Result<(), RegistryError> {
+        let slots = self.slots();
+        let others = slots.pools.held() - slots.pools.idle_of(tag);
+        let idle_here = slots.pools.idle_of(tag).min(count);
+        slots
+            .fits(count - idle_here, self.max + others)
+            .map_err(|e| match e {
+                RegistryError::AtCapacity { live, asked, .. } => RegistryError::AtCapacity {
+                    live: live - others,
+                    asked,
+                    max: self.max,
+                },
+                e => e,
+            })
+    }
+
+    /// Reserves room for a fork of `count` children of `snap`: takes up to `count` idle
+    /// members of its pool, checks the sandbox limit and the host's memory, and when
+    /// they refuse, reclaims idle members of other pools and checks once more.
+    async fn reserve(
+        &self,
+        snap: &Snapshot,
+        count: usize,
+    ) -> Result<(Reservation<'_>, Vec<forkd_core::fork::PreparedChild>), RegistryError> {
+        let tag = snap.tag.to_string();
+        let (per_child, basis) = self.child_cost(&tag);
+        let mut reclaimed = false;
+        loop {
+            let available = crate::admission::mem_available().unwrap_or(u64::MAX);
+            let (checked, dead) = {
+                let mut slots = self.slots();
+                // Idle members of this snapshot become children: they are counted
+                // already.
+                let fresh = count - slots.pools.idle_of(&tag).min(count);
+                // Children of forks still under way have not taken their memory yet:
+                // count them with this one.
+                let checked = slots.fits(fresh, self.max).and_then(|()| {
+                    crate::admission::admit(
+                        count + slots.reserved,
+                        per_child,
+                        &basis,
+                        available,
+                        self.memory_overcommit,
+                    )
+                    .map_err(RegistryError::from)
+                });
+                match checked {
+                    Ok(()) => {
+                        let (taken, dead) = slots.pools.take(&tag, count);
+                        slots.reserved += count;
+                        *slots.forking.entry(tag.clone()).or_default() += 1;
+                        (Ok(taken), dead)
+                    }
+                    Err(e) => (Err(e), Vec::new()),
+                }
+            };
+            self.discard_members(dead).await;
+            match checked {
+                Ok(taken) => {
+                    let reservation = Reservation {
+                        registry: self,
+                        count,
+                        tag,
+                    };
+                    return Ok((reservation, taken));
+                }
+                Err(e) if reclaimed => return Err(e),
+                Err(e) => {
+                    reclaimed = true;
+                    if self.reclaim_pools(&tag).await == 0 {
+                        return Err(e);
+                    }
+                }
+            }
+        }
     }
 
     /// Forks `spec.count` children of `snap` and records them: each child's row is
@@ -323,28 +412,7 @@ impl Registry {
         snap: &Snapshot,
         spec: CreateSpec,
     ) -> Result<CreateOutcome, RegistryError> {
-        let (per_child, basis) = self.child_cost(snap.tag.as_str());
-        let available = crate::admission::mem_available().unwrap_or(u64::MAX);
-        let _reservation = {
-            let mut slots = self.slots();
-            slots.fits(spec.count, self.max)?;
-            // Children of forks still under way have not taken their memory yet: count
-            // them with this one.
-            crate::admission::admit(
-                spec.count + slots.reserved,
-                per_child,
-                &basis,
-                available,
-                self.memory_overcommit,
-            )?;
-            slots.reserved += spec.count;
-            *slots.forking.entry(snap.tag.to_string()).or_default() += 1;
-            Reservation {
-                registry: self,
-                count: spec.count,
-                tag: snap.tag.to_string(),
-            }
-        };
+        let (_reservation, prepared) = self.reserve(snap, spec.count).await?;
         let op = OperationRow {
             id: spec.op_id.clone(),
             kind: "fork".into(),
@@ -375,10 +443,11 @@ impl Registry {
             cancel,
             ..ForkOptions::default()
         };
+        let hv = self.hv.as_ref();
         let forked = if spec.partial {
-            fork_partial(self.hv.as_ref(), &self.home, snap, &opts, &recorder).await
+            fork_partial(hv, &self.home, snap, &opts, &recorder, prepared).await
         } else {
-            fork(self.hv.as_ref(), &self.home, snap, &opts, &recorder)
+            fork_using(hv, &self.home, snap, &opts, &recorder, prepared)
                 .await
                 .map(|children| Forked {
                     children,
@@ -401,6 +470,7 @@ impl Registry {
             slots.progress.remove(&op.id);
         }
         self.finish_fork(&op.id, spec.count, &outcome);
+        self.pool_wakeup.notify_one();
         Ok(outcome?)
     }
 
@@ -769,6 +839,7 @@ impl Registry {
     /// unresponsive), and tries again to take over unattached ones. Returns the ids
     /// removed.
     pub async fn reap(&self, now: i64) -> Vec<String> {
+        self.reap_pools().await;
         let expired: Vec<String> = match self.state.expired(now) {
             Ok(ids) => ids,
             Err(e) => {
@@ -979,15 +1050,27 @@ mod tests {
     fn world() -> World {
         let dir = tempfile::tempdir().unwrap();
         let home = Home::new(dir.path());
-        let store = Store::of_home(&home);
-        let tag = Tag::parse("fake").unwrap();
+        let snap = fake_snapshot(&home, "fake");
+        let state = Arc::new(State::open(&dir.path().join("forkd.db")).unwrap());
+        World {
+            _dir: dir,
+            home,
+            state,
+            snap,
+        }
+    }
+
+    /// A snapshot `tag` whose parts are placeholder files (the fake backend reads none).
+    fn fake_snapshot(home: &Home, tag: &str) -> Snapshot {
+        let store = Store::of_home(home);
+        let tag = Tag::parse(tag).unwrap();
         let staging = store.stage(&tag).unwrap();
         for p in parts::ALL {
             std::fs::write(staging.part(p), p.as_bytes()).unwrap();
         }
         let manifest = Manifest {
             format: forkd_core::snapshot::manifest::FORMAT,
-            tag: "fake".into(),
+            tag: tag.to_string(),
             template: "fake".into(),
             created_at: "2026-01-01T00:00:00Z".into(),
             parent: None,
@@ -1010,15 +1093,9 @@ mod tests {
             parts: Default::default(),
             contexts: Vec::new(),
             build: BuildTimes::default(),
+            pool: 0,
         };
-        let snap = staging.publish(manifest, &|_| {}).unwrap();
-        let state = Arc::new(State::open(&dir.path().join("forkd.db")).unwrap());
-        World {
-            _dir: dir,
-            home,
-            state,
-            snap,
-        }
+        staging.publish(manifest, &|_| {}).unwrap()
     }
 
     fn fake() -> AgentProcesses {
@@ -1418,5 +1495,93 @@ mod tests {
         assert!(e.to_string().contains("measured on 1 live"), "{e}");
         drop(r);
         r2.delete(&one[0].row.id).await.unwrap();
+    }
+
+    /// Ids of the pool members recorded in the database.
+    fn member_rows(w: &World) -> Vec<String> {
+        w.state
+            .pool_members()
+            .unwrap()
+            .into_iter()
+            .map(|m| m.id)
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_pool_of_3_serves_3_forks_and_refills() {
+        let w = world();
+        let r = w.registry(8);
+        let status = r.set_pool_size(&w.snap, Some(3)).await.unwrap();
+        assert_eq!((status.size, status.source.as_str()), (3, "api"));
+        assert_eq!(r.fill_pools().await, 3);
+        assert_eq!(r.fill_pools().await, 0, "a full pool makes no more");
+        let members = member_rows(&w);
+        assert_eq!(members.len(), 3);
+        assert_eq!(vms_of(&w).len(), 3, "each member's VM runs");
+        assert!(r.list().is_empty(), "members are not sandboxes");
+        for (i, _) in members.iter().enumerate() {
+            let child = r.create(&w.snap, spec(1)).await.unwrap().entries.remove(0);
+            assert!(
+                members.contains(&child.row.id),
+                "fork {i} made {} instead of taking a member",
+                child.row.id
+            );
+            assert_eq!(db_state(&w, &child.row.id), Some(SandboxState::Running));
+            assert_eq!(echo(&child).await.unwrap().stdout, b"hi\n");
+            assert_eq!(r.pool_status(&w.snap).idle, 2 - i);
+            assert!(!member_rows(&w).contains(&child.row.id));
+        }
+        assert_eq!(r.fill_pools().await, 3, "the pool refills");
+        let refilled = member_rows(&w);
+        assert!(refilled.iter().all(|id| !members.contains(id)));
+        assert_eq!(vms_of(&w).len(), 6);
+
+        // A daemon's members are its own: the next one removes them, VMs and files.
+        let dirs: Vec<_> = w
+            .state
+            .pool_members()
+            .unwrap()
+            .into_iter()
+            .map(|m| m.dir)
+            .collect();
+        drop(r);
+        let r = w.registry(8);
+        assert_eq!(r.open_pools().await.unwrap(), 3);
+        assert!(member_rows(&w).is_empty());
+        assert!(dirs.iter().all(|d| !d.exists()));
+        r.adopt_all().await.unwrap();
+        assert_eq!(vms_of(&w).len(), 3, "only the three children are left");
+        assert_eq!(r.pool_status(&w.snap).size, 3, "the size set is kept");
+        for l in r.list() {
+            r.delete(&l.row.id).await.unwrap();
+        }
+        r.drain_pool("fake").await;
+        assert!(vms_of(&w).is_empty());
+    }
+
+    #[tokio::test]
+    async fn idle_members_are_reclaimed_before_a_fork_is_refused() {
+        let w = world();
+        let other = fake_snapshot(&w.home, "other");
+        let r = w.registry(4);
+        r.set_pool_size(&other, Some(3)).await.unwrap();
+        assert_eq!(r.fill_pools().await, 3);
+        // 3 members of `other` + 2 children of `fake` exceed 4: the members go.
+        let two = r.create(&w.snap, spec(2)).await.unwrap().entries;
+        assert_eq!(two.len(), 2);
+        assert_eq!(r.pool_status(&other).idle, 0);
+        assert!(member_rows(&w).is_empty());
+        assert_eq!(vms_of(&w).len(), 2);
+        // A pool refills only where there is room.
+        assert_eq!(r.fill_pools().await, 2);
+        let Err(e) = r.create(&w.snap, spec(3)).await else {
+            panic!("a fork over capacity was accepted");
+        };
+        assert!(matches!(e, RegistryError::AtCapacity { .. }), "{e}");
+        for e in two {
+            r.delete(&e.row.id).await.unwrap();
+        }
+        r.drain_pool("other").await;
+        assert!(vms_of(&w).is_empty());
     }
 }

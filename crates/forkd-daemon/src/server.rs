@@ -39,6 +39,9 @@ async fn accept_failed(listener: &str, e: std::io::Error) {
     tokio::time::sleep(Duration::from_millis(100)).await;
 }
 
+/// How often the warm pools are checked when nothing wakes their filler.
+const POOL_CHECK_EVERY: Duration = Duration::from_secs(5);
+
 /// How often expired and dead sandboxes are reaped.
 const REAP_EVERY: Duration = Duration::from_secs(1);
 
@@ -97,6 +100,10 @@ pub async fn run(
     .with_fork_parallelism(config.fork_parallelism)
     .with_memory_overcommit(config.memory_overcommit);
     let (adopted, gone) = registry.adopt_all().await?;
+    let leftovers = registry.open_pools().await?;
+    if leftovers > 0 {
+        tracing::info!("removed {leftovers} warm pool members the last daemon left");
+    }
     // Directories that no row owns and no VM uses (a `forkd run` killed outright, a
     // daemon killed before it wrote a child's row): nothing will ever clean them
     // otherwise.
@@ -129,6 +136,7 @@ pub async fn run(
         metrics: crate::metrics::Metrics::new(),
     });
     let reaper = tokio::spawn(reap(app.clone()));
+    let filler = tokio::spawn(fill_pools(app.clone()));
     // The audit and metrics layer is the outermost one, so that refused
     // authentications are recorded too.
     let observed = axum::middleware::from_fn_with_state((app.clone(), audit), observe);
@@ -195,6 +203,8 @@ pub async fn run(
         tracing::warn!("requests still running after {DRAIN:?} were cut off");
     }
     reaper.abort();
+    filler.abort();
+    app.registry.drain_all_pools().await;
     Ok(())
 }
 
@@ -395,6 +405,15 @@ async fn reap(app: App) {
         for id in app.registry.reap(crate::unix_now()).await {
             tracing::info!(%id, "sandbox removed (timed out or its VM exited)");
         }
+    }
+}
+
+/// Keeps the warm pools at their sizes: after every fork, every change of a size, and
+/// every few seconds (a member that died, room that came back).
+async fn fill_pools(app: App) {
+    loop {
+        app.registry.fill_pools().await;
+        let _ = tokio::time::timeout(POOL_CHECK_EVERY, app.registry.pool_wakeup.notified()).await;
     }
 }
 

@@ -45,6 +45,20 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE operations ADD COLUMN total INTEGER NOT NULL DEFAULT 0;",
     // 3: what an operation produced (a fork: its children and the errors of the others).
     "ALTER TABLE operations ADD COLUMN result TEXT;",
+    // 4: warm pools: the size set through the API for a snapshot, and each member (a VM
+    // prepared for a fork), recorded before its VM starts so that a restart removes it.
+    "CREATE TABLE pool_sizes (
+        snapshot    TEXT PRIMARY KEY,
+        size        INTEGER NOT NULL
+    );
+    CREATE TABLE pool_members (
+        id          TEXT PRIMARY KEY,
+        snapshot    TEXT NOT NULL,
+        pid         INTEGER NOT NULL,
+        start_time  INTEGER NOT NULL,
+        dir         TEXT NOT NULL,
+        created_at  TEXT NOT NULL
+    );",
 ];
 
 /// A state database error.
@@ -202,11 +216,16 @@ impl State {
         self.insert_sandboxes(std::slice::from_ref(row))
     }
 
-    /// Records the children of a fork, all in one transaction.
+    /// Records the children of a fork, all in one transaction. A child that was a warm
+    /// pool's member keeps its id: its member row goes in the same transaction.
     pub fn insert_sandboxes(&self, rows: &[SandboxRow]) -> Result<(), StateError> {
         let mut conn = self.conn();
         let tx = conn.transaction()?;
         {
+            let mut claim = tx.prepare("DELETE FROM pool_members WHERE id = ?1")?;
+            for row in rows {
+                claim.execute(params![row.id])?;
+            }
             let mut stmt = tx.prepare(
                 "INSERT INTO sandboxes (id, snapshot, pid, start_time, config, labels, timeout_at, created_at, state, error)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
@@ -332,6 +351,78 @@ impl State {
             .query_map([], raw_sandbox)?
             .collect::<Result<Vec<_>, _>>()?;
         raws.into_iter().map(RawSandbox::decode).collect()
+    }
+
+    /// Sets the warm pool size of the snapshot `tag` (None: back to its recipe's).
+    pub fn set_pool_size(&self, tag: &str, size: Option<usize>) -> Result<(), StateError> {
+        let conn = self.conn();
+        match size {
+            Some(n) => conn.execute(
+                "INSERT INTO pool_sizes (snapshot, size) VALUES (?1, ?2)
+                 ON CONFLICT(snapshot) DO UPDATE SET size = ?2",
+                params![tag, n as i64],
+            )?,
+            None => conn.execute("DELETE FROM pool_sizes WHERE snapshot = ?1", params![tag])?,
+        };
+        Ok(())
+    }
+
+    /// Pool sizes set through the API, by snapshot tag.
+    pub fn pool_sizes(&self) -> Result<Vec<(String, usize)>, StateError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare("SELECT snapshot, size FROM pool_sizes")?;
+        let sizes = stmt
+            .query_map([], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as usize))
+            })?
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(sizes)
+    }
+
+    /// Records a pool member, before its VM starts (pid 0) or once it runs.
+    pub fn put_pool_member(&self, m: &PoolMemberRow) -> Result<(), StateError> {
+        self.conn().execute(
+            "INSERT INTO pool_members (id, snapshot, pid, start_time, dir, created_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+             ON CONFLICT(id) DO UPDATE SET pid = ?3, start_time = ?4",
+            params![
+                m.id,
+                m.snapshot,
+                m.pid,
+                m.start_time as i64,
+                m.dir.to_string_lossy(),
+                m.created_at
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Forgets a pool member.
+    pub fn delete_pool_member(&self, id: &str) -> Result<(), StateError> {
+        self.conn()
+            .execute("DELETE FROM pool_members WHERE id = ?1", params![id])?;
+        Ok(())
+    }
+
+    /// Every recorded pool member.
+    pub fn pool_members(&self) -> Result<Vec<PoolMemberRow>, StateError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(
+            "SELECT id, snapshot, pid, start_time, dir, created_at FROM pool_members ORDER BY created_at, id",
+        )?;
+        let rows = stmt
+            .query_map([], |r| {
+                Ok(PoolMemberRow {
+                    id: r.get(0)?,
+                    snapshot: r.get(1)?,
+                    pid: r.get(2)?,
+                    start_time: r.get::<_, i64>(3)? as u64,
+                    dir: r.get::<_, String>(4)?.into(),
+                    created_at: r.get(5)?,
+                })
+            })?
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(rows)
     }
 
     /// Sandboxes whose deadline is at or before `now` (Unix seconds).
@@ -466,6 +557,23 @@ impl State {
         tx.commit()?;
         Ok(targets)
     }
+}
+
+/// A warm pool's member as recorded: enough to find and end its VM after a restart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolMemberRow {
+    /// Its id (the sandbox id it will have once a fork takes it).
+    pub id: String,
+    /// The snapshot it was prepared from.
+    pub snapshot: String,
+    /// Its VM's process (0 until it runs).
+    pub pid: u32,
+    /// That process's start time.
+    pub start_time: u64,
+    /// Its runtime directory.
+    pub dir: std::path::PathBuf,
+    /// RFC 3339.
+    pub created_at: String,
 }
 
 const SANDBOX_COLUMNS: &str =

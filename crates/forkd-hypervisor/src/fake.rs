@@ -7,7 +7,7 @@
 //!
 //! Built with the `fake` feature; the crates above enable it for their tests only.
 
-use crate::{DiskLayer, Hypervisor, HypervisorError, Vm, VmConfig, VmStatus};
+use crate::{DiskLayer, Hypervisor, HypervisorError, PreparedVm, Vm, VmConfig, VmStatus};
 use async_trait::async_trait;
 use nix::sys::signal::Signal;
 use std::path::{Path, PathBuf};
@@ -169,27 +169,18 @@ impl Hypervisor for AgentProcesses {
         self.start(config).await
     }
 
-    async fn restore(
+    async fn prepare_restore(
         &self,
         config: &VmConfig,
         state: &Path,
-    ) -> Result<Box<dyn Vm>, HypervisorError> {
+    ) -> Result<Box<dyn PreparedVm>, HypervisorError> {
         std::fs::metadata(state)
             .map_err(|e| HypervisorError::io(format!("opening {}", state.display()), e))?;
-        let now = self.restores.now.fetch_add(1, Ordering::SeqCst) + 1;
-        self.restores.most.fetch_max(now, Ordering::SeqCst);
-        let nth = self.restores.started.fetch_add(1, Ordering::SeqCst) + 1;
-        tokio::time::sleep(self.restore_delay).await;
-        let vm = if self.fail_every != 0 && nth.is_multiple_of(self.fail_every) {
-            Err(HypervisorError::Migration(format!(
-                "restore {nth} failed (the fake backend fails every {}th)",
-                self.fail_every
-            )))
-        } else {
-            self.start(config).await
-        };
-        self.restores.now.fetch_sub(1, Ordering::SeqCst);
-        vm
+        let vm = self.start(config).await?;
+        Ok(Box::new(FakePrepared {
+            vm,
+            backend: self.clone(),
+        }))
     }
 
     async fn adopt(
@@ -214,6 +205,51 @@ impl Hypervisor for AgentProcesses {
             start_time,
             exit,
         }))
+    }
+}
+
+/// An agent process that stands for a VM whose restore is still to come. The restore's
+/// delay, failures and count in flight belong to [`PreparedVm::finish`].
+pub struct FakePrepared {
+    vm: Box<dyn Vm>,
+    backend: AgentProcesses,
+}
+
+#[async_trait]
+impl PreparedVm for FakePrepared {
+    fn pid(&self) -> Option<u32> {
+        self.vm.pid()
+    }
+
+    fn start_time(&self) -> Option<u64> {
+        self.vm.start_time()
+    }
+
+    fn exited(&self) -> bool {
+        self.vm.exited()
+    }
+
+    async fn finish(self: Box<Self>) -> Result<Box<dyn Vm>, HypervisorError> {
+        let restores = &self.backend.restores;
+        let now = restores.now.fetch_add(1, Ordering::SeqCst) + 1;
+        restores.most.fetch_max(now, Ordering::SeqCst);
+        let nth = restores.started.fetch_add(1, Ordering::SeqCst) + 1;
+        tokio::time::sleep(self.backend.restore_delay).await;
+        restores.now.fetch_sub(1, Ordering::SeqCst);
+        let every = self.backend.fail_every;
+        if every != 0 && nth.is_multiple_of(every) {
+            self.vm.kill();
+            self.vm.wait_exit().await;
+            return Err(HypervisorError::Migration(format!(
+                "restore {nth} failed (the fake backend fails every {every}th)"
+            )));
+        }
+        Ok(self.vm)
+    }
+
+    async fn discard(self: Box<Self>) {
+        self.vm.kill();
+        self.vm.wait_exit().await;
     }
 }
 

@@ -100,7 +100,19 @@ pub trait Hypervisor: Send + Sync {
         &self,
         config: &VmConfig,
         state: &Path,
-    ) -> Result<Box<dyn Vm>, HypervisorError>;
+    ) -> Result<Box<dyn Vm>, HypervisorError> {
+        self.prepare_restore(config, state).await?.finish().await
+    }
+
+    /// The first half of [`Hypervisor::restore`]: starts the hypervisor process for
+    /// `config`, with `state` open and its control channel answering, and stops there.
+    /// [`PreparedVm::finish`] reads the state and starts the vCPUs. What a warm pool
+    /// holds: a fork then pays only for the second half.
+    async fn prepare_restore(
+        &self,
+        config: &VmConfig,
+        state: &Path,
+    ) -> Result<Box<dyn PreparedVm>, HypervisorError>;
 
     /// Takes over a running VM that another process started, known by the pid and start
     /// time of its hypervisor process. Fails with [`HypervisorError::NotRunning`] when
@@ -111,6 +123,26 @@ pub trait Hypervisor: Send + Sync {
         pid: u32,
         start_time: u64,
     ) -> Result<Box<dyn Vm>, HypervisorError>;
+}
+
+/// A VM whose hypervisor process runs but whose restore has not happened yet: its
+/// vCPUs have never run (see [`Hypervisor::prepare_restore`]).
+#[async_trait]
+pub trait PreparedVm: Send + Sync {
+    /// The hypervisor process's pid, while it runs.
+    fn pid(&self) -> Option<u32>;
+
+    /// Start time of the hypervisor process (see [`Vm::start_time`]).
+    fn start_time(&self) -> Option<u64>;
+
+    /// True once the hypervisor process has exited.
+    fn exited(&self) -> bool;
+
+    /// Reads the device state and starts the vCPUs. On failure the process is gone.
+    async fn finish(self: Box<Self>) -> Result<Box<dyn Vm>, HypervisorError>;
+
+    /// Kills the hypervisor process and waits for it to exit.
+    async fn discard(self: Box<Self>);
 }
 
 /// One running VM.

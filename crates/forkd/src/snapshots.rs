@@ -51,6 +51,20 @@ pub enum SnapshotCommand {
         /// The snapshot's tag.
         tag: String,
     },
+    /// Show or set a snapshot's warm pool: children the daemon keeps prepared (QEMU
+    /// started, disk layer made) so that a fork only restores them.
+    Pool {
+        /// The snapshot's tag.
+        tag: String,
+        /// Members to keep ready (0 to 64); without it, the pool is shown.
+        size: Option<u32>,
+        /// Go back to the size the snapshot's recipe set (`pool = N`).
+        #[arg(long, conflicts_with = "size")]
+        reset: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub async fn template(client: &Client, cmd: TemplateCommand) -> Result<()> {
@@ -189,6 +203,34 @@ pub async fn snapshot(client: &Client, cmd: SnapshotCommand) -> Result<()> {
             let path = format!("/v1/snapshots/{}", path_tag(&tag)?);
             let v: Value = client.json(Method::GET, &path, None).await?;
             print_json(&v)
+        }
+        SnapshotCommand::Pool {
+            tag,
+            size,
+            reset,
+            json,
+        } => {
+            let path = format!("/v1/snapshots/{}/pool", path_tag(&tag)?);
+            let v: Value = if size.is_some() || reset {
+                let body = serde_json::json!({ "size": size });
+                client.json(Method::PUT, &path, Some(&body)).await?
+            } else {
+                client.json(Method::GET, &path, None).await?
+            };
+            if json {
+                return print_json(&v);
+            }
+            println!(
+                "{tag}: pool of {} (from the {}), {} ready, {} being prepared",
+                v["size"],
+                v["source"].as_str().unwrap_or("?"),
+                v["idle"],
+                v["filling"]
+            );
+            if let Some(e) = v["error"].as_str() {
+                println!("  the last member could not be prepared: {e}");
+            }
+            Ok(())
         }
     }
 }

@@ -197,8 +197,12 @@ impl Home {
         processes_naming(self.path())
             .into_iter()
             .filter(|pid| {
-                std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                    .is_ok_and(|c| c.starts_with("qemu"))
+                // QEMU names its process after the sandbox (`-name process=`): the
+                // program is what tells.
+                std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|exe| {
+                    exe.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with("qemu"))
+                })
             })
             .collect()
     }
@@ -926,4 +930,94 @@ fn a_full_disk_refuses_forks_with_507_and_corrupts_nothing() {
         .query_row("PRAGMA integrity_check", [], |r| r.get(0))
         .unwrap();
     assert_eq!(check, "ok");
+}
+
+/// Polls the pool of [`TAG`] until `idle` members are ready (at most `within`).
+async fn wait_pool(c: &Client, idle: u64, within: Duration) -> Value {
+    let deadline = Instant::now() + within;
+    loop {
+        let (s, v) = call(c, Method::GET, &format!("/v1/snapshots/{TAG}/pool"), None).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        if v["idle"] == idle && v["filling"] == 0 {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the pool never had {idle} ready: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[test]
+fn a_warm_pool_serves_forks_refills_and_is_removed_by_the_next_daemon() {
+    let mut h = Home::with_template();
+    h.start(None);
+    let rt = runtime();
+    let c = h.client();
+    let pool = format!("/v1/snapshots/{TAG}/pool");
+    let (first_members, child) = rt.block_on(async {
+        let (s, v) = call(&c, Method::PUT, &pool, Some(json!({"size": 65}))).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+        let (s, v) = call(&c, Method::PUT, &pool, Some(json!({"size": 2}))).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(
+            (v["size"].as_u64(), v["source"].as_str()),
+            (Some(2), Some("api"))
+        );
+        wait_pool(&c, 2, Duration::from_secs(120)).await;
+        let members = h.qemus();
+        assert_eq!(members.len(), 2, "two members, each one QEMU");
+        assert!(list(&c).await.is_empty(), "members are not sandboxes");
+        let (_, metrics) = call(&c, Method::GET, "/metrics", None).await;
+        let metrics = metrics.as_str().unwrap().to_owned();
+        assert!(
+            metrics.contains(&format!("forkd_pool_idle{{snapshot=\"{TAG}\"}} 2")),
+            "{metrics}"
+        );
+        // The fork takes a member: its QEMU is one that was already running.
+        let child = create(&c, 1).await.remove(0);
+        assert!(members.contains(&pid_of(&child)), "{child} is not a member");
+        assert_eq!(
+            exec_ok(&c, child["id"].as_str().unwrap(), "echo pooled").await,
+            "pooled\n"
+        );
+        wait_pool(&c, 2, Duration::from_secs(120)).await;
+        assert_eq!(h.qemus().len(), 3, "the pool refilled beside the child");
+        let left: Vec<u32> = h
+            .qemus()
+            .into_iter()
+            .filter(|p| *p != pid_of(&child))
+            .collect();
+        (left, child)
+    });
+    // A daemon killed outright leaves its members; the next one removes them and
+    // makes its own, and keeps the child.
+    signal(h.pid(), nix::sys::signal::Signal::SIGKILL);
+    h.wait_exit(Duration::from_secs(30));
+    h.start(None);
+    rt.block_on(async {
+        wait_pool(&c, 2, Duration::from_secs(120)).await;
+        let now = h.qemus();
+        assert_eq!(now.len(), 3, "{now:?}");
+        assert!(
+            first_members.iter().all(|p| !now.contains(p)),
+            "old members were kept"
+        );
+        let id = child["id"].as_str().unwrap();
+        assert_eq!(exec_ok(&c, id, "echo adopted").await, "adopted\n");
+        // Size 0 ends the members; a graceful stop ends them too.
+        let (s, v) = call(&c, Method::PUT, &pool, Some(json!({"size": 0}))).await;
+        assert_eq!((s, v["idle"].as_u64()), (StatusCode::OK, Some(0)), "{v}");
+        assert_eq!(h.qemus(), vec![pid_of(&child)]);
+        let (s, v) = call(&c, Method::PUT, &pool, Some(json!({"size": 1}))).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        wait_pool(&c, 1, Duration::from_secs(120)).await;
+    });
+    h.stop();
+    assert_eq!(
+        h.qemus(),
+        vec![pid_of(&child)],
+        "a stopping daemon ends its members"
+    );
 }

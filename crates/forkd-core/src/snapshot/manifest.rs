@@ -60,6 +60,13 @@ pub struct Manifest {
     pub contexts: Vec<forkd_proto::context::ContextInfo>,
     /// How long the build took.
     pub build: BuildTimes,
+    /// The warm pool its recipe asked for (see the recipe's `pool`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pool: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// The frozen machine.

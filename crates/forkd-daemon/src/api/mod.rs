@@ -103,6 +103,10 @@ pub fn router(app: App) -> Router {
         )
         .route("/v1/snapshots/{tag}/verify", post(snapshots::verify))
         .route(
+            "/v1/snapshots/{tag}/pool",
+            get(snapshots::get_pool).put(snapshots::set_pool),
+        )
+        .route(
             "/v1/operations/{id}",
             get(snapshots::operation).delete(snapshots::cancel_operation),
         )
@@ -155,6 +159,8 @@ pub fn router(app: App) -> Router {
         snapshots::delete,
         snapshots::build,
         snapshots::verify,
+        snapshots::get_pool,
+        snapshots::set_pool,
         snapshots::operation,
         snapshots::cancel_operation,
         sandboxes::create,

@@ -132,7 +132,7 @@ pub async fn create(
     let op_id = spec.op_id.clone();
     if !req.wait {
         // Refused now rather than in an operation nobody may look at.
-        app.registry.admit(spec.count)?;
+        app.registry.admit(snap.tag.as_str(), spec.count)?;
     }
     // In a task of its own: a client that hangs up mid-fork must not cancel it half
     // way, leaving children that run with no record.

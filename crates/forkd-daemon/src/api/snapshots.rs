@@ -35,6 +35,7 @@ fn info(app: &App, tag: &str, res: Result<Snapshot, SnapshotError>) -> SnapshotI
             disk_bytes: Some(s.disk_usage()),
             dependents,
             children,
+            pool: Some(app.registry.pool_status(&s)),
         },
         Err(e) => SnapshotInfo {
             tag: tag.to_owned(),
@@ -50,6 +51,7 @@ fn info(app: &App, tag: &str, res: Result<Snapshot, SnapshotError>) -> SnapshotI
             disk_bytes: None,
             dependents,
             children,
+            pool: None,
         },
     }
 }
@@ -118,8 +120,52 @@ pub async fn delete(
             }
         }
     }
-    store.remove(&tag, &app.registry.users_of(tag.as_str()))?;
+    // Its pool members hold its files open: they go first (and come back if the
+    // snapshot stays).
+    app.registry.drain_pool(tag.as_str()).await;
+    let removed = store.remove(&tag, &app.registry.users_of(tag.as_str()));
+    app.registry.reopen_pool(tag.as_str(), removed.is_ok());
+    removed?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// A snapshot's warm pool: its size, where the size comes from, members ready and
+/// being prepared.
+#[utoipa::path(get, path = "/v1/snapshots/{tag}/pool", params(("tag" = String, Path)),
+    responses((status = 200, body = crate::pool::PoolStatus), (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody)))]
+pub async fn get_pool(
+    State(app): State<App>,
+    PathParams(tag): PathParams<String>,
+) -> Result<Json<crate::pool::PoolStatus>, ApiError> {
+    let snap = app.registry.store().open(&Tag::parse(&tag)?)?;
+    Ok(Json(app.registry.pool_status(&snap)))
+}
+
+/// Sets how many children of a snapshot the daemon keeps prepared for forks (0 to
+/// 64; null: its recipe's `pool`). Members are made in the background while no fork
+/// runs; a smaller size ends the extra ones at once.
+#[utoipa::path(put, path = "/v1/snapshots/{tag}/pool", params(("tag" = String, Path)),
+    request_body = super::types::SetPoolBody,
+    responses((status = 200, body = crate::pool::PoolStatus), (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody)))]
+pub async fn set_pool(
+    State(app): State<App>,
+    PathParams(tag): PathParams<String>,
+    JsonBody(b): JsonBody<super::types::SetPoolBody>,
+) -> Result<Json<crate::pool::PoolStatus>, ApiError> {
+    let snap = app.registry.store().open(&Tag::parse(&tag)?)?;
+    let max = forkd_core::fork::MAX_POOL;
+    if b.size.is_some_and(|n| n as usize > max) {
+        return Err(ApiError::bad_request(format!(
+            "a pool holds at most {max} members"
+        )));
+    }
+    let status = app
+        .registry
+        .set_pool_size(&snap, b.size.map(|n| n as usize))
+        .await?;
+    Ok(Json(status))
 }
 
 /// Builds a template into a snapshot. Answers at once with an operation to poll.

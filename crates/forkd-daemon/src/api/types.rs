@@ -417,6 +417,17 @@ pub struct SnapshotInfo {
     pub dependents: Vec<String>,
     /// Live sandboxes forked from it.
     pub children: Vec<String>,
+    /// Its warm pool (children prepared ahead of forks).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool: Option<crate::pool::PoolStatus>,
+}
+
+/// `PUT /v1/snapshots/{tag}/pool`: how many children to keep prepared for forks of it.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SetPoolBody {
+    /// Members to keep ready (0 to 64); null goes back to the size its recipe set.
+    pub size: Option<u32>,
 }
 
 /// A list of snapshots.

@@ -104,16 +104,21 @@ impl crate::Hypervisor for Qemu {
         Ok(Box::new(QemuVm::start(&self.binary, config, None).await?))
     }
 
-    async fn restore(
+    async fn prepare_restore(
         &self,
         config: &VmConfig,
         state: &Path,
-    ) -> Result<Box<dyn Vm>, HypervisorError> {
+    ) -> Result<Box<dyn crate::PreparedVm>, HypervisorError> {
         let file = std::fs::File::open(state)
             .map_err(|e| HypervisorError::io(format!("opening {}", state.display()), e))?;
-        Ok(Box::new(
-            QemuVm::start(&self.binary, config, Some(file)).await?,
-        ))
+        let vm = QemuVm::start(&self.binary, config, Some(file)).await?;
+        // Set now, so that finishing is only the migration and `cont`.
+        if let Err(e) = vm.set_ignore_shared().await {
+            vm.kill();
+            vm.wait_exit().await;
+            return Err(vm.explain_exit(e));
+        }
+        Ok(Box::new(PreparedQemu(vm)))
     }
 
     async fn adopt(
@@ -173,7 +178,6 @@ impl QemuVm {
         let log_path = config.hypervisor_log();
         let log = std::fs::File::create(&log_path)
             .map_err(|e| HypervisorError::io(format!("creating {}", log_path.display()), e))?;
-        let restoring = incoming.is_some();
         let args = match incoming {
             Some(_) => cmdline::build_restore(config),
             None => cmdline::build(config),
@@ -254,15 +258,7 @@ impl QemuVm {
             let _ = tokio::time::timeout(console::DRAIN_TIMEOUT, console_done).await;
             let _ = exit_tx.send(Some(desc));
         });
-        let vm = QemuVm::connect(config, pid, exit, Owner::Spawned(kill_tx), console).await?;
-        if restoring {
-            if let Err(e) = vm.incoming().await {
-                vm.kill();
-                vm.wait_exit().await;
-                return Err(vm.explain_exit(e));
-            }
-        }
-        Ok(vm)
+        QemuVm::connect(config, pid, exit, Owner::Spawned(kill_tx), console).await
     }
 
     /// Takes over a QEMU another process started (a detached VM, or one a restarted
@@ -343,9 +339,9 @@ impl QemuVm {
     }
 
     /// Reads the device state from [`INCOMING_FD`] and starts the vCPUs. RAM is not in
-    /// the stream (`x-ignore-shared`): it is the file the memory backend maps.
+    /// the stream (`x-ignore-shared`, set when the VM was prepared): it is the file the
+    /// memory backend maps.
     async fn incoming(&self) -> Result<(), HypervisorError> {
-        self.set_ignore_shared().await?;
         // Subscribed before the migration starts: its MIGRATION events end the wait
         // (no polling loop on the fork path).
         let events = self.qmp.events();
@@ -554,6 +550,39 @@ impl Vm for QemuVm {
 
     fn console_tail(&self, lines: usize) -> String {
         console::tail(&self.config.console_log(), lines)
+    }
+}
+
+/// A QEMU started with `-incoming defer` and its device state open as [`INCOMING_FD`].
+pub struct PreparedQemu(QemuVm);
+
+#[async_trait]
+impl crate::PreparedVm for PreparedQemu {
+    fn pid(&self) -> Option<u32> {
+        self.0.pid()
+    }
+
+    fn start_time(&self) -> Option<u64> {
+        self.0.start_time()
+    }
+
+    fn exited(&self) -> bool {
+        self.0.exited()
+    }
+
+    async fn finish(self: Box<Self>) -> Result<Box<dyn Vm>, HypervisorError> {
+        let vm = self.0;
+        if let Err(e) = vm.incoming().await {
+            vm.kill();
+            vm.wait_exit().await;
+            return Err(vm.explain_exit(e));
+        }
+        Ok(Box::new(vm))
+    }
+
+    async fn discard(self: Box<Self>) {
+        self.0.kill();
+        self.0.wait_exit().await;
     }
 }
 
