@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 pub const MAX_CHILDREN: usize = 256;
 
 /// Largest warm pool a snapshot may have (children prepared ahead of forks).
-pub const MAX_POOL: usize = 64;
+pub const MAX_POOL: usize = MAX_CHILDREN;
 
 /// How to fork.
 #[derive(Debug, Clone)]

@@ -229,7 +229,7 @@ impl Sandbox {
             opts.agent_timeout,
             true,
         );
-        tracing::info!(id = %sandbox.id(), "sandbox up in {:?}", first_answer);
+        tracing::info!(id = %sandbox.id(), "sandbox up in {first_answer:?} (VM running after {hypervisor_ready:?})");
         Ok(sandbox)
     }
 
@@ -613,7 +613,9 @@ async fn connect_agent(
     timeout: Duration,
     resume_as: Option<&str>,
 ) -> Result<AgentClient, AgentError> {
+    let t = Instant::now();
     let agent = AgentClient::connect(socket, timeout).await?;
+    tracing::debug!("agent handshake in {:?}", t.elapsed());
     if let Some(id) = resume_as {
         let wall_clock_ns = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -626,6 +628,7 @@ async fn connect_agent(
                 hostname: id.to_owned(),
             })
             .await?;
+        tracing::debug!("agent handshake and resume hook in {:?}", t.elapsed());
     } else {
         agent.ping().await?;
     }

@@ -36,18 +36,7 @@ pub struct InsufficientMemory {
 
 /// Private memory (Private_Clean + Private_Dirty) of the whole process `pid`, in bytes.
 pub fn private_memory(pid: u32) -> Option<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
-    let mut total = None;
-    for line in text.lines() {
-        let Some((key, rest)) = line.split_once(':') else {
-            continue;
-        };
-        if key == "Private_Clean" || key == "Private_Dirty" {
-            let kib: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
-            *total.get_or_insert(0) += kib * 1024;
-        }
-    }
-    total
+    forkd_hypervisor::smaps::process_usage(pid).map(|u| u.private_clean + u.private_dirty)
 }
 
 /// `MemAvailable` from a `/proc/meminfo` text, in bytes.

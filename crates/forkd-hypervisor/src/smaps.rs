@@ -38,6 +38,13 @@ pub fn file_mapping_usage(pid: u32, file: &Path) -> Option<MappingUsage> {
     parse(&text, &file.to_string_lossy())
 }
 
+/// The memory of the whole process `pid` (every mapping, from `smaps_rollup`, whose one
+/// header names `[rollup]`); `None` when the process is gone. `size` is not given.
+pub fn process_usage(pid: u32) -> Option<MappingUsage> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    parse(&text, "[rollup]")
+}
+
 /// Sums the fields of the mappings in `smaps` whose pathname is `path`.
 fn parse(smaps: &str, path: &str) -> Option<MappingUsage> {
     let mut total: Option<MappingUsage> = None;
@@ -130,6 +137,12 @@ Private_Dirty:         4 kB
         assert_eq!(u.private_dirty, 512 * 1024);
         assert_eq!(u.private_clean, 0);
         assert_eq!(parse(SMAPS, "/elsewhere"), None);
+    }
+
+    #[test]
+    fn reads_the_rollup_of_this_process() {
+        let u = process_usage(std::process::id()).expect("this process has a rollup");
+        assert!(u.rss > 0 && u.pss > 0 && u.private_dirty > 0, "{u:?}");
     }
 
     #[test]

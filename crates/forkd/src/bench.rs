@@ -15,6 +15,9 @@ pub enum BenchCommand {
     /// Fork against cold boot: template build, one child, N children at once, and what
     /// each child's guest memory costs.
     Fork(ForkArgs),
+    /// Many children through the daemon's API, with and without the warm pool: wall
+    /// time, children alive after idling, idle CPU and memory per child.
+    Scale(crate::bench_scale::ScaleArgs),
 }
 
 /// Arguments of `forkd bench fork`.
@@ -83,6 +86,7 @@ pub async fn run(home: &Home, cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Boot(args) => boot(home, args).await,
         BenchCommand::Fork(args) => fork(home, args).await,
+        BenchCommand::Scale(args) => crate::bench_scale::run(home, args).await,
     }
 }
 
@@ -415,7 +419,7 @@ fn print_fork_report(r: &ForkReport) {
     );
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return 0.0;
     }

@@ -1,6 +1,7 @@
 //! The `forkd` command line.
 
 mod bench;
+mod bench_scale;
 mod daemon;
 mod doctor;
 mod image;

@@ -56,7 +56,7 @@ pub enum SnapshotCommand {
     Pool {
         /// The snapshot's tag.
         tag: String,
-        /// Members to keep ready (0 to 64); without it, the pool is shown.
+        /// Members to keep ready (0 to 256); without it, the pool is shown.
         size: Option<u32>,
         /// Go back to the size the snapshot's recipe set (`pool = N`).
         #[arg(long, conflicts_with = "size")]

@@ -957,7 +957,7 @@ fn a_warm_pool_serves_forks_refills_and_is_removed_by_the_next_daemon() {
     let c = h.client();
     let pool = format!("/v1/snapshots/{TAG}/pool");
     let (first_members, child) = rt.block_on(async {
-        let (s, v) = call(&c, Method::PUT, &pool, Some(json!({"size": 65}))).await;
+        let (s, v) = call(&c, Method::PUT, &pool, Some(json!({"size": 257}))).await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
         let (s, v) = call(&c, Method::PUT, &pool, Some(json!({"size": 2}))).await;
         assert_eq!(s, StatusCode::OK, "{v}");

@@ -143,7 +143,7 @@ pub async fn get_pool(
 }
 
 /// Sets how many children of a snapshot the daemon keeps prepared for forks (0 to
-/// 64; null: its recipe's `pool`). Members are made in the background while no fork
+/// 256; null: its recipe's `pool`). Members are made in the background while no fork
 /// runs; a smaller size ends the extra ones at once.
 #[utoipa::path(put, path = "/v1/snapshots/{tag}/pool", params(("tag" = String, Path)),
     request_body = super::types::SetPoolBody,

@@ -426,7 +426,7 @@ pub struct SnapshotInfo {
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SetPoolBody {
-    /// Members to keep ready (0 to 64); null goes back to the size its recipe set.
+    /// Members to keep ready (0 to 256); null goes back to the size its recipe set.
     pub size: Option<u32>,
 }
 

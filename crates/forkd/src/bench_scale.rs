@@ -1,0 +1,504 @@
+//! `forkd bench scale`: many children on one host, end to end through the daemon's REST
+//! API, with and without the warm pool.
+//!
+//! The benchmark starts a daemon of its own on a private data directory beside the
+//! guest assets (so the user's daemon, snapshots and sandboxes are never touched), has
+//! it build the template, then for each fork size N and each mode:
+//!
+//! - wall time from the create request to every child having answered an exec;
+//! - after the children idle (2 minutes by default), how many are alive and answer;
+//! - idle CPU per child: utime + stime of each child's QEMU over the end of the idle time;
+//! - per child: the whole QEMU process's PSS and private memory (`smaps_rollup`), and
+//!   the host's `MemAvailable` drop divided by N.
+//!
+//! Cold boot (what `forkd run` does: a fresh disk layer, QEMU, the kernel, the agent's
+//! first answer) and single forks are measured in the same run, so that the report's
+//! ratios compare figures taken on the same machine at the same time.
+
+use crate::bench::{median, ms};
+use anyhow::{bail, Context, Result};
+use forkd_daemon::client::{Client, Endpoint};
+use forkd_image::Home;
+use hyper::Method;
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// How the children of a measured fork are made.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Every child restored from scratch (QEMU started by the fork).
+    Fresh,
+    /// Every child taken from a warm pool filled to N before the fork.
+    Pool,
+}
+
+/// Arguments of `forkd bench scale`.
+#[derive(clap::Args, Debug)]
+pub struct ScaleArgs {
+    /// The template to build and fork (a built-in name or a recipe file).
+    #[arg(long, default_value = "python")]
+    template: String,
+    /// Fork sizes, in order.
+    #[arg(long, value_delimiter = ',', default_value = "1,10,50,100",
+          value_parser = clap::value_parser!(u32).range(1..=256))]
+    counts: Vec<u32>,
+    /// Modes to measure each size in.
+    #[arg(long, value_delimiter = ',', default_value = "fresh,pool")]
+    modes: Vec<Mode>,
+    /// Seconds the children idle before they are checked again.
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    idle_secs: u64,
+    /// Seconds, at the end of the idle time, over which idle CPU is read.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=600))]
+    cpu_window_secs: u64,
+    /// Cold boots, and single forks in each mode, to take the median of.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=50))]
+    runs: u32,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct ScaleReport {
+    template: String,
+    accel: String,
+    host_cpus: usize,
+    idle_secs: u64,
+    cpu_window_secs: u64,
+    cold_boot_ms: Vec<f64>,
+    median_cold_boot_ms: f64,
+    single_fork: Vec<SingleFork>,
+    rows: Vec<ScaleRow>,
+}
+
+#[derive(Serialize)]
+struct SingleFork {
+    mode: Mode,
+    /// Create request to the child's first exec answered, through the API.
+    runs_ms: Vec<f64>,
+    median_ms: f64,
+    ratio_to_cold_boot: f64,
+}
+
+#[derive(Serialize)]
+struct ScaleRow {
+    mode: Mode,
+    count: u32,
+    /// Create request to every child having answered an exec.
+    wall_ms: f64,
+    /// Children alive and answering an exec after the idle time.
+    alive_after_idle: u32,
+    /// Mean over the children, whole QEMU process.
+    pss_mib: f64,
+    private_mib: f64,
+    /// MemAvailable before the fork (and before its pool was filled) minus after the
+    /// idle time, divided by the count.
+    host_mib: f64,
+    /// Mean share of one core per child over the CPU window.
+    idle_cpu_percent: f64,
+    /// This row's wall time over the same mode's wall time for N = 10, when measured.
+    ratio_to_n10: Option<f64>,
+}
+
+/// Runs the benchmark.
+pub async fn run(home: &Home, args: ScaleArgs) -> Result<()> {
+    let say = |m: &str| {
+        if !args.json {
+            eprintln!("[forkd] {m}");
+        }
+    };
+    let recipe = crate::snapshots::find_recipe(&args.template)?;
+    let assets = crate::image::ensure_assets(home, recipe.rootfs_image(), false).await?;
+    let opts = forkd_core::SandboxOptions {
+        vcpus: recipe.vcpus,
+        memory_mib: recipe.memory_mib,
+        ..Default::default()
+    };
+    let accel = forkd_hypervisor::accel::resolve(opts.accel)?;
+    let mut cold = Vec::new();
+    let hv = forkd_hypervisor::new();
+    for i in 0..args.runs {
+        // What `forkd run` does before its command: a disk layer, QEMU, the agent.
+        let t = Instant::now();
+        let sb = forkd_core::Sandbox::boot(hv.as_ref(), home, &assets, &opts)
+            .await
+            .with_context(|| format!("cold boot {}", i + 1))?;
+        cold.push(ms(t.elapsed()));
+        sb.destroy().await?;
+        say(&format!(
+            "cold boot {}/{}: {:.0} ms",
+            i + 1,
+            args.runs,
+            cold[cold.len() - 1]
+        ));
+    }
+    let median_cold = median(cold.clone());
+
+    let most = args.counts.iter().copied().max().unwrap_or(1) as usize;
+    let daemon = BenchDaemon::start(home, most + 4).await?;
+    let c = &daemon.client;
+    say(&format!("building template {}", recipe.name));
+    let info = crate::snapshots::build_template(c, &args.template, None, false).await?;
+    let tag = info["tag"]
+        .as_str()
+        .context("the daemon named no tag")?
+        .to_owned();
+
+    let mut single_fork = Vec::new();
+    for &mode in &args.modes {
+        let mut runs_ms = Vec::new();
+        for _ in 0..args.runs {
+            if mode == Mode::Pool {
+                set_pool(c, &tag, 1).await?;
+            }
+            let t = Instant::now();
+            let ids = fork_and_exec(c, &tag, 1).await?;
+            runs_ms.push(ms(t.elapsed()));
+            if mode == Mode::Pool {
+                set_pool(c, &tag, 0).await?;
+            }
+            delete_all(c, &ids).await?;
+        }
+        let median_ms = median(runs_ms.clone());
+        say(&format!(
+            "single fork ({mode:?}): median {median_ms:.0} ms, {:.3} of a cold boot",
+            median_ms / median_cold
+        ));
+        single_fork.push(SingleFork {
+            mode,
+            runs_ms,
+            median_ms,
+            ratio_to_cold_boot: median_ms / median_cold,
+        });
+    }
+
+    let mut rows: Vec<ScaleRow> = Vec::new();
+    for &count in &args.counts {
+        for &mode in &args.modes {
+            say(&format!("N = {count}, {mode:?}"));
+            let row = measure(c, &tag, count, mode, &args, &say).await?;
+            rows.push(row);
+        }
+    }
+    for i in 0..rows.len() {
+        let base = rows
+            .iter()
+            .find(|r| r.count == 10 && r.mode == rows[i].mode)
+            .map(|r| r.wall_ms);
+        rows[i].ratio_to_n10 = base.map(|b| rows[i].wall_ms / b);
+    }
+    let _ = c.delete(&format!("/v1/snapshots/{tag}")).await;
+    drop(daemon);
+
+    let report = ScaleReport {
+        template: recipe.name.clone(),
+        accel: accel.to_string(),
+        host_cpus: forkd_core::fork::default_parallel(),
+        idle_secs: args.idle_secs,
+        cpu_window_secs: args.cpu_window_secs,
+        cold_boot_ms: cold,
+        median_cold_boot_ms: median_cold,
+        single_fork,
+        rows,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_report(&report);
+    }
+    Ok(())
+}
+
+/// One fork of `count` in `mode`, its idle time, and its figures.
+async fn measure(
+    c: &Client,
+    tag: &str,
+    count: u32,
+    mode: Mode,
+    args: &ScaleArgs,
+    say: &dyn Fn(&str),
+) -> Result<ScaleRow> {
+    let before = forkd_daemon::admission::mem_available().unwrap_or(0);
+    if mode == Mode::Pool {
+        set_pool(c, tag, count).await?;
+    }
+    let t = Instant::now();
+    let ids = fork_and_exec(c, tag, count).await?;
+    let wall_ms = ms(t.elapsed());
+    if mode == Mode::Pool {
+        // No refill while the children idle: it would be measured as theirs.
+        set_pool(c, tag, 0).await?;
+    }
+    say(&format!(
+        "  {count} children answered in {wall_ms:.0} ms; idling {} s",
+        args.idle_secs
+    ));
+    let pids = pids_of(c, &ids).await?;
+    let window = args.cpu_window_secs.min(args.idle_secs);
+    tokio::time::sleep(Duration::from_secs(args.idle_secs - window)).await;
+    let a = cpu_ticks(&pids);
+    tokio::time::sleep(Duration::from_secs(window)).await;
+    let b = cpu_ticks(&pids);
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .unwrap_or(100) as f64;
+    let shares: Vec<f64> = a
+        .iter()
+        .zip(&b)
+        .map(|(a, b)| 100.0 * b.saturating_sub(*a) as f64 / hz / window as f64)
+        .collect();
+    let usage: Vec<_> = pids
+        .iter()
+        .filter_map(|p| forkd_hypervisor::smaps::process_usage(*p))
+        .collect();
+    let mean_mib = |f: &dyn Fn(&forkd_hypervisor::smaps::MappingUsage) -> u64| {
+        usage.iter().map(|u| f(u) as f64).sum::<f64>() / usage.len().max(1) as f64 / MIB
+    };
+    let pss_mib = mean_mib(&|u| u.pss);
+    let private_mib = mean_mib(&|u| u.private_clean + u.private_dirty);
+    let after = forkd_daemon::admission::mem_available().unwrap_or(0);
+    let host_mib = before.saturating_sub(after) as f64 / count as f64 / MIB;
+    let answers = futures::future::join_all(ids.iter().map(|id| exec_true(c, id))).await;
+    let alive_after_idle = answers.iter().filter(|r| r.is_ok()).count() as u32;
+    delete_all(c, &ids).await?;
+    let idle_cpu_percent = shares.iter().sum::<f64>() / shares.len().max(1) as f64;
+    say(&format!(
+        "  {alive_after_idle}/{count} answer after idling; {idle_cpu_percent:.2} % of a core, PSS {pss_mib:.1} MiB, private {private_mib:.1} MiB, host {host_mib:.1} MiB per child"
+    ));
+    Ok(ScaleRow {
+        mode,
+        count,
+        wall_ms,
+        alive_after_idle,
+        pss_mib,
+        private_mib,
+        host_mib,
+        idle_cpu_percent,
+        ratio_to_n10: None,
+    })
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// Forks `count` children of `tag` through the API and runs `true` in each; returns
+/// their ids once every one has answered.
+async fn fork_and_exec(c: &Client, tag: &str, count: u32) -> Result<Vec<String>> {
+    let v: Value = c
+        .json(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(&json!({ "snapshot": tag, "n": count, "labels": {"bench": "scale"} })),
+        )
+        .await
+        .with_context(|| format!("forking {count} children of {tag}"))?;
+    let ids: Vec<String> = v["sandboxes"]
+        .as_array()
+        .context("no sandboxes in the answer")?
+        .iter()
+        .filter_map(|s| s["id"].as_str().map(str::to_owned))
+        .collect();
+    for r in futures::future::join_all(ids.iter().map(|id| exec_true(c, id))).await {
+        r?;
+    }
+    Ok(ids)
+}
+
+async fn exec_true(c: &Client, id: &str) -> Result<()> {
+    let v: Value = c
+        .json(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(&json!({ "cmd": ["true"] })),
+        )
+        .await
+        .with_context(|| format!("exec in {id}"))?;
+    if v["exit_code"] != 0 {
+        bail!("exec in {id} answered {v}");
+    }
+    Ok(())
+}
+
+async fn pids_of(c: &Client, ids: &[String]) -> Result<Vec<u32>> {
+    let mut pids = Vec::new();
+    for id in ids {
+        let v: Value = c
+            .json(Method::GET, &format!("/v1/sandboxes/{id}"), None)
+            .await?;
+        pids.push(v["pid"].as_u64().context("no pid")? as u32);
+    }
+    Ok(pids)
+}
+
+async fn delete_all(c: &Client, ids: &[String]) -> Result<()> {
+    let deletes = ids
+        .iter()
+        .map(|id| async move { c.delete(&format!("/v1/sandboxes/{id}")).await });
+    for r in futures::future::join_all(deletes).await {
+        r?;
+    }
+    Ok(())
+}
+
+/// Sets the pool of `tag` to `size` and waits until it holds exactly that many ready.
+async fn set_pool(c: &Client, tag: &str, size: u32) -> Result<()> {
+    let path = format!("/v1/snapshots/{tag}/pool");
+    let _: Value = c
+        .json(Method::PUT, &path, Some(&json!({ "size": size })))
+        .await?;
+    // Members are made one at a time: allow each a generous minute.
+    let deadline = Instant::now() + Duration::from_secs(60 + 60 * size as u64);
+    loop {
+        let v: Value = c.json(Method::GET, &path, None).await?;
+        if v["idle"] == size && v["filling"] == 0 {
+            return Ok(());
+        }
+        if let Some(e) = v["error"].as_str() {
+            bail!("the pool of {tag} could not be filled: {e}");
+        }
+        if Instant::now() > deadline {
+            bail!("the pool of {tag} did not reach {size} members: {v}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// utime + stime of each process, in clock ticks (0 for one that is gone).
+fn cpu_ticks(pids: &[u32]) -> Vec<u64> {
+    pids.iter()
+        .map(|p| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            // Fields after the command name (which may hold spaces): state is the
+            // first, utime the 12th, stime the 13th.
+            let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let get = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            get(11) + get(12)
+        })
+        .collect()
+}
+
+/// A daemon of the benchmark's own, on a private data directory, stopped (with every
+/// VM of the directory) when dropped.
+struct BenchDaemon {
+    dir: PathBuf,
+    process: std::process::Child,
+    client: Client,
+}
+
+impl BenchDaemon {
+    async fn start(home: &Home, max_sandboxes: usize) -> Result<BenchDaemon> {
+        // Beside the assets: one filesystem, so that the snapshot hard-links them.
+        let parent = home.root().join("bench");
+        std::fs::create_dir_all(&parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+        let dir = parent.join(format!("scale-{}", forkd_core::ids::random_hex(6)));
+        std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        std::os::unix::fs::symlink(home.images_dir(), dir.join("images"))?;
+        let socket = dir.join("forkd.sock");
+        let log = std::fs::File::create(dir.join("daemon.log"))?;
+        let process = std::process::Command::new(std::env::current_exe()?)
+            .arg("daemon")
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--max-sandboxes")
+            .arg(max_sandboxes.to_string())
+            .env("FORKD_HOME", &dir)
+            .env_remove("FORKD_URL")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting the benchmark's daemon")?;
+        let client = Client::new(Endpoint::Unix(socket), None);
+        let mut d = BenchDaemon {
+            dir,
+            process,
+            client,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while d
+            .client
+            .call(Method::GET, "/v1/health", None)
+            .await
+            .is_err()
+        {
+            if let Some(status) = d.process.try_wait()? {
+                bail!(
+                    "the benchmark's daemon exited ({status}): {}",
+                    std::fs::read_to_string(d.dir.join("daemon.log")).unwrap_or_default()
+                );
+            }
+            if Instant::now() > deadline {
+                bail!("the benchmark's daemon did not answer within a minute");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(d)
+    }
+}
+
+impl Drop for BenchDaemon {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.process.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.process.wait();
+        // Children outlive their daemon by design: end whatever the directory still runs.
+        let inside = format!("{}/", self.dir.display());
+        for (pid, start) in forkd_hypervisor::process::find_by_argument(&inside) {
+            forkd_hypervisor::process::kill(pid, start);
+        }
+        remove_tree(&self.dir);
+    }
+}
+
+fn remove_tree(dir: &Path) {
+    if let Err(e) = std::fs::remove_dir_all(dir) {
+        eprintln!("[forkd] removing {}: {e}", dir.display());
+    }
+}
+
+fn print_report(r: &ScaleReport) {
+    println!(
+        "scale benchmark: template {}, accel {}, {} host CPUs, idle {} s (CPU over the last {} s)",
+        r.template, r.accel, r.host_cpus, r.idle_secs, r.cpu_window_secs
+    );
+    println!(
+        "  cold boot (forkd run to the first answer), median {:.0} ms",
+        r.median_cold_boot_ms
+    );
+    for s in &r.single_fork {
+        println!(
+            "  one fork through the API ({:?}), median {:.0} ms = {:.3} of a cold boot (1/{:.0})",
+            s.mode,
+            s.median_ms,
+            s.ratio_to_cold_boot,
+            1.0 / s.ratio_to_cold_boot
+        );
+    }
+    println!(
+        "  {:>5} {:>5} {:>10} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8}",
+        "mode", "N", "wall ms", "alive", "PSS MiB", "priv MiB", "host MiB", "idle CPU", "vs N=10"
+    );
+    for row in &r.rows {
+        println!(
+            "  {:>5} {:>5} {:>10.0} {:>3}/{:<3} {:>9.1} {:>9.1} {:>9.1} {:>8.2}% {:>8}",
+            format!("{:?}", row.mode).to_lowercase(),
+            row.count,
+            row.wall_ms,
+            row.alive_after_idle,
+            row.count,
+            row.pss_mib,
+            row.private_mib,
+            row.host_mib,
+            row.idle_cpu_percent,
+            row.ratio_to_n10.map_or("-".into(), |x| format!("{x:.2}"))
+        );
+    }
+}
