@@ -312,10 +312,12 @@ impl Sandbox {
             w.abort();
         }
         // No request may be in flight at the freeze: every child would resume it with a
-        // host that never sent it. Closing the session first means the guest agent is
-        // waiting for a new greeting in every child.
+        // host that never sent it. So the session is closed, and a greeting answered on
+        // a fresh connection shows that the agent has left it: every child then starts
+        // with an agent that takes the next greeting at once.
         self.inner.agent.close();
-        tokio::time::sleep(QUIESCE).await;
+        let socket = self.inner.config.agent_socket();
+        let _quiet = crate::agent::quiesce(&socket, QUIESCE_TIMEOUT).await?;
         self.inner.vm.save_state(state).await?;
         Ok(())
     }
@@ -599,11 +601,9 @@ async fn watch(inner: std::sync::Weak<Inner>) {
     }
 }
 
-/// After closing the template's agent session, how long the guest gets to see the
-/// hang-up before it is frozen. Children whose agent froze before it noticed still work
-/// (the agent finds the next greeting in what looks like a broken session), but the
-/// first answer then takes longer.
-const QUIESCE: Duration = Duration::from_millis(300);
+/// How long the agent of a template being frozen may take to answer the greeting that
+/// shows it has left its session.
+const QUIESCE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Connects to the agent and waits for its first answer: a ping, or for a restored
 /// child (`resume_as` its id) the resume hook, so that nothing reaches the child before

@@ -186,7 +186,8 @@ pub struct ResumeRequest {
 pub struct ResumeResponse {
     /// How far the guest's clock was moved, in milliseconds (positive: forward).
     pub clock_step_ms: i64,
-    /// Code contexts whose random generators were reseeded.
+    /// Code contexts whose random generators are reseeded (queued ahead of any code
+    /// sent to them later; the answer does not wait for them).
     pub contexts_reseeded: u32,
 }
 

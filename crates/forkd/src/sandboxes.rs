@@ -196,6 +196,9 @@ async fn follow_fork(client: &Client, op_id: &str, total: u64) -> Result<Value> 
     let path = format!("/v1/operations/{op_id}");
     let mut interrupted = std::pin::pin!(tokio::signal::ctrl_c());
     let mut cancelled = false;
+    // A fork of one from a warm pool ends in about a tenth of a second: look often at
+    // first, then less and less often, up to every 100 ms.
+    let mut pause = std::time::Duration::from_millis(5);
     loop {
         let op: Value = client.json(Method::GET, &path, None).await?;
         bar.set_position(op["done"].as_u64().unwrap_or(0));
@@ -204,7 +207,10 @@ async fn follow_fork(client: &Client, op_id: &str, total: u64) -> Result<Value> 
             return Ok(op);
         }
         tokio::select! {
-            _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {}
+            _ = tokio::time::sleep(pause) => {
+                pause = (pause + std::time::Duration::from_millis(5))
+                    .min(std::time::Duration::from_millis(100));
+            }
             _ = &mut interrupted, if !cancelled => {
                 cancelled = true;
                 bar.println("cancelling the fork (its children are removed)...");

@@ -240,7 +240,19 @@ impl Context {
         timeout: Option<Duration>,
         sink: mpsc::Sender<ContextEvent>,
     ) {
-        let mut slot = self.proc.clone().lock_owned().await;
+        let slot = self.proc.clone().lock_owned().await;
+        self.run_locked(slot, req, timeout, sink).await
+    }
+
+    /// Runs `req` in the interpreter whose lock is `slot`: runs queue on that lock
+    /// (tokio's mutex is fair), so whoever took it first runs first.
+    async fn run_locked(
+        &self,
+        mut slot: tokio::sync::OwnedMutexGuard<Option<Interpreter>>,
+        req: serde_json::Value,
+        timeout: Option<Duration>,
+        sink: mpsc::Sender<ContextEvent>,
+    ) {
         let Some(interp) = slot.as_mut() else {
             let _ = sink
                 .send(died("it was not restarted after it failed"))
@@ -276,18 +288,25 @@ impl Contexts {
         lock(&self.map).values().cloned().collect()
     }
 
-    /// Reseeds `random` and `numpy.random` in every context that is not busy, waiting up
-    /// to `wait` for a busy one. Returns how many were reseeded.
+    /// Queues a reseed of `random` and `numpy.random` in every context, ahead of any code
+    /// sent to it later, waiting up to `wait` for a busy one. Returns how many were
+    /// queued. The reseeds run in the background: a restored child answers its host
+    /// without waiting for its interpreters (whose first instructions, under TCG, are
+    /// slow), and no code of the child's can run in a context before its reseed has.
     pub async fn reseed_all(&self, wait: Duration) -> u32 {
         let mut n = 0;
         for ctx in self.all() {
-            let (tx, mut rx) = mpsc::channel(16);
-            let drain = tokio::spawn(async move { while rx.recv().await.is_some() {} });
-            let run = ctx.run(serde_json::json!({ "op": "reseed" }), None, tx);
-            if tokio::time::timeout(wait, run).await.is_ok() {
-                n += 1;
-            }
-            let _ = drain.await;
+            let Ok(slot) = tokio::time::timeout(wait, ctx.proc.clone().lock_owned()).await else {
+                continue;
+            };
+            n += 1;
+            tokio::spawn(async move {
+                let (tx, mut rx) = mpsc::channel(16);
+                let drain = tokio::spawn(async move { while rx.recv().await.is_some() {} });
+                ctx.run_locked(slot, serde_json::json!({ "op": "reseed" }), None, tx)
+                    .await;
+                let _ = drain.await;
+            });
         }
         n
     }

@@ -50,61 +50,77 @@ impl Drop for ConnTask {
     }
 }
 
+/// Connects to the agent behind `socket`, sends a greeting and waits up to `timeout` for
+/// the answer that carries its nonce. Returns the stream, the guest's protocol and the
+/// bytes read past the answer (the start of what the guest sent next).
+async fn greet(socket: &Path, timeout: Duration) -> Result<(UnixStream, u32, Vec<u8>), AgentError> {
+    let mut stream = UnixStream::connect(socket)
+        .await
+        .map_err(|source| AgentError::Connect {
+            path: socket.display().to_string(),
+            source,
+        })?;
+    let nonce = crate::ids::random_hex(handshake::NONCE_LEN / 2);
+    // The greeting is sent once: a guest that already answered it is speaking HTTP/2,
+    // and a second greeting would be garbage to it. If no answer comes, the caller
+    // reconnects, which gives the guest a clean EOF and a new nonce.
+    stream
+        .write_all(&handshake::hello(&nonce))
+        .await
+        .map_err(|source| AgentError::Io {
+            context: "sending the handshake".into(),
+            source,
+        })?;
+    let read_ready = async {
+        let mut buf = Vec::with_capacity(256);
+        let mut chunk = [0u8; 4096];
+        loop {
+            let n = stream
+                .read(&mut chunk)
+                .await
+                .map_err(|source| AgentError::Io {
+                    context: "reading the handshake".into(),
+                    source,
+                })?;
+            if n == 0 {
+                return Err(AgentError::HandshakeClosed);
+            }
+            buf.extend_from_slice(&chunk[..n]);
+            if let handshake::ReadyScan::Found { protocol, end } =
+                handshake::find_ready(&buf, &nonce)
+            {
+                return Ok((protocol, buf.split_off(end)));
+            }
+            // Bytes before our answer are leftovers of an older session: drop them,
+            // keeping a tail that may hold the start of the answer.
+            if buf.len() > 64 * 1024 {
+                buf.drain(..buf.len() - 256);
+            }
+        }
+    };
+    let (protocol, leftover) =
+        tokio::time::timeout(timeout, read_ready)
+            .await
+            .map_err(|_| AgentError::HandshakeTimeout {
+                secs: timeout.as_secs(),
+            })??;
+    Ok((stream, protocol, leftover))
+}
+
+/// Makes sure the agent has left every session and answers greetings: greets it on a
+/// fresh connection and waits for its answer. The agent then waits for HTTP/2 on that
+/// connection; a child restored from this moment greets it anew, which ends that wait at
+/// once. Returns the connection, to be kept open until the VM is paused.
+pub async fn quiesce(socket: &Path, timeout: Duration) -> Result<UnixStream, AgentError> {
+    let (stream, _, _) = greet(socket, timeout).await?;
+    Ok(stream)
+}
+
 impl AgentClient {
     /// Connects to the agent behind `socket` and completes the handshake, waiting up to
     /// `timeout` for the guest to answer (a booting guest answers once its agent is up).
     pub async fn connect(socket: &Path, timeout: Duration) -> Result<AgentClient, AgentError> {
-        let mut stream =
-            UnixStream::connect(socket)
-                .await
-                .map_err(|source| AgentError::Connect {
-                    path: socket.display().to_string(),
-                    source,
-                })?;
-        let nonce = crate::ids::random_hex(handshake::NONCE_LEN / 2);
-        // The greeting is sent once: a guest that already answered it is speaking HTTP/2,
-        // and a second greeting would be garbage to it. If no answer comes, the caller
-        // reconnects, which gives the guest a clean EOF and a new nonce.
-        stream
-            .write_all(&handshake::hello(&nonce))
-            .await
-            .map_err(|source| AgentError::Io {
-                context: "sending the handshake".into(),
-                source,
-            })?;
-        let read_ready = async {
-            let mut buf = Vec::with_capacity(256);
-            let mut chunk = [0u8; 4096];
-            loop {
-                let n = stream
-                    .read(&mut chunk)
-                    .await
-                    .map_err(|source| AgentError::Io {
-                        context: "reading the handshake".into(),
-                        source,
-                    })?;
-                if n == 0 {
-                    return Err(AgentError::HandshakeClosed);
-                }
-                buf.extend_from_slice(&chunk[..n]);
-                if let handshake::ReadyScan::Found { protocol, end } =
-                    handshake::find_ready(&buf, &nonce)
-                {
-                    return Ok((protocol, buf.split_off(end)));
-                }
-                // Bytes before our answer are leftovers of an older session: drop them,
-                // keeping a tail that may hold the start of the answer.
-                if buf.len() > 64 * 1024 {
-                    buf.drain(..buf.len() - 256);
-                }
-            }
-        };
-        let (protocol, leftover) =
-            tokio::time::timeout(timeout, read_ready)
-                .await
-                .map_err(|_| AgentError::HandshakeTimeout {
-                    secs: timeout.as_secs(),
-                })??;
+        let (stream, protocol, leftover) = greet(socket, timeout).await?;
         if protocol != PROTOCOL_VERSION {
             return Err(AgentError::ProtocolMismatch {
                 guest: protocol,
