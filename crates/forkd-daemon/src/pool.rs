@@ -22,6 +22,11 @@ use std::time::{Duration, Instant};
 /// How long a pool waits before it tries again after a member could not be prepared.
 const RETRY_AFTER: Duration = Duration::from_secs(30);
 
+/// How long after a fork ends the pools wait before they refill: the children it made
+/// run their first commands then, and on a host with few cores starting a QEMU beside
+/// them would slow them down.
+pub const REFILL_AFTER: Duration = Duration::from_secs(1);
+
 /// The pools, kept with the registry's slots (members count against its limit).
 #[derive(Default)]
 pub(crate) struct Pools {
@@ -35,9 +40,22 @@ pub(crate) struct Pools {
     closed: std::collections::HashSet<String>,
     /// Why the last member of a pool could not be prepared, and when to try again.
     failing: HashMap<String, (String, Instant)>,
+    /// When the last fork ended.
+    last_fork: Option<Instant>,
 }
 
 impl Pools {
+    /// Notes that a fork ended (see [`REFILL_AFTER`]).
+    pub(crate) fn fork_ended(&mut self) {
+        self.last_fork = Some(Instant::now());
+    }
+
+    /// How long the pools must still wait before they refill.
+    pub(crate) fn refill_wait(&self) -> Duration {
+        self.last_fork
+            .map_or(Duration::ZERO, |t| REFILL_AFTER.saturating_sub(t.elapsed()))
+    }
+
     /// Members that hold (or are starting) a VM.
     pub(crate) fn held(&self) -> usize {
         self.idle.values().map(Vec::len).sum::<usize>() + self.filling.values().sum::<usize>()
@@ -155,6 +173,11 @@ impl Registry {
             filling: p.filling.get(tag).copied().unwrap_or(0),
             error: p.failing.get(tag).map(|(e, _)| e.clone()),
         }
+    }
+
+    /// How long the pools must still wait before they refill (see [`REFILL_AFTER`]).
+    pub fn pool_refill_wait(&self) -> Duration {
+        self.slots().pools.refill_wait()
     }
 
     /// Idle pool members by snapshot tag (for metrics).
@@ -314,8 +337,8 @@ impl Registry {
             let Ok(snap) = res else { continue };
             let (per_child, basis) = self.child_cost(&tag);
             let mut slots = self.slots();
-            if slots.reserved > 0 {
-                // A fork runs: it has the CPU.
+            if slots.reserved > 0 || !slots.pools.refill_wait().is_zero() {
+                // A fork runs, or its children just started: they have the CPU.
                 return None;
             }
             let p = &slots.pools;

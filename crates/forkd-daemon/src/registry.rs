@@ -468,6 +468,7 @@ impl Registry {
             let mut slots = self.slots();
             slots.cancels.remove(&op.id);
             slots.progress.remove(&op.id);
+            slots.pools.fork_ended();
         }
         self.finish_fork(&op.id, spec.count, &outcome);
         self.pool_wakeup.notify_one();
@@ -1531,6 +1532,12 @@ mod tests {
             assert_eq!(r.pool_status(&w.snap).idle, 2 - i);
             assert!(!member_rows(&w).contains(&child.row.id));
         }
+        assert_eq!(
+            r.fill_pools().await,
+            0,
+            "the pool waits for the children's start"
+        );
+        tokio::time::sleep(crate::pool::REFILL_AFTER).await;
         assert_eq!(r.fill_pools().await, 3, "the pool refills");
         let refilled = member_rows(&w);
         assert!(refilled.iter().all(|id| !members.contains(id)));
@@ -1573,6 +1580,7 @@ mod tests {
         assert!(member_rows(&w).is_empty());
         assert_eq!(vms_of(&w).len(), 2);
         // A pool refills only where there is room.
+        tokio::time::sleep(crate::pool::REFILL_AFTER).await;
         assert_eq!(r.fill_pools().await, 2);
         let Err(e) = r.create(&w.snap, spec(3)).await else {
             panic!("a fork over capacity was accepted");

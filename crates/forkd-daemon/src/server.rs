@@ -414,6 +414,8 @@ async fn fill_pools(app: App) {
     loop {
         app.registry.fill_pools().await;
         let _ = tokio::time::timeout(POOL_CHECK_EVERY, app.registry.pool_wakeup.notified()).await;
+        // After a fork, the pools wait until its children have had their start.
+        tokio::time::sleep(app.registry.pool_refill_wait()).await;
     }
 }
 

@@ -156,10 +156,10 @@ pub async fn run(home: &Home, args: ScaleArgs) -> Result<()> {
                 set_pool(c, &tag, 1).await?;
             }
             let t = Instant::now();
-            let ids = fork_and_exec(c, &tag, 1).await?;
+            let ids = fork_and_exec(c, &tag, 1, mode).await?;
             runs_ms.push(ms(t.elapsed()));
             if mode == Mode::Pool {
-                set_pool(c, &tag, 0).await?;
+                wait_pool(c, &tag, 0).await?;
             }
             delete_all(c, &ids).await?;
         }
@@ -227,11 +227,10 @@ async fn measure(
         set_pool(c, tag, count).await?;
     }
     let t = Instant::now();
-    let ids = fork_and_exec(c, tag, count).await?;
+    let ids = fork_and_exec(c, tag, count, mode).await?;
     let wall_ms = ms(t.elapsed());
     if mode == Mode::Pool {
-        // No refill while the children idle: it would be measured as theirs.
-        set_pool(c, tag, 0).await?;
+        wait_pool(c, tag, 0).await?;
     }
     say(&format!(
         "  {count} children answered in {wall_ms:.0} ms; idling {} s",
@@ -286,8 +285,9 @@ async fn measure(
 const MIB: f64 = 1024.0 * 1024.0;
 
 /// Forks `count` children of `tag` through the API and runs `true` in each; returns
-/// their ids once every one has answered.
-async fn fork_and_exec(c: &Client, tag: &str, count: u32) -> Result<Vec<String>> {
+/// their ids once every one has answered. In pool mode the pool is then set to 0 before
+/// the execs: its refill is not the children's work, and must not be measured as such.
+async fn fork_and_exec(c: &Client, tag: &str, count: u32, mode: Mode) -> Result<Vec<String>> {
     let v: Value = c
         .json(
             Method::POST,
@@ -302,6 +302,9 @@ async fn fork_and_exec(c: &Client, tag: &str, count: u32) -> Result<Vec<String>>
         .iter()
         .filter_map(|s| s["id"].as_str().map(str::to_owned))
         .collect();
+    if mode == Mode::Pool {
+        put_pool(c, tag, 0).await?;
+    }
     for r in futures::future::join_all(ids.iter().map(|id| exec_true(c, id))).await {
         r?;
     }
@@ -346,10 +349,21 @@ async fn delete_all(c: &Client, ids: &[String]) -> Result<()> {
 
 /// Sets the pool of `tag` to `size` and waits until it holds exactly that many ready.
 async fn set_pool(c: &Client, tag: &str, size: u32) -> Result<()> {
+    put_pool(c, tag, size).await?;
+    wait_pool(c, tag, size).await
+}
+
+async fn put_pool(c: &Client, tag: &str, size: u32) -> Result<()> {
     let path = format!("/v1/snapshots/{tag}/pool");
     let _: Value = c
         .json(Method::PUT, &path, Some(&json!({ "size": size })))
         .await?;
+    Ok(())
+}
+
+/// Waits until the pool of `tag` holds exactly `size` members ready.
+async fn wait_pool(c: &Client, tag: &str, size: u32) -> Result<()> {
+    let path = format!("/v1/snapshots/{tag}/pool");
     // Members are made one at a time: allow each a generous minute.
     let deadline = Instant::now() + Duration::from_secs(60 + 60 * size as u64);
     loop {
