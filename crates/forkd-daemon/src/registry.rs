@@ -545,14 +545,17 @@ impl Registry {
             ),
         };
         let done = outcome.as_ref().map_or(0, |o| o.entries.len() as u64);
-        let recorded = self
-            .state
-            .set_result(op, &result)
-            .and_then(|()| self.state.set_progress(op, done, total as u64))
-            .and_then(|()| {
-                self.state
-                    .finish_operation(op, status, error.as_deref(), &crate::now_rfc3339())
-            });
+        let recorded = self.state.finish_fork(
+            op,
+            &crate::state::OperationEnd {
+                status,
+                error: error.as_deref(),
+                finished_at: &crate::now_rfc3339(),
+                done,
+                total: total as u64,
+                result: &result,
+            },
+        );
         if let Err(e) = recorded {
             tracing::warn!(%op, "recording the end of the fork: {e}");
         }

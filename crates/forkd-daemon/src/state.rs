@@ -457,16 +457,7 @@ impl State {
         Ok(())
     }
 
-    /// Records an operation's progress.
-    pub fn set_progress(&self, id: &str, done: u64, total: u64) -> Result<(), StateError> {
-        self.conn().execute(
-            "UPDATE operations SET done = ?2, total = ?3 WHERE id = ?1",
-            params![id, done as i64, total as i64],
-        )?;
-        Ok(())
-    }
-
-    /// Marks an operation finished.
+    /// Marks an operation finished (`status`, with `error` when it failed).
     pub fn finish_operation(
         &self,
         id: &str,
@@ -481,11 +472,22 @@ impl State {
         Ok(())
     }
 
-    /// Records what an operation produced.
-    pub fn set_result(&self, id: &str, result: &serde_json::Value) -> Result<(), StateError> {
+    /// Records how a fork ended, in one write: its status and error, its progress
+    /// (`done` of `total` children) and its result.
+    pub fn finish_fork(&self, id: &str, end: &OperationEnd<'_>) -> Result<(), StateError> {
         self.conn().execute(
-            "UPDATE operations SET result = ?2 WHERE id = ?1",
-            params![id, serde_json::to_string(result)?],
+            "UPDATE operations SET status = ?2, error = ?3, finished_at = ?4, done = ?5,
+                total = ?6, result = ?7
+             WHERE id = ?1",
+            params![
+                id,
+                end.status,
+                end.error,
+                end.finished_at,
+                end.done as i64,
+                end.total as i64,
+                serde_json::to_string(end.result)?
+            ],
         )?;
         Ok(())
     }
@@ -557,6 +559,23 @@ impl State {
         tx.commit()?;
         Ok(targets)
     }
+}
+
+/// How an operation ended (see [`State::finish_fork`]).
+#[derive(Debug)]
+pub struct OperationEnd<'a> {
+    /// `succeeded`, `failed` or `cancelled`.
+    pub status: &'a str,
+    /// Why it failed.
+    pub error: Option<&'a str>,
+    /// RFC 3339.
+    pub finished_at: &'a str,
+    /// Children made.
+    pub done: u64,
+    /// Children asked for.
+    pub total: u64,
+    /// What it produced.
+    pub result: &'a serde_json::Value,
 }
 
 /// A warm pool's member as recorded: enough to find and end its VM after a restart.
@@ -710,9 +729,24 @@ mod tests {
             result: None,
         };
         s.insert_operation(&op).unwrap();
-        s.set_result("op-1", &serde_json::json!({"sandboxes": ["sb-1"]}))
-            .unwrap();
-        s.set_progress("op-1", 2, 5).unwrap();
+        let fork = OperationRow {
+            id: "op-2".into(),
+            kind: "fork".into(),
+            ..op.clone()
+        };
+        s.insert_operation(&fork).unwrap();
+        s.finish_fork(
+            "op-2",
+            &OperationEnd {
+                status: "succeeded",
+                error: None,
+                finished_at: "t0",
+                done: 2,
+                total: 5,
+                result: &serde_json::json!({"sandboxes": ["sb-1"]}),
+            },
+        )
+        .unwrap();
         assert_eq!(
             s.interrupt_running_operations("t1").unwrap(),
             vec![("build_snapshot".to_string(), "python".to_string())]
@@ -721,8 +755,13 @@ mod tests {
         let got = s.operation("op-1").unwrap().unwrap();
         assert_eq!(got.status, "interrupted");
         assert_eq!(got.finished_at.as_deref(), Some("t1"));
-        assert_eq!((got.done, got.total), (2, 5));
-        assert_eq!(got.result.unwrap()["sandboxes"][0], "sb-1");
+        let fork = s.operation("op-2").unwrap().unwrap();
+        assert_eq!(
+            fork.status, "succeeded",
+            "a finished operation is not interrupted"
+        );
+        assert_eq!((fork.done, fork.total), (2, 5));
+        assert_eq!(fork.result.unwrap()["sandboxes"][0], "sb-1");
     }
 
     #[test]
