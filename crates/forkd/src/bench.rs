@@ -222,14 +222,7 @@ async fn fork(home: &Home, args: ForkArgs) -> Result<()> {
             eprintln!("[forkd] {m}");
         }
     };
-    let recipe = crate::snapshots::find_recipe(&args.template)?;
-    let assets = crate::image::ensure_assets(home, recipe.rootfs_image(), false).await?;
-    let opts = forkd_core::SandboxOptions {
-        vcpus: recipe.vcpus,
-        memory_mib: recipe.memory_mib,
-        accel: args.accel,
-        ..Default::default()
-    };
+    let (recipe, assets, opts) = template_parts(home, &args.template, args.accel).await?;
     let accel = forkd_hypervisor::accel::resolve(args.accel)?;
     say(&format!(
         "cold boots of {} ({} MiB, {accel})",
@@ -417,6 +410,28 @@ fn print_fork_report(r: &ForkReport) {
         "  sum of children's PSS / template resident {:>5.2}",
         r.ratio_sum_pss_to_template_resident
     );
+}
+
+/// The recipe of `template` (a built-in name or a recipe file), its guest assets (built
+/// if missing), and the options a cold boot of its image takes to match its parent.
+pub(crate) async fn template_parts(
+    home: &Home,
+    template: &str,
+    accel: forkd_hypervisor::AccelChoice,
+) -> Result<(
+    forkd_core::template::Recipe,
+    forkd_image::GuestAssets,
+    forkd_core::SandboxOptions,
+)> {
+    let recipe = crate::snapshots::find_recipe(template)?;
+    let assets = crate::image::ensure_assets(home, recipe.rootfs_image(), false).await?;
+    let opts = forkd_core::SandboxOptions {
+        vcpus: recipe.vcpus,
+        memory_mib: recipe.memory_mib,
+        accel,
+        ..Default::default()
+    };
+    Ok((recipe, assets, opts))
 }
 
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {

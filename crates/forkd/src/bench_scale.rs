@@ -115,13 +115,9 @@ pub async fn run(home: &Home, args: ScaleArgs) -> Result<()> {
             eprintln!("[forkd] {m}");
         }
     };
-    let recipe = crate::snapshots::find_recipe(&args.template)?;
-    let assets = crate::image::ensure_assets(home, recipe.rootfs_image(), false).await?;
-    let opts = forkd_core::SandboxOptions {
-        vcpus: recipe.vcpus,
-        memory_mib: recipe.memory_mib,
-        ..Default::default()
-    };
+    let (recipe, assets, opts) =
+        crate::bench::template_parts(home, &args.template, forkd_hypervisor::AccelChoice::Auto)
+            .await?;
     let accel = forkd_hypervisor::accel::resolve(opts.accel)?;
     let mut cold = Vec::new();
     let hv = forkd_hypervisor::new();
