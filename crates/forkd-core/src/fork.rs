@@ -418,6 +418,7 @@ async fn fork_one(
             Unit::Prepared(p) => {
                 let how = Launch::Prepared {
                     vm: p.vm,
+                    state: snap.part(parts::STATE),
                     tag: snap.tag.to_string(),
                 };
                 (p.config, p.guard, how)

@@ -111,10 +111,14 @@ pub enum Launch {
         tag: String,
     },
     /// Finish the restore of a VM prepared ahead (a warm pool's member), then run the
-    /// agent's resume hook.
+    /// agent's resume hook. If that VM cannot be restored (its process died while it
+    /// waited, say), the child is restored afresh from `state` instead: the directory and
+    /// disk layer it was prepared with are unused until its vCPUs run.
     Prepared {
         /// The VM, its process started and its device state open.
         vm: Box<dyn PreparedVm>,
+        /// The device-state file, for a fresh restore.
+        state: PathBuf,
         /// The snapshot's tag (recorded in the catalog).
         tag: String,
     },
@@ -175,7 +179,13 @@ impl Sandbox {
         let vm = match how {
             Launch::Boot => hv.boot(&config).await?,
             Launch::Restore { state, .. } => hv.restore(&config, &state).await?,
-            Launch::Prepared { vm, .. } => vm.finish().await?,
+            Launch::Prepared { vm, state, .. } => match vm.finish().await {
+                Ok(vm) => vm,
+                Err(e) => {
+                    tracing::warn!(%id, "the prepared VM could not be restored ({e}); restoring afresh");
+                    hv.restore(&config, &state).await?
+                }
+            },
         };
         crate::failpoint::hit(match snapshot {
             None => "build.after_boot",

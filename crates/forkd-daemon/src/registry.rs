@@ -1595,4 +1595,27 @@ mod tests {
         r.drain_pool("other").await;
         assert!(vms_of(&w).is_empty());
     }
+
+    #[tokio::test]
+    async fn a_member_that_cannot_be_restored_is_replaced_by_a_fresh_restore() {
+        let w = world();
+        // Every second restore fails: one of the two members' and none of the fresh ones
+        // that replace it.
+        let r = w.registry_on(fake().with_failing_restores(2), 8);
+        r.set_pool_size(&w.snap, Some(2)).await.unwrap();
+        assert_eq!(r.fill_pools().await, 2);
+        let members = member_rows(&w);
+        let two = r.create(&w.snap, spec(2)).await.unwrap().entries;
+        assert_eq!(two.len(), 2, "the fork does not fail for a broken member");
+        for e in &two {
+            assert!(members.contains(&e.row.id), "{} was not a member", e.row.id);
+            assert_eq!(echo(e).await.unwrap().stdout, b"hi\n");
+        }
+        assert_eq!(vms_of(&w).len(), 2, "the broken member's VM is gone");
+        for e in two {
+            r.delete(&e.row.id).await.unwrap();
+        }
+        r.set_pool_size(&w.snap, Some(0)).await.unwrap();
+        assert!(vms_of(&w).is_empty());
+    }
 }
