@@ -247,18 +247,25 @@ pub async fn list(client: &Client, json: bool) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:24} {:10} {:>7} {:>10} {:>8}  CREATED",
-        "TAG", "TEMPLATE", "MEMORY", "DISK", "CHILDREN"
+        "{:24} {:10} {:>7} {:>10} {:>8} {:>9}  CREATED",
+        "TAG", "TEMPLATE", "MEMORY", "DISK", "CHILDREN", "POOL"
     );
     for r in rows {
         if r["status"] == "ok" {
+            // Warm pool: members ready of its size.
+            let pool = &r["pool"];
+            let pool = match pool["size"].as_u64() {
+                Some(0) | None => "-".to_owned(),
+                Some(size) => format!("{}/{size}", pool["idle"].as_u64().unwrap_or(0)),
+            };
             println!(
-                "{:24} {:10} {:>4}MiB {:>10} {:>8}  {}",
+                "{:24} {:10} {:>4}MiB {:>10} {:>8} {:>9}  {}",
                 r["tag"].as_str().unwrap_or(""),
                 r["template"].as_str().unwrap_or(""),
                 r["memory_mib"],
                 human_size(r["disk_bytes"].as_u64().unwrap_or(0)),
                 r["children"].as_array().map_or(0, Vec::len),
+                pool,
                 r["created_at"].as_str().unwrap_or("")
             );
         } else {
