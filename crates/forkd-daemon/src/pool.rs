@@ -44,6 +44,14 @@ pub(crate) struct Pools {
     last_fork: Option<Instant>,
 }
 
+impl crate::registry::Slots {
+    /// Whether a fork runs, or one ended less than [`REFILL_AFTER`] ago: its children
+    /// have the CPU, pools wait.
+    fn fork_busy(&self) -> bool {
+        self.reserved > 0 || !self.pools.refill_wait().is_zero()
+    }
+}
+
 impl Pools {
     /// Notes that a fork ended (see [`REFILL_AFTER`]).
     pub(crate) fn fork_ended(&mut self) {
@@ -56,9 +64,34 @@ impl Pools {
             .map_or(Duration::ZERO, |t| REFILL_AFTER.saturating_sub(t.elapsed()))
     }
 
+    /// The size of `snap`'s pool, and where it comes from (`api` or `recipe`).
+    fn size_of(&self, snap: &Snapshot) -> (usize, &'static str) {
+        match self.sizes.get(snap.tag.as_str()) {
+            Some(n) => (*n, "api"),
+            None => (snap.manifest.pool as usize, "recipe"),
+        }
+    }
+
+    /// Whether `snap`'s pool is short of its size and may grow (it is open and not
+    /// waiting to try again after a failure).
+    fn wants_member(&self, snap: &Snapshot) -> bool {
+        let tag = snap.tag.as_str();
+        let have = self.idle_of(tag) + self.filling.get(tag).copied().unwrap_or(0);
+        let waiting = self
+            .failing
+            .get(tag)
+            .is_some_and(|(_, at)| *at > Instant::now());
+        have < self.size_of(snap).0 && !self.closed.contains(tag) && !waiting
+    }
+
     /// Members that hold (or are starting) a VM.
     pub(crate) fn held(&self) -> usize {
-        self.idle.values().map(Vec::len).sum::<usize>() + self.filling.values().sum::<usize>()
+        self.idle_total() + self.filling.values().sum::<usize>()
+    }
+
+    /// Idle members of every pool.
+    pub(crate) fn idle_total(&self) -> usize {
+        self.idle.values().map(Vec::len).sum()
     }
 
     /// Idle members of `tag`.
@@ -106,19 +139,9 @@ pub struct PoolStatus {
     pub error: Option<String>,
 }
 
-/// Removes a member's recorded VM and files (after a restart, or when it is dropped
-/// without its handle): its process through a pidfd checked against its start time, and
-/// any process whose command line names its directory.
+/// Removes a member's recorded VM and files (see [`forkd_hypervisor::process::kill_vm`]).
 fn remove_leftover(row: &PoolMemberRow) {
-    if row.pid != 0 {
-        forkd_hypervisor::process::kill(row.pid, row.start_time);
-    }
-    let inside = format!("{}/", row.dir.to_string_lossy());
-    if inside.len() > 2 {
-        for (pid, start) in forkd_hypervisor::process::find_by_argument(&inside) {
-            forkd_hypervisor::process::kill(pid, start);
-        }
-    }
+    forkd_hypervisor::process::kill_vm(row.pid, row.start_time, &row.dir);
     let _ = forkd_core::sandbox::remove_dir(&row.dir);
 }
 
@@ -161,10 +184,7 @@ impl Registry {
         let tag = snap.tag.as_str();
         let slots = self.slots();
         let p = &slots.pools;
-        let (size, source) = match p.sizes.get(tag) {
-            Some(n) => (*n, "api"),
-            None => (snap.manifest.pool as usize, "recipe"),
-        };
+        let (size, source) = p.size_of(snap);
         PoolStatus {
             snapshot: tag.to_owned(),
             size,
@@ -208,7 +228,7 @@ impl Registry {
                 None => p.sizes.remove(tag),
             };
             p.failing.remove(tag);
-            let keep = size.unwrap_or(snap.manifest.pool as usize);
+            let keep = p.size_of(snap).0;
             match p.idle.get_mut(tag) {
                 Some(m) if m.len() > keep => m.split_off(keep),
                 _ => Vec::new(),
@@ -329,48 +349,31 @@ impl Registry {
         made
     }
 
-    /// A snapshot whose pool is short of its size and may grow now.
+    /// A snapshot whose pool is short of its size and may grow now; its filling slot is
+    /// counted.
     fn next_to_fill(&self) -> Option<Snapshot> {
-        let snaps = self.store().list();
-        let available = crate::admission::mem_available().unwrap_or(u64::MAX);
-        for (tag, res) in snaps {
-            let Ok(snap) = res else { continue };
-            let (per_child, basis) = self.child_cost(&tag);
-            let mut slots = self.slots();
-            if slots.reserved > 0 || !slots.pools.refill_wait().is_zero() {
-                // A fork runs, or its children just started: they have the CPU.
-                return None;
-            }
-            let p = &slots.pools;
-            let size = p
-                .sizes
-                .get(&tag)
-                .copied()
-                .unwrap_or(snap.manifest.pool as usize);
-            let have = p.idle_of(&tag) + p.filling.get(&tag).copied().unwrap_or(0);
-            let waiting = p
-                .failing
-                .get(&tag)
-                .is_some_and(|(_, at)| *at > Instant::now());
-            if have >= size || p.closed.contains(&tag) || waiting {
-                continue;
-            }
-            if slots.fits(1, self.capacity()).is_err()
-                || crate::admission::admit(
-                    1,
-                    per_child,
-                    &basis,
-                    available,
-                    self.memory_overcommit(),
-                )
-                .is_err()
-            {
-                return None;
-            }
-            *slots.pools.filling.entry(tag).or_default() += 1;
-            return Some(snap);
+        if self.slots().fork_busy() {
+            return None;
         }
-        None
+        let snap = self
+            .store()
+            .list()
+            .into_iter()
+            .filter_map(|(_, res)| res.ok())
+            .find(|snap| self.slots().pools.wants_member(snap))?;
+        let tag = snap.tag.to_string();
+        let (per_child, basis) = self.child_cost(&tag);
+        let available = crate::admission::mem_available().unwrap_or(u64::MAX);
+        let mut slots = self.slots();
+        let room = slots.fits(1, self.capacity()).is_ok()
+            && crate::admission::admit(1, per_child, &basis, available, self.memory_overcommit())
+                .is_ok();
+        // Checked again under the lock: a fork may have started meanwhile.
+        if !room || slots.fork_busy() || !slots.pools.wants_member(&snap) {
+            return None;
+        }
+        *slots.pools.filling.entry(tag).or_default() += 1;
+        Some(snap)
     }
 
     /// Prepares one member of `snap`'s pool (a filling slot is already counted).
@@ -409,12 +412,7 @@ impl Registry {
         let unwanted = {
             let mut slots = self.slots();
             let p = &mut slots.pools;
-            let size = p
-                .sizes
-                .get(&tag)
-                .copied()
-                .unwrap_or(snap.manifest.pool as usize);
-            if p.closed.contains(&tag) || p.idle_of(&tag) >= size {
+            if p.closed.contains(&tag) || p.idle_of(&tag) >= p.size_of(snap).0 {
                 Some(member)
             } else {
                 p.failing.remove(&tag);

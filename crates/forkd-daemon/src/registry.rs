@@ -161,10 +161,16 @@ pub struct CreateOutcome {
 }
 
 impl Slots {
+    /// Sandboxes that hold a VM (pool members too) or have a slot promised to a fork
+    /// under way.
+    fn occupied(&self) -> usize {
+        self.live.len() + self.unattached.len() + self.reserved + self.pools.held()
+    }
+
     /// Whether `count` more sandboxes fit under `max`, counting every one that holds a
     /// VM (pool members too) or has a slot promised to a fork under way.
     pub(crate) fn fits(&self, count: usize, max: usize) -> Result<(), RegistryError> {
-        let live = self.live.len() + self.unattached.len() + self.reserved + self.pools.held();
+        let live = self.occupied();
         if live + count > max {
             return Err(RegistryError::AtCapacity {
                 live,
@@ -326,18 +332,19 @@ impl Registry {
     /// it ends checks here; [`Registry::create`] reserves).
     pub fn admit(&self, tag: &str, count: usize) -> Result<(), RegistryError> {
         let slots = self.slots();
-        let others = slots.pools.held() - slots.pools.idle_of(tag);
-        let idle_here = slots.pools.idle_of(tag).min(count);
-        slots
-            .fits(count - idle_here, self.max + others)
-            .map_err(|e| match e {
-                RegistryError::AtCapacity { live, asked, .. } => RegistryError::AtCapacity {
-                    live: live - others,
-                    asked,
-                    max: self.max,
-                },
-                e => e,
-            })
+        // The fork takes the snapshot's idle members; those of other pools would be
+        // reclaimed for it.
+        let here = slots.pools.idle_of(tag);
+        let live = slots.occupied() - (slots.pools.idle_total() - here);
+        let asked = count - here.min(count);
+        if live + asked > self.max {
+            return Err(RegistryError::AtCapacity {
+                live,
+                asked,
+                max: self.max,
+            });
+        }
+        Ok(())
     }
 
     /// Reserves room for a fork of `count` children of `snap`: takes up to `count` idle
@@ -686,9 +693,11 @@ impl Registry {
                 .set_state(&row.id, SandboxState::Stopping, None, None);
         }
         let row2 = row.clone();
-        tokio::task::spawn_blocking(move || kill_vm_of(&row2))
-            .await
-            .map_err(|e| StateError::Row(serde::de::Error::custom(e.to_string())))?;
+        tokio::task::spawn_blocking(move || {
+            forkd_hypervisor::process::kill_vm(row2.pid, row2.start_time, &row2.config.dir)
+        })
+        .await
+        .map_err(|e| StateError::Row(serde::de::Error::custom(e.to_string())))?;
         let _ = forkd_core::sandbox::remove_dir(&row.config.dir);
         let forgotten = self.state.delete_sandbox(&row.id);
         {
@@ -827,8 +836,7 @@ impl Registry {
                 continue;
             }
             let path = e.path();
-            let inside = format!("{}/", path.to_string_lossy());
-            if !forkd_hypervisor::process::find_by_argument(&inside).is_empty() {
+            if !forkd_hypervisor::process::find_inside(&path).is_empty() {
                 continue;
             }
             if forkd_core::sandbox::remove_dir(&path).is_ok() {
@@ -1013,22 +1021,6 @@ impl ForkObserver for Recorder<'_> {
             tracing::warn!(%id, "forgetting a discarded child: {e}");
         }
         self.registry.slots().starting.remove(id);
-    }
-}
-
-/// Kills whatever runs for a sandbox row: the recorded VM process (through a pidfd,
-/// checked against its start time), and any process whose command line names the
-/// sandbox's directory (a VM whose pid was never recorded).
-fn kill_vm_of(row: &SandboxRow) {
-    if row.pid != 0 {
-        forkd_hypervisor::process::kill(row.pid, row.start_time);
-    }
-    // Every path QEMU is given for a sandbox lies inside its directory.
-    let inside = format!("{}/", row.config.dir.to_string_lossy());
-    if inside.len() > 2 {
-        for (pid, start) in forkd_hypervisor::process::find_by_argument(&inside) {
-            forkd_hypervisor::process::kill(pid, start);
-        }
     }
 }
 
@@ -1355,7 +1347,7 @@ mod tests {
     /// Every process whose command line names a sandbox directory of this world.
     fn vms_of(w: &World) -> Vec<(u32, u64)> {
         let dir = forkd_core::sandbox::sandboxes_dir(&w.home);
-        forkd_hypervisor::process::find_by_argument(&format!("{}/", dir.display()))
+        forkd_hypervisor::process::find_inside(&dir)
     }
 
     #[tokio::test]

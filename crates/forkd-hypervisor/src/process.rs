@@ -140,6 +140,29 @@ pub fn find_by_argument(needle: &str) -> Vec<(u32, u64)> {
         .collect()
 }
 
+/// Processes (pid, start time) one of whose arguments names something inside `dir`.
+/// Nothing for an empty or root `dir`, which would name everything.
+pub fn find_inside(dir: &std::path::Path) -> Vec<(u32, u64)> {
+    let inside = format!("{}/", dir.to_string_lossy());
+    if inside.len() <= 2 {
+        return Vec::new();
+    }
+    find_by_argument(&inside)
+}
+
+/// Kills whatever runs for a VM whose runtime directory is `dir`: its recorded process
+/// `pid` (0: none recorded), if it is still the one that started at `start_time`, and
+/// every process whose command line names something inside `dir` (every path a VM is
+/// given lies there, so this finds one whose pid was never recorded).
+pub fn kill_vm(pid: u32, start_time: u64, dir: &std::path::Path) {
+    if pid != 0 {
+        kill(pid, start_time);
+    }
+    for (pid, start) in find_inside(dir) {
+        kill(pid, start);
+    }
+}
+
 /// Waits until a backend's exit watch (None while the process runs, then how it ended)
 /// says the process has exited, and returns how.
 pub async fn wait_for_exit(exit: &tokio::sync::watch::Receiver<Option<String>>) -> String {

@@ -22,7 +22,7 @@ use forkd_image::Home;
 use hyper::Method;
 use serde::Serialize;
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// How the children of a measured fork are made.
@@ -477,17 +477,10 @@ impl Drop for BenchDaemon {
         );
         let _ = self.process.wait();
         // Children outlive their daemon by design: end whatever the directory still runs.
-        let inside = format!("{}/", self.dir.display());
-        for (pid, start) in forkd_hypervisor::process::find_by_argument(&inside) {
-            forkd_hypervisor::process::kill(pid, start);
+        forkd_hypervisor::process::kill_vm(0, 0, &self.dir);
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            eprintln!("[forkd] removing {}: {e}", self.dir.display());
         }
-        remove_tree(&self.dir);
-    }
-}
-
-fn remove_tree(dir: &Path) {
-    if let Err(e) = std::fs::remove_dir_all(dir) {
-        eprintln!("[forkd] removing {}: {e}", dir.display());
     }
 }
 

@@ -697,16 +697,7 @@ fn a_guest_flooding_console_and_stdout_leaves_the_daemon_small() {
             "head -c {CONSOLE} /dev/urandom | base64 > /dev/ttyS0 & \
              head -c {STDOUT} /dev/zero; wait; echo flood-ended > /dev/ttyS0"
         );
-        let body = serde_json::to_vec(&json!({ "shell": shell, "stream": true })).unwrap();
-        let resp = c
-            .send(
-                Method::POST,
-                &format!("/v1/sandboxes/{id}/exec"),
-                Some(body),
-            )
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), StatusCode::OK);
+        let resp = common::start_streamed_exec(&c, &id, &shell).await;
         // Read and drop: the daemon must pass the output on, not hold it.
         let mut body = resp.into_body();
         let mut n = 0u64;

@@ -276,8 +276,7 @@ fn terminate(pid: u32) {
 
 /// Processes (other than zombies) one of whose arguments names something inside `dir`.
 fn processes_naming(dir: &Path) -> Vec<u32> {
-    let inside = format!("{}/", dir.display());
-    forkd_hypervisor::process::find_by_argument(&inside)
+    forkd_hypervisor::process::find_inside(dir)
         .into_iter()
         .map(|(pid, _)| pid)
         .filter(|pid| forkd_hypervisor::process::is_alive(*pid))
@@ -791,17 +790,7 @@ fn free_bytes(p: &Path) -> u64 {
 /// starts, before the command runs): its exit code and its stdout and stderr together.
 async fn exec_streamed(c: &Client, id: &str, shell: &str) -> (i32, String) {
     use forkd_daemon::client::{ExecLine, Lines};
-    let body = serde_json::to_vec(&json!({"shell": shell, "stream": true})).unwrap();
-    let resp = c
-        .send(
-            Method::POST,
-            &format!("/v1/sandboxes/{id}/exec"),
-            Some(body),
-        )
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), StatusCode::OK);
-    let mut lines = Lines::new(resp);
+    let mut lines = Lines::new(common::start_streamed_exec(c, id, shell).await);
     let mut out = Vec::new();
     while let Some(line) = lines.next_exec().await.unwrap() {
         match line {
@@ -958,6 +947,13 @@ fn a_warm_pool_serves_forks_refills_and_is_removed_by_the_next_daemon() {
     let pool = format!("/v1/snapshots/{TAG}/pool");
     let (first_members, child) = rt.block_on(async {
         let (s, v) = call(&c, Method::PUT, &pool, Some(json!({"size": 257}))).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+        let (s, v) = call(&c, Method::PUT, &pool, Some(json!({"size": "two"}))).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+        let missing = "/v1/snapshots/no-such-snapshot/pool";
+        let (s, v) = call(&c, Method::PUT, missing, Some(json!({"size": 1}))).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+        let (s, v) = call(&c, Method::GET, "/v1/snapshots/..%2Fx/pool", None).await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
         let (s, v) = call(&c, Method::PUT, &pool, Some(json!({"size": 2}))).await;
         assert_eq!(s, StatusCode::OK, "{v}");

@@ -260,3 +260,23 @@ pub fn b64(v: &serde_json::Value) -> Vec<u8> {
         .decode(s)
         .unwrap_or_else(|e| panic!("not base64 ({e}): {s:.80}"))
 }
+
+/// Starts `shell` in the sandbox `id` with streamed output and returns the response once
+/// its status is 200 (the NDJSON lines are the caller's to read).
+pub async fn start_streamed_exec(
+    c: &Client,
+    id: &str,
+    shell: &str,
+) -> hyper::Response<hyper::body::Incoming> {
+    let body = serde_json::to_vec(&serde_json::json!({"shell": shell, "stream": true})).unwrap();
+    let resp = c
+        .send(
+            hyper::Method::POST,
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(body),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), hyper::StatusCode::OK);
+    resp
+}
