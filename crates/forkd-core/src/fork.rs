@@ -381,6 +381,7 @@ async fn create_layer(
         base: &snap.part(parts::DISK),
         base_format: DiskFormat::Layer,
         relative: false,
+        named: None,
     })
     .await?;
     Ok(())

@@ -6,6 +6,7 @@
 //!   liveness watchdog, [`sandbox::Sandbox::destroy`].
 
 pub mod agent;
+pub mod branch;
 pub mod catalog;
 pub mod error;
 pub mod failpoint;

@@ -76,6 +76,8 @@ struct Inner {
     failure: Mutex<Option<Failure>>,
     /// Set by the watchdog while the agent does not answer its pings.
     unresponsive: AtomicBool,
+    /// Set while a branch captures the VM: its pause is no sign of trouble.
+    branching: AtomicBool,
     watchdog: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// Whether dropping the last handle stops the VM and removes its files.
     owned: bool,
@@ -139,6 +141,7 @@ impl Sandbox {
             base: &assets.rootfs.path,
             base_format: DiskFormat::Raw,
             relative: false,
+            named: None,
         })
         .await?;
         let accel = accel::resolve(opts.accel)?;
@@ -306,6 +309,7 @@ impl Sandbox {
             cancel: CancellationToken::new(),
             failure: Mutex::new(None),
             unresponsive: AtomicBool::new(false),
+            branching: AtomicBool::new(false),
             watchdog: Mutex::new(None),
             owned: owned && !config.detached,
         });
@@ -330,6 +334,24 @@ impl Sandbox {
         let _quiet = crate::agent::quiesce(&socket, QUIESCE_TIMEOUT).await?;
         self.inner.vm.save_state(state).await?;
         Ok(())
+    }
+
+    /// Captures the running VM for a branch (see [`Vm::branch`]); the watchdog does not
+    /// count its pause against the agent.
+    pub(crate) async fn branch_vm(
+        &self,
+        mode: forkd_hypervisor::BranchMode,
+        plan: &forkd_hypervisor::BranchPlan,
+    ) -> Result<forkd_hypervisor::BranchStats, SandboxError> {
+        self.inner.branching.store(true, Ordering::SeqCst);
+        let r = self.inner.vm.branch(mode, plan).await;
+        self.inner.branching.store(false, Ordering::SeqCst);
+        Ok(r?)
+    }
+
+    /// True while a branch captures this sandbox.
+    pub fn is_branching(&self) -> bool {
+        self.inner.branching.load(Ordering::SeqCst)
     }
 
     /// The sandbox id.
@@ -583,6 +605,10 @@ async fn watch(inner: std::sync::Weak<Inner>) {
         let Some(i) = inner.upgrade() else { return };
         if i.cancel.is_cancelled() {
             return;
+        }
+        if !answered && i.branching.load(Ordering::SeqCst) {
+            // A branch stops the vCPUs (for its whole copy, in pause mode).
+            continue;
         }
         if answered {
             if i.unresponsive.swap(false, Ordering::SeqCst) {

@@ -224,6 +224,7 @@ pub async fn build(
         base: std::path::Path::new(parts::ROOTFS),
         base_format: DiskFormat::Raw,
         relative: true,
+        named: None,
     })
     .await?;
 
@@ -286,6 +287,8 @@ pub async fn build(
         template: recipe.name.clone(),
         created_at: forkd_image::timestamp::rfc3339_utc(std::time::SystemTime::now()),
         parent: None,
+        parent_digest: None,
+        branch: None,
         machine: Machine {
             vcpus: recipe.vcpus,
             memory_mib: recipe.memory_mib,

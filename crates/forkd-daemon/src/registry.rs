@@ -1070,6 +1070,8 @@ mod tests {
             template: "fake".into(),
             created_at: "2026-01-01T00:00:00Z".into(),
             parent: None,
+            parent_digest: None,
+            branch: None,
             machine: Machine {
                 vcpus: 1,
                 memory_mib: 128,

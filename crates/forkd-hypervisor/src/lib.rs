@@ -56,6 +56,59 @@ pub struct DiskLayer<'a> {
     /// name in that directory): the two can be moved together, as a snapshot directory
     /// is when it is published.
     pub relative: bool,
+    /// Name the base by this path instead (absolute): where a file with the base's
+    /// contents will be. A branch names the layer a running VM moves onto after the
+    /// branch's disk, which is published under its final path only later.
+    pub named: Option<&'a Path>,
+}
+
+/// How a branch captures a running VM (see [`Vm::branch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BranchMode {
+    /// Stop the vCPUs, copy everything, start them again: the pause lasts the whole copy.
+    Pause,
+    /// Copy memory while the VM runs, pages it writes meanwhile again, and stop it only
+    /// for the last of them and the device state.
+    Live,
+}
+
+impl std::fmt::Display for BranchMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BranchMode::Pause => "pause",
+            BranchMode::Live => "live",
+        })
+    }
+}
+
+/// Where a branch puts what it captures.
+#[derive(Debug, Clone)]
+pub struct BranchPlan {
+    /// The machine that receives the running VM: the source's own description with its
+    /// own id, runtime directory and throwaway disk, and as memory a new shared RAM file,
+    /// which becomes the branch's memory image.
+    pub receiver: VmConfig,
+    /// Where the device state (RAM left out) is written.
+    pub state: std::path::PathBuf,
+    /// A new, empty disk layer over the source's current top layer: at the branch
+    /// instant the source goes on writing there, and the layer below is frozen as the
+    /// branch's disk. Removed by the backend if the switch did not happen.
+    pub next_layer: std::path::PathBuf,
+}
+
+/// What a branch did and cost.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BranchStats {
+    /// The disk layer that was the VM's top at the branch instant, frozen since: the
+    /// branch's disk.
+    pub frozen_layer: std::path::PathBuf,
+    /// How long the source's vCPUs were stopped.
+    pub pause: Duration,
+    /// From the start of the copy to the source running again.
+    pub copy: Duration,
+    /// Bytes of the stream (memory pages and device state).
+    pub transferred: u64,
 }
 
 /// What a VM is doing, as the hypervisor sees it.
@@ -158,6 +211,26 @@ pub trait Vm: Send + Sync {
     /// Pauses the VM and writes its device state to `out`, fsynced. RAM held in a shared
     /// file backend is left out: the file itself is the RAM image. The VM stays paused.
     async fn save_state(&self, out: &Path) -> Result<(), HypervisorError>;
+
+    /// Captures the running VM at one instant, as `plan` says: memory into the
+    /// receiver's RAM file, device state into `plan.state`, and its disk by moving the VM
+    /// onto `plan.next_layer`. The VM runs again when this returns, whatever happened.
+    async fn branch(
+        &self,
+        mode: BranchMode,
+        plan: &BranchPlan,
+    ) -> Result<BranchStats, HypervisorError> {
+        let _ = (mode, plan);
+        Err(HypervisorError::Config(
+            "this hypervisor backend cannot branch a running VM".into(),
+        ))
+    }
+
+    /// After a branch that was interrupted (its caller died): cancels a migration still
+    /// under way and starts the vCPUs if they are stopped.
+    async fn abandon_branch(&self) -> Result<(), HypervisorError> {
+        Ok(())
+    }
 
     /// Stops the vCPUs.
     async fn pause(&self) -> Result<(), HypervisorError>;

@@ -33,6 +33,9 @@ pub mod parts {
     pub const INITRAMFS: &str = "initramfs.cpio";
     /// Every part, in the order they are listed.
     pub const ALL: [&str; 6] = [STATE, MEMORY, DISK, ROOTFS, KERNEL, INITRAMFS];
+    /// A chain link's own memory: the pages that differ from its parent's image (see
+    /// `memory_diff`). The link's [`MEMORY`] is made from it and the parent's once.
+    pub const MEMORY_DIFF: &str = "memory.diff";
 }
 
 /// `manifest.json`.
@@ -46,9 +49,16 @@ pub struct Manifest {
     pub template: String,
     /// RFC 3339, UTC.
     pub created_at: String,
-    /// The snapshot this one is a diff on, if any.
+    /// The tag of the snapshot this one is a diff on, if any (as it was when this one was
+    /// written: informative, since tags are names users may change).
     #[serde(default)]
     pub parent: Option<String>,
+    /// What names the parent: the sha256 of its `manifest.json`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_digest: Option<String>,
+    /// For a branch: the sandbox it was taken from, and how.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub branch: Option<BranchInfo>,
     /// The frozen machine: a child must be started with exactly this.
     pub machine: Machine,
     /// What made it.
@@ -63,6 +73,32 @@ pub struct Manifest {
     /// The warm pool its recipe asked for (see the recipe's `pool`).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub pool: u32,
+}
+
+impl Manifest {
+    /// The parts this snapshot is made of: every snapshot's, and a link's memory diff.
+    pub fn part_names(&self) -> Vec<&'static str> {
+        let mut v = parts::ALL.to_vec();
+        if self.parent.is_some() {
+            v.push(parts::MEMORY_DIFF);
+        }
+        v
+    }
+}
+
+/// How a branch was taken.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct BranchInfo {
+    /// The sandbox it was taken from.
+    pub source: String,
+    /// `pause` or `live`.
+    pub mode: forkd_hypervisor::BranchMode,
+    /// How long the source's vCPUs were stopped, ms.
+    pub pause_ms: f64,
+    /// Bytes the source's memory stream carried.
+    pub transferred: u64,
+    /// Pages of memory that differ from the parent's.
+    pub pages_changed: u64,
 }
 
 fn is_zero(n: &u32) -> bool {

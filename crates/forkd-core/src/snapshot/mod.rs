@@ -8,6 +8,7 @@
 //! - [`manifest`]: what a snapshot records about itself, and the seal a fork checks.
 
 pub mod manifest;
+pub mod memory_diff;
 pub mod tag;
 
 pub use manifest::{Manifest, Seal};
@@ -135,6 +136,9 @@ pub struct Staging {
     dir: PathBuf,
     dest: PathBuf,
     published: bool,
+    /// Digests known without hashing (parts linked from a sealed parent, or hashed as
+    /// they were written).
+    known: std::collections::BTreeMap<String, manifest::Part>,
 }
 
 impl Staging {
@@ -148,6 +152,31 @@ impl Staging {
         self.dir.join(name)
     }
 
+    /// Records a part's digest so that [`Staging::publish`] does not hash it again.
+    pub fn know(&mut self, name: &str, part: manifest::Part) {
+        self.known.insert(name.to_owned(), part);
+    }
+
+    /// Hard-links `from`'s part `name` into this snapshot, taking its digest from `from`'s
+    /// manifest when the seal shows the file is the one that was hashed (same inode, size
+    /// and modification time), so the link costs neither a copy nor a re-hash.
+    pub fn link_from(&mut self, from: &Snapshot, name: &str) -> Result<(), SnapshotError> {
+        let src = from.part(name);
+        std::fs::hard_link(&src, self.part(name))
+            .or_else(|_| std::fs::copy(&src, self.part(name)).map(drop))
+            .map_err(io(format!("linking {}", src.display())))?;
+        let sealed: Option<Seal> = read_json(&from.dir.join(SEAL)).ok();
+        let stamp = FileStamp::of(&self.part(name)).ok();
+        if let (Some(seal), Some(stamp), Some(part)) =
+            (sealed, stamp, from.manifest.parts.get(name))
+        {
+            if seal.files.get(name) == Some(&stamp) {
+                self.know(name, part.clone());
+            }
+        }
+        Ok(())
+    }
+
     /// Hashes every part (in parallel), fills in `manifest.parts`, writes the manifest
     /// and the seal, makes everything read-only, fsyncs, and renames the directory into
     /// place. `progress` hears about the slow step.
@@ -159,12 +188,18 @@ impl Staging {
         progress("hashing the snapshot's parts");
         let hashing = std::time::Instant::now();
         manifest.tag = self.tag.to_string();
+        let names = manifest.part_names();
+        let known = &self.known;
         let digests: Vec<Result<(String, u64), SnapshotError>> = std::thread::scope(|s| {
-            let handles: Vec<_> = parts::ALL
+            let handles: Vec<_> = names
                 .iter()
                 .map(|p| {
                     let path = self.part(p);
-                    s.spawn(move || sha256_file(&path))
+                    let known = known.get(*p).cloned();
+                    s.spawn(move || match known {
+                        Some(k) => Ok((k.sha256, k.size)),
+                        None => sha256_file(&path),
+                    })
                 })
                 .collect();
             handles
@@ -173,7 +208,7 @@ impl Staging {
                 .collect()
         });
         manifest.parts.clear();
-        for (name, d) in parts::ALL.iter().zip(digests) {
+        for (name, d) in names.iter().zip(digests) {
             let (sha256, size) = d?;
             manifest
                 .parts
@@ -188,7 +223,7 @@ impl Staging {
         let mut seal = Seal {
             files: Default::default(),
         };
-        for name in parts::ALL.iter().chain([&MANIFEST]) {
+        for name in names.iter().chain([&MANIFEST]) {
             let path = self.part(name);
             // QEMU 7.2 opens a memory-backend-file read-write even for a private
             // mapping (its `readonly` would make guest RAM read-only), so the memory
@@ -278,6 +313,7 @@ impl Store {
             dir,
             dest: self.path(tag),
             published: false,
+            known: Default::default(),
         })
     }
 
@@ -312,26 +348,7 @@ impl Store {
             });
         }
         let seal: Seal = read_json(&dir.join(SEAL)).map_err(damaged)?;
-        for name in parts::ALL.iter().chain([&MANIFEST]) {
-            let Some(want) = seal.files.get(*name) else {
-                return Err(damaged(format!("the seal does not cover {name}")));
-            };
-            let have = match FileStamp::of(&dir.join(name)) {
-                Ok(s) => s,
-                Err(e) => return Err(damaged(format!("{name}: {e}"))),
-            };
-            if have.size != want.size {
-                return Err(damaged(format!(
-                    "{name} is {} bytes, but was {} bytes when the snapshot was written (truncated or overwritten)",
-                    have.size, want.size
-                )));
-            }
-            if have != *want {
-                return Err(damaged(format!(
-                    "{name} was modified after the snapshot was written"
-                )));
-            }
-        }
+        check_stamp(&dir, &seal, MANIFEST).map_err(damaged)?;
         let manifest: Manifest = read_json(&dir.join(MANIFEST)).map_err(damaged)?;
         if manifest.format != manifest::FORMAT {
             return Err(damaged(format!(
@@ -340,7 +357,10 @@ impl Store {
                 manifest::FORMAT
             )));
         }
-        for name in parts::ALL {
+        for name in manifest.part_names() {
+            check_stamp(&dir, &seal, name).map_err(damaged)?;
+        }
+        for name in manifest.part_names() {
             match manifest.parts.get(name) {
                 Some(p) if p.size == seal.files[name].size => {}
                 Some(p) => {
@@ -367,7 +387,7 @@ impl Store {
             Err(SnapshotError::Damaged { .. }) => self.open_unsealed(tag)?,
             Err(e) => return Err(e),
         };
-        for name in parts::ALL {
+        for name in snap.manifest.part_names() {
             let expected = &snap.manifest.parts[name].sha256;
             let (actual, _) = sha256_file(&snap.part(name))?;
             if &actual != expected {
@@ -390,7 +410,7 @@ impl Store {
                 tag: tag.to_string(),
                 detail,
             })?;
-        for name in parts::ALL {
+        for name in manifest.part_names() {
             if !manifest.parts.contains_key(name) {
                 return Err(SnapshotError::Damaged {
                     tag: tag.to_string(),
@@ -467,6 +487,26 @@ impl Store {
         std::fs::rename(&dir, &doomed).map_err(io(format!("removing {}", dir.display())))?;
         remove_tree(&doomed)
     }
+}
+
+/// Checks that `name` in `dir` is the file the seal vouches for.
+fn check_stamp(dir: &Path, seal: &Seal, name: &str) -> Result<(), String> {
+    let Some(want) = seal.files.get(name) else {
+        return Err(format!("the seal does not cover {name}"));
+    };
+    let have = FileStamp::of(&dir.join(name)).map_err(|e| format!("{name}: {e}"))?;
+    if have.size != want.size {
+        return Err(format!(
+            "{name} is {} bytes, but was {} bytes when the snapshot was written (truncated or overwritten)",
+            have.size, want.size
+        ));
+    }
+    if have != *want {
+        return Err(format!(
+            "{name} was modified after the snapshot was written"
+        ));
+    }
+    Ok(())
 }
 
 /// sha256 and length of a file, read in 1 MiB blocks.

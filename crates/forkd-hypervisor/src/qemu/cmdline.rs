@@ -111,6 +111,16 @@ pub fn build_restore(config: &VmConfig) -> Vec<OsString> {
     args
 }
 
+/// The command line of a branch's receiver: a VM that takes in a running VM's memory
+/// and devices over a migration stream and never runs (`-S`: without it QEMU would start
+/// the vCPUs once the stream ends, since the source was running, and change the RAM it
+/// received).
+pub fn build_receiver(config: &VmConfig) -> Vec<OsString> {
+    let mut args = build_restore(config);
+    args.push("-S".into());
+    args
+}
+
 /// QEMU option values use `,` as a separator; a literal comma is written twice.
 fn escape(s: &std::ffi::OsStr) -> OsString {
     use std::os::unix::ffi::{OsStrExt, OsStringExt};

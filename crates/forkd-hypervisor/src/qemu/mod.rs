@@ -1,5 +1,6 @@
 //! The QEMU backend: one `qemu-system-x86_64` process per VM, driven over QMP.
 
+mod branch;
 pub mod cmdline;
 pub mod console;
 pub mod qcow2;
@@ -60,7 +61,12 @@ impl crate::Hypervisor for Qemu {
             crate::DiskFormat::Raw => qcow2::BaseFormat::Raw,
             crate::DiskFormat::Layer => qcow2::BaseFormat::Qcow2,
         };
-        let (base, name) = if layer.relative {
+        let (base, name) = if let Some(named) = layer.named {
+            let name = named.to_str().map(str::to_owned).ok_or_else(|| {
+                HypervisorError::Config(format!("{} is not UTF-8", named.display()))
+            })?;
+            (layer.base.to_owned(), name)
+        } else if layer.relative {
             // Named relative to the layer's directory, so that the two move together.
             let name = layer
                 .base
@@ -101,7 +107,9 @@ impl crate::Hypervisor for Qemu {
     }
 
     async fn boot(&self, config: &VmConfig) -> Result<Box<dyn Vm>, HypervisorError> {
-        Ok(Box::new(QemuVm::start(&self.binary, config, None).await?))
+        Ok(Box::new(
+            QemuVm::start(&self.binary, config, Start::Boot).await?,
+        ))
     }
 
     async fn prepare_restore(
@@ -111,7 +119,7 @@ impl crate::Hypervisor for Qemu {
     ) -> Result<Box<dyn crate::PreparedVm>, HypervisorError> {
         let file = std::fs::File::open(state)
             .map_err(|e| HypervisorError::io(format!("opening {}", state.display()), e))?;
-        let vm = QemuVm::start(&self.binary, config, Some(file)).await?;
+        let vm = QemuVm::start(&self.binary, config, Start::Restore(file)).await?;
         // Set now, so that finishing is only the migration and `cont`.
         if let Err(e) = vm.set_ignore_shared().await {
             vm.kill();
@@ -127,8 +135,20 @@ impl crate::Hypervisor for Qemu {
         pid: u32,
         start_time: u64,
     ) -> Result<Box<dyn Vm>, HypervisorError> {
-        Ok(Box::new(QemuVm::adopt(config, pid, start_time).await?))
+        Ok(Box::new(
+            QemuVm::adopt(&self.binary, config, pid, start_time).await?,
+        ))
     }
+}
+
+/// How a QEMU process starts.
+enum Start {
+    /// Boots the guest.
+    Boot,
+    /// Waits for device state from this file (see [`INCOMING_FD`]).
+    Restore(std::fs::File),
+    /// Waits, never to run, for a whole VM over a migration stream (a branch's receiver).
+    Receive,
 }
 
 /// The descriptor number a restored QEMU reads its incoming device state from.
@@ -147,6 +167,8 @@ enum Owner {
 
 /// One QEMU process and its QMP session.
 pub struct QemuVm {
+    /// The QEMU program (a branch starts a second QEMU of the same build).
+    binary: PathBuf,
     config: VmConfig,
     pid: u32,
     qmp: Qmp,
@@ -160,7 +182,7 @@ impl QemuVm {
     async fn start(
         binary: &Path,
         config: &VmConfig,
-        incoming: Option<std::fs::File>,
+        start: Start,
     ) -> Result<QemuVm, HypervisorError> {
         for sock in [
             config.agent_socket(),
@@ -178,9 +200,10 @@ impl QemuVm {
         let log_path = config.hypervisor_log();
         let log = std::fs::File::create(&log_path)
             .map_err(|e| HypervisorError::io(format!("creating {}", log_path.display()), e))?;
-        let args = match incoming {
-            Some(_) => cmdline::build_restore(config),
-            None => cmdline::build(config),
+        let (args, incoming) = match start {
+            Start::Boot => (cmdline::build(config), None),
+            Start::Restore(file) => (cmdline::build_restore(config), Some(file)),
+            Start::Receive => (cmdline::build_receiver(config), None),
         };
         let mut cmd = tokio::process::Command::new(binary);
         cmd.args(&args)
@@ -258,13 +281,14 @@ impl QemuVm {
             let _ = tokio::time::timeout(console::DRAIN_TIMEOUT, console_done).await;
             let _ = exit_tx.send(Some(desc));
         });
-        QemuVm::connect(config, pid, exit, Owner::Spawned(kill_tx), console).await
+        QemuVm::connect(binary, config, pid, exit, Owner::Spawned(kill_tx), console).await
     }
 
     /// Takes over a QEMU another process started (a detached VM, or one a restarted
     /// daemon finds): checks that `pid` is still the process that started at
     /// `start_time`, then connects to its QMP socket.
     async fn adopt(
+        binary: &Path,
         config: &VmConfig,
         pid: u32,
         start_time: u64,
@@ -285,10 +309,19 @@ impl QemuVm {
             let _ = tokio::time::timeout(console::DRAIN_TIMEOUT, console_done).await;
             let _ = exit_tx.send(Some(desc));
         });
-        QemuVm::connect(config, pid, exit, Owner::Adopted { start_time }, console).await
+        QemuVm::connect(
+            binary,
+            config,
+            pid,
+            exit,
+            Owner::Adopted { start_time },
+            console,
+        )
+        .await
     }
 
     async fn connect(
+        binary: &Path,
         config: &VmConfig,
         pid: u32,
         exit: watch::Receiver<Option<String>>,
@@ -309,6 +342,7 @@ impl QemuVm {
         .await;
         match qmp {
             Ok(qmp) => Ok(QemuVm {
+                binary: binary.to_owned(),
                 config: config.clone(),
                 pid,
                 qmp,
@@ -353,11 +387,7 @@ impl QemuVm {
             .await?;
         let status = self.migration_end(events).await?;
         if status != "completed" {
-            let m = self.qmp.execute("query-migrate", None).await?;
-            return Err(HypervisorError::Migration(format!(
-                "incoming state ended as {status}: {}",
-                m["error-desc"].as_str().unwrap_or("no detail")
-            )));
+            return Err(self.migration_failed("incoming state", &status).await);
         }
         self.qmp.execute("cont", None).await.map(drop)
     }
@@ -367,12 +397,23 @@ impl QemuVm {
     /// were missed (a lagging subscriber), `query-migrate` says where it stands.
     async fn migration_end(
         &self,
+        events: tokio::sync::broadcast::Receiver<serde_json::Value>,
+    ) -> Result<String, HypervisorError> {
+        self.migration_reaches(events, &[]).await
+    }
+
+    /// Like [`QemuVm::migration_end`], also returning when the migration reaches one of
+    /// `stops` (such as `pre-switchover`).
+    async fn migration_reaches(
+        &self,
         mut events: tokio::sync::broadcast::Receiver<serde_json::Value>,
+        stops: &[&str],
     ) -> Result<String, HypervisorError> {
         use tokio::sync::broadcast::error::RecvError;
-        let ended = |s: &str| matches!(s, "completed" | "failed" | "cancelled");
+        let ended =
+            |s: &str| matches!(s, "completed" | "failed" | "cancelled") || stops.contains(&s);
         let wait = async {
-            // It may have ended before the subscription saw it.
+            // It may have got there before the subscription saw it.
             let now = self.qmp.execute("query-migrate", None).await?;
             if let Some(s) = now["status"].as_str().filter(|s| ended(s)) {
                 return Ok(s.to_owned());
@@ -404,6 +445,15 @@ impl QemuVm {
             .map_err(|_| HypervisorError::MigrationTimeout {
                 secs: MIGRATION_TIMEOUT.as_secs(),
             })?
+    }
+
+    /// The error of a migration that ended as `status`, with QEMU's reason.
+    async fn migration_failed(&self, what: &str, status: &str) -> HypervisorError {
+        let detail = match self.qmp.execute("query-migrate", None).await {
+            Ok(m) => m["error-desc"].as_str().unwrap_or("no detail").to_owned(),
+            Err(e) => e.to_string(),
+        };
+        HypervisorError::Migration(format!("{what} ended as {status}: {detail}"))
     }
 
     async fn set_ignore_shared(&self) -> Result<(), HypervisorError> {
@@ -450,6 +500,18 @@ impl Vm for QemuVm {
 
     async fn pause(&self) -> Result<(), HypervisorError> {
         self.qmp.execute("stop", None).await.map(drop)
+    }
+
+    async fn branch(
+        &self,
+        mode: crate::BranchMode,
+        plan: &crate::BranchPlan,
+    ) -> Result<crate::BranchStats, HypervisorError> {
+        self.branch_into(mode, plan).await
+    }
+
+    async fn abandon_branch(&self) -> Result<(), HypervisorError> {
+        self.abandon_migration().await
     }
 
     async fn resume(&self) -> Result<(), HypervisorError> {
@@ -521,11 +583,9 @@ impl Vm for QemuVm {
             .await?;
         let status = self.migration_end(events).await?;
         if status != "completed" {
-            let m = self.qmp.execute("query-migrate", None).await?;
-            return Err(HypervisorError::Migration(format!(
-                "saving the device state ended as {status}: {}",
-                m["error-desc"].as_str().unwrap_or("no detail")
-            )));
+            return Err(self
+                .migration_failed("saving the device state", &status)
+                .await);
         }
         file.sync_all()
             .map_err(|e| HypervisorError::io(format!("syncing {}", out.display()), e))

@@ -1,0 +1,223 @@
+//! BRANCH: a snapshot of a running sandbox, which goes on running.
+//!
+//! The sandbox's VM is captured at one instant (see `forkd_hypervisor::Vm::branch`):
+//! memory into a new RAM file, device state, and the disk by moving the VM onto a new
+//! empty layer so that the layer below is frozen at that instant. The snapshot is a link
+//! of a chain: its parent is the snapshot the sandbox builds on (the one it was forked
+//! from, or its own latest branch, since its disk now builds on that one), its memory is
+//! stored as the pages that differ from the parent's image, its disk as the frozen layer
+//! over the parent's disk. The full memory image children map is written once, here.
+//!
+//! Children of the branch start as children of any snapshot: the resume hook gives each
+//! its clock, entropy and hostname, and the agent session starts afresh, so a request in
+//! flight in the source at the branch instant is neither answered nor run again.
+
+use crate::error::SandboxError;
+use crate::sandbox::{new_sandbox_dir, Sandbox};
+use crate::snapshot::manifest::{parts, BranchInfo, BuildTimes, Manifest, Part};
+use crate::snapshot::memory_diff::{self, DiffStats};
+use crate::snapshot::{Snapshot, Store, Tag, MANIFEST};
+use forkd_hypervisor::{
+    BranchMode, BranchPlan, BranchStats, DiskFormat, DiskLayer, Hypervisor, MemoryBackend,
+};
+use forkd_image::Home;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The file in a sandbox's runtime directory naming the snapshot its disk builds on
+/// since its latest branch (absent: the one it was forked from).
+pub const BASE_FILE: &str = "branch-base";
+
+/// A branch that was written.
+#[derive(Debug)]
+pub struct Branched {
+    /// The new snapshot.
+    pub snapshot: Snapshot,
+    /// The capture.
+    pub stats: BranchStats,
+    /// The memory diff.
+    pub diff: DiffStats,
+    /// From the start to the snapshot's publication.
+    pub total: Duration,
+}
+
+/// The snapshot a sandbox's next branch builds on: its latest branch if it has one,
+/// else `origin` (the snapshot it was forked from).
+pub fn base_of(sandbox_dir: &Path, origin: &str) -> String {
+    std::fs::read_to_string(sandbox_dir.join(BASE_FILE))
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| origin.to_owned())
+}
+
+/// Branches `source` (whose disk and memory build on `base`) into a snapshot `tag`.
+/// `progress` hears each step.
+#[allow(clippy::too_many_arguments)]
+pub async fn branch(
+    hv: &dyn Hypervisor,
+    home: &Home,
+    store: &Store,
+    source: &Sandbox,
+    base: &Snapshot,
+    tag: &Tag,
+    mode: BranchMode,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<Branched, SandboxError> {
+    let t0 = Instant::now();
+    let machine = &base.manifest.machine;
+    crate::space::ensure_room(
+        store.root(),
+        (u64::from(machine.memory_mib) << 20) * 2 + (64 << 20),
+        &format!("branching {} into snapshot {tag}", source.id()),
+    )?;
+    let mut staging = store.stage(tag)?;
+    for name in [parts::KERNEL, parts::INITRAMFS, parts::ROOTFS] {
+        staging.link_from(base, name)?;
+    }
+    // The contexts the source has now (informative: children have what memory has).
+    let contexts = source
+        .call(|a| async move { a.list_contexts().await })
+        .await
+        .unwrap_or_default();
+
+    // The receiver: the source's machine with its own runtime directory, a throwaway
+    // disk and, as RAM, the branch's memory image.
+    let (rid, rdir, _rguard) = new_sandbox_dir(home)?;
+    let mut receiver = source.config().clone();
+    receiver.id = rid;
+    receiver.root_disk = rdir.join("root.qcow2");
+    receiver.dir = rdir;
+    receiver.memory = MemoryBackend::File {
+        path: staging.part(parts::MEMORY),
+        shared: true,
+    };
+    receiver.detached = false;
+    hv.create_disk_layer(DiskLayer {
+        path: &receiver.root_disk,
+        base: &base.part(parts::DISK),
+        base_format: DiskFormat::Layer,
+        relative: false,
+        named: None,
+    })
+    .await?;
+    // The source's next top layer names, as what it builds on, the frozen layer under the
+    // path it is published at.
+    let next_layer = next_layer_path(source.dir());
+    let published_disk = store.path(tag).join(parts::DISK);
+    hv.create_disk_layer(DiskLayer {
+        path: &next_layer,
+        base: &source.config().root_disk,
+        base_format: DiskFormat::Layer,
+        relative: false,
+        named: Some(&published_disk),
+    })
+    .await?;
+    let plan = BranchPlan {
+        receiver,
+        state: staging.part(parts::STATE),
+        next_layer,
+    };
+    progress(&format!("capturing {} ({mode})", source.id()));
+    let stats = source.branch_vm(mode, &plan).await?;
+    progress(&format!(
+        "{} runs again after a {:.1} ms pause; writing the snapshot",
+        source.id(),
+        stats.pause.as_secs_f64() * 1000.0
+    ));
+    // From here the source's disk builds on this branch, whatever happens next: if the
+    // branch is not published, its frozen layer stays in the source's directory, which
+    // is all the source needs.
+    std::fs::write(source.dir().join(BASE_FILE), tag.as_str()).map_err(|e| SandboxError::Io {
+        context: format!("recording {}'s disk base", source.id()),
+        source: e,
+    })?;
+    std::fs::hard_link(&stats.frozen_layer, staging.part(parts::DISK)).map_err(|e| {
+        SandboxError::Io {
+            context: format!("linking {}", stats.frozen_layer.display()),
+            source: e,
+        }
+    })?;
+
+    let parent_memory = base.part(parts::MEMORY);
+    let image = staging.part(parts::MEMORY);
+    let diff_path = staging.part(parts::MEMORY_DIFF);
+    let (diff, memory_sha) = tokio::task::spawn_blocking(move || {
+        memory_diff::write_diff(&parent_memory, &image, &diff_path)
+    })
+    .await
+    .map_err(|e| SandboxError::Io {
+        context: "diffing the memory".into(),
+        source: std::io::Error::other(e.to_string()),
+    })?
+    .map_err(|e| SandboxError::Io {
+        context: "diffing the branch's memory against its parent's".into(),
+        source: e,
+    })?;
+    staging.know(
+        parts::MEMORY,
+        Part {
+            size: diff.image_size,
+            sha256: memory_sha,
+        },
+    );
+    let parent_digest = crate::snapshot::sha256_file(&base.dir.join(MANIFEST))?.0;
+    let mut versions = base.manifest.versions.clone();
+    versions.qemu = crate::template::hypervisor_version(hv);
+    let manifest = Manifest {
+        format: crate::snapshot::manifest::FORMAT,
+        tag: tag.to_string(),
+        template: base.manifest.template.clone(),
+        created_at: forkd_image::timestamp::rfc3339_utc(std::time::SystemTime::now()),
+        parent: Some(base.tag.to_string()),
+        parent_digest: Some(parent_digest),
+        branch: Some(BranchInfo {
+            source: source.id().to_owned(),
+            mode,
+            pause_ms: stats.pause.as_secs_f64() * 1000.0,
+            transferred: stats.transferred,
+            pages_changed: diff.pages,
+        }),
+        machine: base.manifest.machine.clone(),
+        versions,
+        parts: Default::default(),
+        contexts,
+        build: BuildTimes {
+            freeze_ms: u64::try_from(stats.copy.as_millis()).unwrap_or(u64::MAX),
+            total_ms: u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX),
+            ..Default::default()
+        },
+        pool: 0,
+    };
+    let snapshot = tokio::task::spawn_blocking(move || staging.publish(manifest, &|_| {}))
+        .await
+        .map_err(|e| SandboxError::Io {
+            context: "publishing the branch".into(),
+            source: std::io::Error::other(e.to_string()),
+        })??;
+    Ok(Branched {
+        snapshot,
+        stats,
+        diff,
+        total: t0.elapsed(),
+    })
+}
+
+/// A new file name for the source's next top layer: `root.N.qcow2`, N one more than any
+/// layer its directory holds.
+fn next_layer_path(dir: &Path) -> PathBuf {
+    let highest = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            name.strip_prefix("root.")?
+                .strip_suffix(".qcow2")?
+                .parse::<u32>()
+                .ok()
+        })
+        .max()
+        .unwrap_or(0);
+    dir.join(format!("root.{}.qcow2", highest + 1))
+}

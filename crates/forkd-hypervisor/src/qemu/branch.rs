@@ -1,0 +1,288 @@
+//! Branching a running VM with stock QEMU: an ordinary pre-copy migration of the source
+//! into a *receiver*, a second QEMU that never runs and whose RAM is a fresh shared file.
+//!
+//! Why this way (measured; see docs/architecture.md): QEMU's `background-snapshot` refuses
+//! a child whose RAM is a private mapping of a file on ext4, and a migration stream alone
+//! is not something a child can map. The receiver turns the stream into exactly what a
+//! snapshot is made of: its RAM file holds the memory (zero pages stay holes), and a
+//! second, RAM-less migration of the receiver gives the device state.
+//!
+//! The branch instant is the migration's switch-over: QEMU stops the source's vCPUs for
+//! the last dirty pages and the device state. With `pause-before-switchover` QEMU waits
+//! there for us, vCPUs stopped and disks still active, so the disk is frozen at that same
+//! instant: `blockdev-snapshot-sync` moves the source onto a new empty layer and the
+//! layer below becomes the branch's disk. The source then resumes with `cont` from
+//! `postmigrate`, which also takes back its disks.
+
+use super::{QemuVm, Start};
+use crate::{BranchMode, BranchPlan, BranchStats, HypervisorError, Vm};
+use serde_json::json;
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+/// Name under which each side's end of the stream is handed over (`getfd`).
+const STREAM_FD: &str = "forkd-branch";
+
+/// The longest switch-over QEMU aims for (`downtime-limit`, ms): it keeps copying what the
+/// guest dirtied until the rest fits in this.
+const DOWNTIME_LIMIT_MS: u64 = 20;
+
+/// No bandwidth cap: the stream is a local socket (QEMU 7.2's default is 32 MiB/s).
+const MAX_BANDWIDTH: u64 = 1 << 40;
+
+/// How long the receiver may take to quit.
+const RECEIVER_GRACE: Duration = Duration::from_secs(5);
+
+/// The top layer's file from a block node's file name: a path, or, once the layer's
+/// backing was opened under another name than its header gives (a branch's next layer),
+/// `json:{...}` with the top file under `file.filename`.
+fn top_file(name: &str) -> Option<std::path::PathBuf> {
+    match name.strip_prefix("json:") {
+        None => Some(name.into()),
+        Some(json) => serde_json::from_str::<serde_json::Value>(json).ok()?["file"]["filename"]
+            .as_str()
+            .map(Into::into),
+    }
+}
+
+/// A migration that went through its switch-over.
+struct Switched {
+    /// The source's top disk layer at the branch instant.
+    frozen_layer: std::path::PathBuf,
+    /// QEMU's measure of the stop: from the vCPUs' stop to the end of the stream.
+    downtime_ms: u64,
+    /// Bytes sent.
+    transferred: u64,
+    /// When the end was seen.
+    completed_at: Instant,
+}
+
+impl QemuVm {
+    /// See [`Vm::branch`].
+    pub(super) async fn branch_into(
+        &self,
+        mode: BranchMode,
+        plan: &BranchPlan,
+    ) -> Result<BranchStats, HypervisorError> {
+        let receiver = QemuVm::start(&self.binary, &plan.receiver, Start::Receive).await?;
+        let result = self.migrate_into(&receiver, mode, plan).await;
+        let result = match result {
+            Ok(stats) => receiver.finish_receiving(&plan.state).await.map(|()| stats),
+            Err(e) => Err(e),
+        };
+        let _ = receiver.stop(RECEIVER_GRACE).await;
+        result
+    }
+
+    /// Streams this VM into `receiver` and freezes its disk at the switch-over. Whatever
+    /// fails, the source runs again when this returns.
+    async fn migrate_into(
+        &self,
+        receiver: &QemuVm,
+        mode: BranchMode,
+        plan: &BranchPlan,
+    ) -> Result<BranchStats, HypervisorError> {
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair()
+            .map_err(|e| HypervisorError::io("creating the branch stream", e))?;
+        receiver.capabilities(false, false).await?;
+        receiver
+            .qmp
+            .execute_with_fd(
+                "getfd",
+                Some(json!({ "fdname": STREAM_FD })),
+                theirs.as_fd(),
+            )
+            .await?;
+        drop(theirs);
+        receiver
+            .qmp
+            .execute(
+                "migrate-incoming",
+                Some(json!({ "uri": format!("fd:{STREAM_FD}") })),
+            )
+            .await?;
+
+        // The source's RAM is a private mapping, so it is not "shared" for QEMU: with or
+        // without x-ignore-shared it is sent; off, so that the receiver accepts it.
+        self.capabilities(false, true).await?;
+        self.qmp
+            .execute(
+                "migrate-set-parameters",
+                Some(json!({
+                    "max-bandwidth": MAX_BANDWIDTH,
+                    "downtime-limit": DOWNTIME_LIMIT_MS,
+                })),
+            )
+            .await?;
+        self.qmp
+            .execute_with_fd("getfd", Some(json!({ "fdname": STREAM_FD })), ours.as_fd())
+            .await?;
+        drop(ours);
+
+        let started = Instant::now();
+        let stopped_at = match mode {
+            BranchMode::Pause => {
+                self.qmp.execute("stop", None).await?;
+                Some(Instant::now())
+            }
+            BranchMode::Live => None,
+        };
+        let outcome = self.copy_and_switch(plan).await;
+        // The source runs again whatever happened (from `postmigrate`, `cont` also takes
+        // back the disks the migration handed over).
+        let resumed = self.qmp.execute("cont", None).await;
+        let running_again = Instant::now();
+        let switched = outcome?;
+        resumed?;
+        let frozen_layer = switched.frozen_layer;
+        let pause = match stopped_at {
+            Some(t) => running_again - t,
+            // QEMU's downtime runs from the stop to the end of the migration; the source
+            // stays stopped until `cont` answers.
+            None => {
+                Duration::from_millis(switched.downtime_ms)
+                    + running_again.saturating_duration_since(switched.completed_at)
+            }
+        };
+        Ok(BranchStats {
+            frozen_layer,
+            pause,
+            copy: running_again - started,
+            transferred: switched.transferred,
+        })
+    }
+
+    /// Runs the migration to its switch-over, freezes the disk there, lets it finish.
+    async fn copy_and_switch(&self, plan: &BranchPlan) -> Result<Switched, HypervisorError> {
+        let events = self.qmp.events();
+        self.qmp
+            .execute("migrate", Some(json!({ "uri": format!("fd:{STREAM_FD}") })))
+            .await?;
+        let status = self.migration_reaches(events, &["pre-switchover"]).await?;
+        if status != "pre-switchover" {
+            let _ = std::fs::remove_file(&plan.next_layer);
+            return Err(self.migration_failed("copying the memory", &status).await);
+        }
+        // vCPUs stopped, nothing in flight: the branch instant. The disk is frozen here.
+        let frozen_layer = match self.disk_top().await {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = std::fs::remove_file(&plan.next_layer);
+                let _ = self.qmp.execute("migrate_cancel", None).await;
+                let _ = self.migration_end(self.qmp.events()).await;
+                return Err(e);
+            }
+        };
+        let switched = self
+            .qmp
+            .execute(
+                "blockdev-snapshot-sync",
+                Some(json!({
+                    "device": "root",
+                    "snapshot-file": plan.next_layer.to_string_lossy(),
+                    "format": "qcow2",
+                    "mode": "existing",
+                })),
+            )
+            .await;
+        if let Err(e) = switched {
+            let _ = std::fs::remove_file(&plan.next_layer);
+            let _ = self.qmp.execute("migrate_cancel", None).await;
+            let _ = self.migration_end(self.qmp.events()).await;
+            return Err(e);
+        }
+        let events = self.qmp.events();
+        self.qmp
+            .execute(
+                "migrate-continue",
+                Some(json!({ "state": "pre-switchover" })),
+            )
+            .await?;
+        let status = self.migration_end(events).await?;
+        let completed_at = Instant::now();
+        if status != "completed" {
+            return Err(self.migration_failed("the switch-over", &status).await);
+        }
+        let info = self.qmp.execute("query-migrate", None).await?;
+        Ok(Switched {
+            frozen_layer,
+            downtime_ms: info["downtime"].as_u64().unwrap_or(0),
+            transferred: info["ram"]["transferred"].as_u64().unwrap_or(0),
+            completed_at,
+        })
+    }
+
+    /// The file of the root disk's top layer, as QEMU has it open.
+    async fn disk_top(&self) -> Result<std::path::PathBuf, HypervisorError> {
+        let blocks = self.qmp.execute("query-block", None).await?;
+        blocks
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|b| b["device"] == "root")
+            .and_then(|b| b["inserted"]["file"].as_str())
+            .and_then(top_file)
+            .ok_or_else(|| {
+                HypervisorError::Migration("QEMU does not list the root disk's file".into())
+            })
+    }
+
+    /// See [`Vm::abandon_branch`].
+    pub(super) async fn abandon_migration(&self) -> Result<(), HypervisorError> {
+        let now = self.qmp.execute("query-migrate", None).await?;
+        let status = now["status"].as_str().unwrap_or("none");
+        if !matches!(status, "none" | "completed" | "failed" | "cancelled") {
+            let events = self.qmp.events();
+            self.qmp.execute("migrate_cancel", None).await?;
+            self.migration_end(events).await?;
+        }
+        let run = self.qmp.execute("query-status", None).await?;
+        if run["status"] != "running" {
+            self.qmp.execute("cont", None).await?;
+        }
+        Ok(())
+    }
+
+    /// On the receiver: waits for the stream to end, then writes the device state (its
+    /// RAM, a shared file, is left out: the file is the branch's memory image).
+    async fn finish_receiving(&self, state: &std::path::Path) -> Result<(), HypervisorError> {
+        let status = self.migration_end(self.qmp.events()).await?;
+        if status != "completed" {
+            return Err(self.migration_failed("receiving the branch", &status).await);
+        }
+        self.save_state(state).await
+    }
+
+    /// Sets the migration capabilities a branch uses: MIGRATION events always.
+    async fn capabilities(
+        &self,
+        ignore_shared: bool,
+        pause_before_switchover: bool,
+    ) -> Result<(), HypervisorError> {
+        self.qmp
+            .execute(
+                "migrate-set-capabilities",
+                Some(json!({ "capabilities": [
+                    { "capability": "x-ignore-shared", "state": ignore_shared },
+                    { "capability": "pause-before-switchover", "state": pause_before_switchover },
+                    { "capability": "events", "state": true }
+                ]})),
+            )
+            .await
+            .map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_top_file_of_a_layered_disk() {
+        assert_eq!(
+            super::top_file("/a/root.qcow2"),
+            Some("/a/root.qcow2".into())
+        );
+        let json = r#"json:{"backing": {"driver": "qcow2", "file": {"driver": "file", "filename": "/a/root.qcow2"}}, "driver": "qcow2", "file": {"driver": "file", "filename": "/a/root.1.qcow2"}}"#;
+        assert_eq!(super::top_file(json), Some("/a/root.1.qcow2".into()));
+        assert_eq!(super::top_file("json:{"), None);
+    }
+}
