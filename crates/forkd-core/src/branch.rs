@@ -117,6 +117,7 @@ pub async fn branch(
         receiver,
         state: staging.part(parts::STATE),
         next_layer,
+        at_instant: Some(|| crate::failpoint::hit("branch.at_instant")),
     };
     progress(&format!("capturing {} ({mode})", source.id()));
     let stats = source.branch_vm(mode, &plan).await?;

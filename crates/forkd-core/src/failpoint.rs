@@ -8,7 +8,8 @@
 //! `starting`), `fork.after_ready` (its row says `running`, the API has not answered);
 //! `delete.after_mark` (the row says `stopping`, the VM still runs); `adopt.after_first`
 //! (a restarted daemon has adopted one sandbox of several); `build.after_boot` (a
-//! template's parent runs, its snapshot is not written).
+//! template's parent runs, its snapshot is not written); `branch.at_instant` (a branch's
+//! source is stopped at the branch instant, its memory stream half sent).
 
 use std::sync::OnceLock;
 

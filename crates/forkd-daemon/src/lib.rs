@@ -8,6 +8,7 @@
 //! - [`state`]: the SQLite database (sandboxes, operations).
 //! - [`registry`]: the live sandboxes, the capacity limit, re-adoption after a restart.
 //! - [`pool`]: warm pools, children prepared ahead of forks.
+//! - [`branch`]: BRANCH of a running sandbox, as an operation.
 //! - [`api`]: routes, errors, the OpenAPI document.
 //! - [`server`]: listeners, authentication, the audit and metrics middleware.
 //! - [`metrics`], [`audit`]: Prometheus metrics and the hash-chained audit log.
@@ -16,6 +17,7 @@
 pub mod admission;
 pub mod api;
 pub mod audit;
+pub mod branch;
 pub mod client;
 pub mod config;
 pub mod metrics;

@@ -49,6 +49,9 @@ pub struct Metrics {
     pub exec_seconds: Histogram,
     /// Error responses, by code.
     pub errors: Family<ErrorLabels, Counter>,
+    branches: Counter,
+    branch_pause_seconds: Histogram,
+    branch_written_bytes: Counter,
 }
 
 impl Default for Metrics {
@@ -114,6 +117,20 @@ impl Metrics {
             "Warm pool members ready for a fork, by snapshot",
             pool_idle.clone(),
         );
+        let branches = Counter::default();
+        registry.register("branches", "Branches written", branches.clone());
+        let branch_pause_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 16));
+        registry.register(
+            "branch_pause_seconds",
+            "How long a branch stopped its source's vCPUs",
+            branch_pause_seconds.clone(),
+        );
+        let branch_written_bytes = Counter::default();
+        registry.register(
+            "branch_written_bytes",
+            "Bytes of memory diffs branches stored",
+            branch_written_bytes.clone(),
+        );
         registry.register("build_info", "The daemon's version", build);
         Metrics {
             registry,
@@ -126,7 +143,17 @@ impl Metrics {
             fork_seconds,
             exec_seconds,
             errors,
+            branches,
+            branch_pause_seconds,
+            branch_written_bytes,
         }
+    }
+
+    /// Counts a branch that was written.
+    pub fn branched(&self, o: &crate::branch::BranchOutcome) {
+        self.branches.inc();
+        self.branch_pause_seconds.observe(o.pause_ms / 1000.0);
+        self.branch_written_bytes.inc_by(o.diff_bytes);
     }
 
     /// Counts one error response.

@@ -44,6 +44,9 @@ pub enum RegistryError {
     /// {0}
     #[error(transparent)]
     State(#[from] StateError),
+    /// {0}
+    #[error("{0}")]
+    Conflict(String),
 }
 
 /// A sandbox the daemon holds a handle on.
@@ -115,6 +118,8 @@ pub(crate) struct Slots {
     forking: HashMap<String, usize>,
     /// Warm pools (their members hold VMs too).
     pub(crate) pools: crate::pool::Pools,
+    /// Branches in progress: the snapshot tag each source is being branched into.
+    pub(crate) branching: HashMap<String, String>,
 }
 
 /// What a create request asks for.
@@ -644,6 +649,7 @@ impl Registry {
     /// progress (named as such).
     pub fn users_of(&self, tag: &str) -> Vec<String> {
         let mut users = self.children_of(tag);
+        users.extend(self.branch_users_of(tag));
         if let Some(n) = self.slots().forking.get(tag) {
             users.push(format!("{n} fork(s) in progress"));
         }

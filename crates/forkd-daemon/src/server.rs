@@ -74,12 +74,19 @@ pub async fn run(
     let state = Arc::new(State::open(&config.database())?);
     let interrupted = state.interrupt_running_operations(&crate::now_rfc3339())?;
     let store = Store::of_home(&config.home);
-    for (kind, target) in &interrupted {
-        // What a build interrupted by the stop had written is of no use to anyone. (An
-        // interrupted fork's children are the registry's: see adopt_all.)
-        if kind == "build_snapshot" {
+    let mut branch_sources = Vec::new();
+    for op in &interrupted {
+        let (kind, target) = (&op.kind, &op.target);
+        // What a build or branch interrupted by the stop had written is of no use to
+        // anyone. (An interrupted fork's children are the registry's: see adopt_all.)
+        if kind == "build_snapshot" || kind == "branch" {
             if let Ok(tag) = forkd_core::snapshot::Tag::parse(target) {
                 store.remove_staging_of(&tag);
+            }
+        }
+        if kind == "branch" {
+            if let Some(source) = op.result.as_ref().and_then(|r| r["source"].as_str()) {
+                branch_sources.push(source.to_owned());
             }
         }
         tracing::warn!(%kind, %target, "an operation was interrupted by the last stop");
@@ -99,6 +106,7 @@ pub async fn run(
     )
     .with_fork_parallelism(config.fork_parallelism)
     .with_memory_overcommit(config.memory_overcommit);
+    registry.recover_branches(&branch_sources).await?;
     let (adopted, gone) = registry.adopt_all().await?;
     let leftovers = registry.open_pools().await?;
     if leftovers > 0 {

@@ -440,8 +440,8 @@ impl State {
     /// Records a new running operation.
     pub fn insert_operation(&self, op: &OperationRow) -> Result<(), StateError> {
         self.conn().execute(
-            "INSERT INTO operations (id, kind, target, status, error, created_at, finished_at, done, total)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+            "INSERT INTO operations (id, kind, target, status, error, created_at, finished_at, done, total, result)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
             params![
                 op.id,
                 op.kind,
@@ -451,7 +451,8 @@ impl State {
                 op.created_at,
                 op.finished_at,
                 op.done as i64,
-                op.total as i64
+                op.total as i64,
+                op.result.as_ref().map(|r| r.to_string())
             ],
         )?;
         Ok(())
@@ -536,20 +537,32 @@ impl State {
         }
     }
 
-    /// Operations left `running` by a daemon that stopped are marked `interrupted`;
-    /// returns their (kind, target).
-    pub fn interrupt_running_operations(
-        &self,
-        now: &str,
-    ) -> Result<Vec<(String, String)>, StateError> {
+    /// Operations left `running` by a daemon that stopped are marked `interrupted`, and
+    /// branches `failed` (a branch is never resumed: what it had written is removed);
+    /// returns them as they were.
+    pub fn interrupt_running_operations(&self, now: &str) -> Result<Vec<Interrupted>, StateError> {
         let mut conn = self.conn();
         let tx = conn.transaction()?;
-        let targets = {
+        let ops = {
             let mut stmt =
-                tx.prepare("SELECT kind, target FROM operations WHERE status = 'running'")?;
-            let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
-            rows.collect::<Result<Vec<(String, String)>, _>>()?
+                tx.prepare("SELECT kind, target, result FROM operations WHERE status = 'running'")?;
+            let rows = stmt.query_map([], |r| {
+                Ok(Interrupted {
+                    kind: r.get(0)?,
+                    target: r.get(1)?,
+                    result: r
+                        .get::<_, Option<String>>(2)?
+                        .and_then(|s| serde_json::from_str(&s).ok()),
+                })
+            })?;
+            rows.collect::<Result<Vec<Interrupted>, _>>()?
         };
+        tx.execute(
+            "UPDATE operations SET status = 'failed', finished_at = ?1,
+                 error = 'the daemon stopped during the branch; what it had written was removed'
+             WHERE status = 'running' AND kind = 'branch'",
+            params![now],
+        )?;
         tx.execute(
             "UPDATE operations SET status = 'interrupted', finished_at = ?1,
                  error = 'the daemon stopped while it ran'
@@ -557,8 +570,19 @@ impl State {
             params![now],
         )?;
         tx.commit()?;
-        Ok(targets)
+        Ok(ops)
     }
+}
+
+/// An operation a stop interrupted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Interrupted {
+    /// Its kind (`build_snapshot`, `fork`, `branch`).
+    pub kind: String,
+    /// What it worked on.
+    pub target: String,
+    /// What it had recorded (a branch: its source).
+    pub result: Option<serde_json::Value>,
 }
 
 /// How an operation ended (see [`State::finish_fork`]).
@@ -749,9 +773,30 @@ mod tests {
         .unwrap();
         assert_eq!(
             s.interrupt_running_operations("t1").unwrap(),
-            vec![("build_snapshot".to_string(), "python".to_string())]
+            vec![Interrupted {
+                kind: "build_snapshot".into(),
+                target: "python".into(),
+                result: None
+            }]
         );
         assert!(s.interrupt_running_operations("t2").unwrap().is_empty());
+        // A branch is failed, not interrupted, and says which sandbox it branched.
+        let branch = OperationRow {
+            id: "op-3".into(),
+            kind: "branch".into(),
+            target: "b1".into(),
+            result: Some(serde_json::json!({"source": "sb-9"})),
+            ..op.clone()
+        };
+        s.insert_operation(&branch).unwrap();
+        let cut = s.interrupt_running_operations("t3").unwrap();
+        assert_eq!(cut.len(), 1);
+        assert_eq!(cut[0].result.as_ref().unwrap()["source"], "sb-9");
+        let got = s.operation("op-3").unwrap().unwrap();
+        assert_eq!(
+            (got.status.as_str(), got.kind.as_str()),
+            ("failed", "branch")
+        );
         let got = s.operation("op-1").unwrap().unwrap();
         assert_eq!(got.status, "interrupted");
         assert_eq!(got.finished_at.as_deref(), Some("t1"));

@@ -95,6 +95,9 @@ pub struct BranchPlan {
     /// instant the source goes on writing there, and the layer below is frozen as the
     /// branch's disk. Removed by the backend if the switch did not happen.
     pub next_layer: std::path::PathBuf,
+    /// Called at the branch instant, the source's vCPUs stopped (the crash tests abort
+    /// there).
+    pub at_instant: Option<fn()>,
 }
 
 /// What a branch did and cost.

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_scale;
+mod branch;
 mod daemon;
 mod doctor;
 mod image;
@@ -66,6 +67,9 @@ enum Command {
     /// Restore N children of a snapshot; prints their ids. They keep running after
     /// this command exits, until `forkd kill`.
     Fork(sandboxes::ForkArgs),
+    /// Snapshot a running sandbox into a new snapshot (a diff on the one it builds on)
+    /// and let it run on; fork the snapshot like any other. Prints the new tag.
+    Branch(branch::BranchArgs),
     /// Run a command in a sandbox, streaming its output; exits with its exit code.
     Exec(sandboxes::ExecArgs),
     /// Run code in one of a sandbox's code contexts (state persists between calls).
@@ -124,6 +128,9 @@ fn main() {
                 .await
                 .map(|()| 0),
             Command::Fork(args) => sandboxes::fork_cmd(&remote::connect(&home)?, args).await,
+            Command::Branch(args) => branch::branch(&remote::connect(&home)?, args)
+                .await
+                .map(|()| 0),
             Command::Exec(args) => sandboxes::exec(&remote::connect(&home)?, args).await,
             Command::RunCode(args) => sandboxes::run_code(&remote::connect(&home)?, args).await,
             Command::Ls(args) => sandboxes::ls(&remote::connect(&home)?, args)

@@ -1,6 +1,7 @@
 //! The REST API, v1: routes, the extractors that turn every bad request into a JSON
 //! error, and the OpenAPI document generated from the handlers' annotations.
 
+mod branch;
 pub mod error;
 mod files;
 mod run;
@@ -119,6 +120,7 @@ pub fn router(app: App) -> Router {
             get(sandboxes::get).delete(sandboxes::delete),
         )
         .route("/v1/sandboxes/{id}/timeout", put(sandboxes::set_timeout))
+        .route("/v1/sandboxes/{id}/branch", post(branch::branch))
         .route("/v1/sandboxes/{id}/exec", post(run::exec))
         .route("/v1/sandboxes/{id}/code", post(run::run_code))
         .route(
@@ -168,6 +170,7 @@ pub fn router(app: App) -> Router {
         sandboxes::get,
         sandboxes::delete,
         sandboxes::set_timeout,
+        branch::branch,
         run::exec,
         run::run_code,
         run::list_contexts,

@@ -35,6 +35,7 @@ impl From<RegistryError> for ApiError {
             ),
             RegistryError::Sandbox(s) => s.into(),
             RegistryError::State(s) => s.into(),
+            RegistryError::Conflict(m) => ApiError::conflict(m),
         }
     }
 }

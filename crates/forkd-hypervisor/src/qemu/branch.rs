@@ -164,6 +164,9 @@ impl QemuVm {
             return Err(self.migration_failed("copying the memory", &status).await);
         }
         // vCPUs stopped, nothing in flight: the branch instant. The disk is frozen here.
+        if let Some(f) = plan.at_instant {
+            f();
+        }
         let frozen_layer = match self.disk_top().await {
             Ok(p) => p,
             Err(e) => {

@@ -67,6 +67,29 @@ impl Daemon {
         }
     }
 
+    /// Starts the daemon again (after [`Daemon::kill9`]) with `env` as its added
+    /// environment.
+    pub fn respawn_with_env(&mut self, env: &[(&str, &str)]) {
+        self.env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        self.spawn();
+    }
+
+    /// Waits (at most `secs`) for the daemon to exit on its own; returns how it ended.
+    pub fn wait_exit(&mut self, secs: u64) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("the daemon runs");
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            if let Some(status) = c.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "the daemon did not exit");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// The daemon process's pid.
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("the daemon runs").id()

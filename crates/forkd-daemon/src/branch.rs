@@ -1,0 +1,237 @@
+//! BRANCH through the daemon: checks, one branch per sandbox at a time, and an operation
+//! row (`running` → `succeeded` | `failed`) that outlives the daemon. A branch cut short
+//! by a stop is marked `failed` at the next start, its staging files are removed and its
+//! source is set running again (see [`Registry::recover_branches`]).
+
+use crate::registry::{Registry, RegistryError};
+use crate::state::{OperationEnd, OperationRow};
+use forkd_core::lifecycle::SandboxState;
+use forkd_core::snapshot::{Snapshot, SnapshotError, Tag};
+use forkd_core::SandboxError;
+use forkd_hypervisor::BranchMode;
+use serde::Serialize;
+use std::sync::Arc;
+
+/// What a branch made, as the API answers and its operation records.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct BranchOutcome {
+    /// The new snapshot.
+    pub snapshot: String,
+    /// The snapshot it is a diff on.
+    pub parent: String,
+    /// The sandbox it was taken from.
+    pub source: String,
+    /// `pause` or `live`.
+    pub mode: String,
+    /// How long the source's vCPUs were stopped, ms.
+    pub pause_ms: f64,
+    /// From the start of the copy to the source running again, ms.
+    pub copy_ms: f64,
+    /// From the request to the snapshot's publication, ms.
+    pub total_ms: f64,
+    /// Bytes of the source's memory stream.
+    pub transferred_bytes: u64,
+    /// Memory pages that differ from the parent's.
+    pub pages_changed: u64,
+    /// Size of the stored memory diff.
+    pub diff_bytes: u64,
+    /// The operation that made it.
+    pub operation: String,
+}
+
+/// A branch accepted to run: its operation, its source and what it builds on.
+pub struct Accepted {
+    /// The operation, recorded `running`.
+    pub op: OperationRow,
+    source: Arc<forkd_core::Sandbox>,
+    base: Snapshot,
+    tag: Tag,
+    mode: BranchMode,
+}
+
+impl Registry {
+    /// Checks that sandbox `id` can be branched into `tag` now and records the
+    /// operation. Refused: an unknown sandbox (404), one not running or already being
+    /// branched (409), a tag that exists or is being written (409), a base snapshot
+    /// that is gone.
+    pub fn accept_branch(
+        &self,
+        id: &str,
+        tag: Tag,
+        mode: BranchMode,
+    ) -> Result<Accepted, RegistryError> {
+        let entry = self.get(id)?;
+        if entry.row.state != SandboxState::Running {
+            return Err(SandboxError::NotReady {
+                id: id.to_owned(),
+                state: entry.row.state,
+            }
+            .into());
+        }
+        if self.store().exists(&tag) {
+            return Err(SandboxError::from(SnapshotError::Exists {
+                tag: tag.to_string(),
+            })
+            .into());
+        }
+        let base_tag = forkd_core::branch::base_of(entry.sandbox.dir(), &entry.row.snapshot);
+        let base = Tag::parse(&base_tag)
+            .and_then(|t| self.store().open(&t))
+            .map_err(|e| {
+                RegistryError::Conflict(format!(
+                    "sandbox {id} cannot be branched: the snapshot its disk builds on ({base_tag}) cannot be opened: {e}"
+                ))
+            })?;
+        let op = OperationRow {
+            id: format!("op-{}", forkd_core::ids::random_hex(8)),
+            kind: "branch".into(),
+            target: tag.to_string(),
+            status: "running".into(),
+            error: None,
+            created_at: crate::now_rfc3339(),
+            finished_at: None,
+            done: 0,
+            total: 1,
+            result: Some(serde_json::json!({ "source": id, "mode": mode })),
+        };
+        {
+            let mut slots = self.slots();
+            if let Some(t) = slots.branching.get(id) {
+                return Err(RegistryError::Conflict(format!(
+                    "sandbox {id} is being branched already (into {t})"
+                )));
+            }
+            if slots.branching.values().any(|t| t == tag.as_str()) {
+                return Err(RegistryError::Conflict(format!(
+                    "snapshot {tag} is being written by another branch"
+                )));
+            }
+            slots.branching.insert(id.to_owned(), tag.to_string());
+        }
+        if let Err(e) = self.state().insert_operation(&op) {
+            self.slots().branching.remove(id);
+            return Err(e.into());
+        }
+        Ok(Accepted {
+            op,
+            source: entry.sandbox,
+            base,
+            tag,
+            mode,
+        })
+    }
+
+    /// Runs an accepted branch to its end and records the end in its operation.
+    pub async fn run_branch(&self, a: Accepted) -> Result<BranchOutcome, RegistryError> {
+        let id = a.source.id().to_owned();
+        let r = forkd_core::branch::branch(
+            self.hypervisor().as_ref(),
+            self.home(),
+            self.store(),
+            &a.source,
+            &a.base,
+            &a.tag,
+            a.mode,
+            &|m| tracing::info!(op = %a.op.id, "{m}"),
+        )
+        .await;
+        self.slots().branching.remove(&id);
+        // A source deleted (or failed) under the branch: say so, not how QEMU went.
+        let r = r.map_err(|e| match self.get(&id) {
+            Ok(entry)
+                if entry.row.state == SandboxState::Running
+                    && entry.sandbox.failure().is_none() =>
+            {
+                RegistryError::from(e)
+            }
+            _ => {
+                RegistryError::Conflict(format!("sandbox {id} was stopped during the branch ({e})"))
+            }
+        });
+        let outcome = r.map(|b| BranchOutcome {
+            snapshot: b.snapshot.tag.to_string(),
+            parent: a.base.tag.to_string(),
+            source: id.clone(),
+            mode: a.mode.to_string(),
+            pause_ms: b.stats.pause.as_secs_f64() * 1000.0,
+            copy_ms: b.stats.copy.as_secs_f64() * 1000.0,
+            total_ms: b.total.as_secs_f64() * 1000.0,
+            transferred_bytes: b.stats.transferred,
+            pages_changed: b.diff.pages,
+            diff_bytes: b.diff.bytes,
+            operation: a.op.id.clone(),
+        });
+        let (status, error, result) = match &outcome {
+            Ok(o) => (
+                "succeeded",
+                None,
+                serde_json::to_value(o).unwrap_or_default(),
+            ),
+            Err(e) => (
+                "failed",
+                Some(e.to_string()),
+                a.op.result.clone().unwrap_or_default(),
+            ),
+        };
+        tracing::info!(op = %a.op.id, source = %id, tag = %a.tag, "branch {status}");
+        let recorded = self.state().finish_fork(
+            &a.op.id,
+            &OperationEnd {
+                status,
+                error: error.as_deref(),
+                finished_at: &crate::now_rfc3339(),
+                done: u64::from(outcome.is_ok()),
+                total: 1,
+                result: &result,
+            },
+        );
+        if let Err(e) = recorded {
+            tracing::warn!(op = %a.op.id, "recording the end of the branch: {e}");
+        }
+        outcome
+    }
+
+    /// After a restart, before the sandboxes are adopted: the sources of branches the
+    /// last daemon did not finish are set running again (a migration still under way is
+    /// cancelled, stopped vCPUs are started), so that they answer when adopted. Their
+    /// operations were marked failed and their staging files removed already.
+    pub async fn recover_branches(&self, sources: &[String]) -> Result<(), RegistryError> {
+        let rows = self.state().sandboxes()?;
+        for row in rows.iter().filter(|r| sources.contains(&r.id)) {
+            let vm = match self
+                .hypervisor()
+                .adopt(&row.config, row.pid, row.start_time)
+                .await
+            {
+                Ok(vm) => vm,
+                // Gone: adoption removes it.
+                Err(_) => continue,
+            };
+            match vm.abandon_branch().await {
+                Ok(()) => {
+                    tracing::info!(id = %row.id, "the source of an interrupted branch runs again")
+                }
+                Err(e) => tracing::warn!(
+                    id = %row.id,
+                    "setting the source of an interrupted branch running: {e}"
+                ),
+            }
+        }
+        Ok(())
+    }
+
+    /// Running sandboxes whose disk builds on snapshot `tag` since they were branched
+    /// into it, and branches in progress that read it.
+    pub(crate) fn branch_users_of(&self, tag: &str) -> Vec<String> {
+        let mut users = Vec::new();
+        for l in self.list() {
+            let Some(sb) = &l.sandbox else { continue };
+            if l.row.snapshot != tag
+                && forkd_core::branch::base_of(sb.dir(), &l.row.snapshot) == tag
+            {
+                users.push(format!("{} (branched into it)", l.row.id));
+            }
+        }
+        users
+    }
+}

@@ -1,0 +1,252 @@
+//! BRANCH through the daemon, on real `python` VMs: children of a branch have the
+//! source's state at the branch instant and their own randomness; the source runs on and
+//! sees none of their writes; bad requests change nothing; a daemon killed at the branch
+//! instant leaves a failed operation, no snapshot and a source that runs.
+//!
+//! One daemon and one `python` template for the whole file (a template build costs tens
+//! of seconds under TCG); the phases run in order in one test.
+
+mod common;
+
+use common::{b64, build_snapshot, call, runtime, Daemon};
+use forkd_daemon::client::Client;
+use hyper::{Method, StatusCode};
+use serde_json::{json, Value};
+
+async fn fork(c: &Client, snapshot: &str, n: u32) -> Vec<String> {
+    let (s, v) = call(
+        c,
+        Method::POST,
+        "/v1/sandboxes",
+        Some(json!({"snapshot": snapshot, "n": n})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    v["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+async fn sh(c: &Client, id: &str, script: &str) -> String {
+    let (s, v) = call(
+        c,
+        Method::POST,
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(json!({ "shell": script })),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "exec in {id}: {v}");
+    assert_eq!(v["exit_code"], 0, "exec in {id}: {script}: {v}");
+    String::from_utf8(b64(&v["stdout_b64"]))
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+/// Runs `code` in the sandbox's warm context; returns the value's text.
+async fn py(c: &Client, id: &str, code: &str) -> String {
+    let (s, v) = call(
+        c,
+        Method::POST,
+        &format!("/v1/sandboxes/{id}/code"),
+        Some(json!({ "code": code })),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "code in {id}: {v}");
+    assert!(v["error"].is_null(), "code in {id}: {code}: {v}");
+    v["results"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+async fn branch(c: &Client, id: &str, body: Value) -> (StatusCode, Value) {
+    call(
+        c,
+        Method::POST,
+        &format!("/v1/sandboxes/{id}/branch"),
+        Some(body),
+    )
+    .await
+}
+
+async fn kill(c: &Client, id: &str) {
+    let (s, v) = call(c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
+}
+
+async fn snapshot_tags(c: &Client) -> Vec<String> {
+    let (s, v) = call(c, Method::GET, "/v1/snapshots", None).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    v["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["tag"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// The source's state, branched live then paused; three children of the first and one
+/// of the second each check all of it.
+async fn children_have_the_state_of_the_branch_instant(c: &Client, source: &str) {
+    let mut later_files = Vec::new();
+    for (mode, tag, n) in [("live", "b-live", 3u32), ("pause", "b-pause", 1)] {
+        let (s, b) = branch(c, source, json!({"tag": tag, "mode": mode})).await;
+        assert_eq!(s, StatusCode::CREATED, "{b}");
+        assert_eq!(b["snapshot"], tag);
+        assert_eq!(b["mode"], mode);
+        assert!(b["pause_ms"].as_f64().unwrap() > 0.0, "{b}");
+        // The source runs on, and writes after the branch.
+        assert_eq!(py(c, source, "x").await, "41");
+        sh(c, source, &format!("echo after > /root/later-{mode}")).await;
+        let children = fork(c, tag, n).await;
+        let mut draws = Vec::new();
+        for id in &children {
+            assert_eq!(py(c, id, "x + 1").await, "42", "{id}");
+            assert_eq!(sh(c, id, "cat /root/note").await, "written-before");
+            assert_eq!(
+                sh(c, id, "kill -0 $(cat /root/bg.pid) && echo alive").await,
+                "alive"
+            );
+            let later = format!("test -e /root/later-{mode} && echo yes || echo no");
+            assert_eq!(sh(c, id, &later).await, "no", "{id}");
+            // What the source wrote before this branch (after the last one) is in it.
+            for f in &later_files {
+                assert_eq!(sh(c, id, &format!("cat {f}")).await, "after");
+            }
+            draws.push(
+                py(
+                    c,
+                    id,
+                    "import os, random\n(os.urandom(16).hex(), random.random(), float(np.random.rand()))",
+                )
+                .await,
+            );
+            sh(c, id, &format!("echo {id} > /root/child")).await;
+            py(c, id, "x = 0").await;
+        }
+        later_files.push(format!("/root/later-{mode}"));
+        let mut unique = draws.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), draws.len(), "the same draws: {draws:?}");
+        assert_eq!(
+            sh(c, source, "test -e /root/child && echo yes || echo no").await,
+            "no"
+        );
+        assert_eq!(py(c, source, "x").await, "41");
+        for id in &children {
+            kill(c, id).await;
+        }
+    }
+}
+
+/// Refusals, each changing nothing on disk: a tag that exists, a bad tag, a bad mode,
+/// an unknown sandbox, a sandbox already gone.
+async fn bad_branches_are_refused_and_change_nothing(d: &Daemon, c: &Client, source: &str) {
+    let before = d.disk_state();
+    for (id, body, want) in [
+        (source, json!({"tag": "py"}), StatusCode::CONFLICT),
+        (source, json!({"tag": "../x"}), StatusCode::BAD_REQUEST),
+        (source, json!({"mode": "fast"}), StatusCode::BAD_REQUEST),
+        (source, json!({"colour": 1}), StatusCode::BAD_REQUEST),
+        ("sb-000000000000", json!({}), StatusCode::NOT_FOUND),
+    ] {
+        let (s, v) = branch(c, id, body.clone()).await;
+        assert_eq!(s, want, "{body}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{v}"
+        );
+    }
+    assert_eq!(d.disk_state(), before);
+    // One being deleted: refused (409 while it stops, 404 once gone; a branch that got
+    // in first fails with 409 when the delete ends its VM), and no snapshot is left.
+    let doomed = fork(c, "py", 1).await.remove(0);
+    let c2 = c.clone();
+    let d2 = doomed.clone();
+    let deleting = tokio::spawn(async move { kill(&c2, &d2).await });
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let (s, v) = branch(c, &doomed, json!({"tag": "doomed"})).await;
+    deleting.await.unwrap();
+    assert!(
+        matches!(s, StatusCode::CONFLICT | StatusCode::NOT_FOUND),
+        "{s}: {v}"
+    );
+    assert!(!snapshot_tags(c).await.contains(&"doomed".to_owned()));
+    let (s, v) = branch(c, &doomed, json!({"tag": "doomed"})).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+}
+
+#[test]
+fn branch_through_the_daemon() {
+    let mut d = Daemon::start(&[]);
+    let rt = runtime();
+    let c = d.unix();
+    let source = rt.block_on(async {
+        build_snapshot(&c, "python", "py").await;
+        let source = fork(&c, "py", 1).await.remove(0);
+        py(&c, &source, "x = 41").await;
+        sh(&c, &source, "echo written-before > /root/note").await;
+        sh(
+            &c,
+            &source,
+            "nohup sh -c 'while true; do sleep 1; done' >/dev/null 2>&1 & echo $! > /root/bg.pid",
+        )
+        .await;
+        children_have_the_state_of_the_branch_instant(&c, &source).await;
+        bad_branches_are_refused_and_change_nothing(&d, &c, &source).await;
+        source
+    });
+
+    // A daemon killed at the branch instant (the source stopped, its memory half sent).
+    d.kill9();
+    d.respawn_with_env(&[(forkd_core::failpoint::ENV, "branch.at_instant")]);
+    let op = rt.block_on(async {
+        let (s, op) = branch(
+            &c,
+            &source,
+            json!({"tag": "cut", "mode": "pause", "wait": false}),
+        )
+        .await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{op}");
+        op["id"].as_str().unwrap().to_owned()
+    });
+    use std::os::unix::process::ExitStatusExt;
+    let status = d.wait_exit(120);
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGABRT),
+        "{status}: {}",
+        d.log()
+    );
+    d.respawn_with_env(&[]);
+    rt.block_on(async {
+        let (s, v) = call(&c, Method::GET, &format!("/v1/operations/{op}"), None).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["status"], "failed", "{v}");
+        assert!(!snapshot_tags(&c).await.contains(&"cut".to_owned()));
+        let staging = d.home.path().join("snapshots/.staging");
+        let left: Vec<_> = std::fs::read_dir(&staging)
+            .map(|r| r.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "staging left: {left:?}");
+        let (s, v) = call(&c, Method::GET, &format!("/v1/sandboxes/{source}"), None).await;
+        assert_eq!(
+            (s, v["status"].as_str()),
+            (StatusCode::OK, Some("running")),
+            "{v}"
+        );
+        assert_eq!(py(&c, &source, "x").await, "41");
+        // And it can be branched again.
+        let (s, b) = branch(&c, &source, json!({"tag": "after-crash"})).await;
+        assert_eq!(s, StatusCode::CREATED, "{b}");
+        let child = fork(&c, "after-crash", 1).await.remove(0);
+        assert_eq!(py(&c, &child, "x").await, "41");
+    });
+}
