@@ -8,6 +8,7 @@
 pub mod agent;
 pub mod branch;
 pub mod catalog;
+pub mod compact;
 pub mod error;
 pub mod failpoint;
 pub mod fork;

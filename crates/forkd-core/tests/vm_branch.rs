@@ -7,8 +7,9 @@ mod common;
 
 use common::{build_template, fork, fork_options, home, hv, sh, TestStore};
 use forkd_core::branch::{self, Branched};
+use forkd_core::compact::compact;
 use forkd_core::snapshot::manifest::parts;
-use forkd_core::snapshot::{Snapshot, Tag};
+use forkd_core::snapshot::{chain, Snapshot, Tag};
 use forkd_core::template::Recipe;
 use forkd_core::Sandbox;
 use forkd_hypervisor::BranchMode;
@@ -190,6 +191,39 @@ async fn children_of_a_branch_have_the_source_state_and_chains_fork() {
         .remove(0);
     assert_eq!(run(&c, "(x, depth)").await.text(), Some("(41, 3)"));
     assert_eq!(shell(&c, "cat /root/note").await, "written-before");
-    ts.store.verify(&snap.tag).unwrap();
+    c.destroy().await.unwrap();
+    let info = chain::info(&ts.store, &snap).unwrap();
+    assert_eq!(info.depth, 4, "{info:?}");
+    assert_eq!(info.ancestors, ["chain-2", "b-pause", "b-live", "python-b"]);
+    assert!(
+        info.total_bytes > info.own_bytes + info.memory_image_bytes,
+        "{info:?}"
+    );
+    assert_eq!(chain::verify(&ts.store, &snap.tag).unwrap().len(), 5);
+
+    // Compacted, the head stands alone: it forks after its whole chain is gone.
+    let flat_tag = Tag::parse("flat").unwrap();
+    let flat = compact(hv().as_ref(), &ts.store, &snap, &flat_tag)
+        .await
+        .unwrap();
+    assert_eq!(flat.manifest.parent, None);
     source.destroy().await.unwrap();
+    let b_live = Tag::parse("b-live").unwrap();
+    let doomed = chain::descendants(&ts.store, &b_live);
+    assert_eq!(doomed, ["chain-3", "chain-2", "b-pause"]);
+    let refused = ts.store.remove(&b_live, &[]).unwrap_err().to_string();
+    assert!(refused.contains("b-pause"), "{refused}");
+    for t in doomed.iter().chain([&"b-live".to_owned()]) {
+        ts.store.remove(&Tag::parse(t).unwrap(), &[]).unwrap();
+    }
+    let c = fork(&home(), &flat, &fork_options(1))
+        .await
+        .unwrap()
+        .remove(0);
+    assert_eq!(run(&c, "(x, depth)").await.text(), Some("(41, 3)"));
+    assert_eq!(
+        shell(&c, "cat /root/note /root/later-live").await,
+        "written-before\nafter"
+    );
+    ts.store.verify(&flat_tag).unwrap();
 }

@@ -145,6 +145,21 @@ pub trait Hypervisor: Send + Sync {
     /// Creates a disk layer as `layer` describes.
     async fn create_disk_layer(&self, layer: DiskLayer<'_>) -> Result<(), HypervisorError>;
 
+    /// Writes at `out` one layer with the contents of the layered disk `top` over the raw
+    /// image `base`, which it names (relative to `out`'s directory): the chain under
+    /// `top` down to `base` is no longer needed.
+    async fn flatten_disk(
+        &self,
+        top: &Path,
+        base: &Path,
+        out: &Path,
+    ) -> Result<(), HypervisorError> {
+        let _ = (top, base, out);
+        Err(HypervisorError::Config(
+            "this hypervisor backend cannot flatten a disk".into(),
+        ))
+    }
+
     /// Starts a VM as `config` describes and returns once its control channel answers.
     /// The guest is booting when this returns; waiting for its agent is the caller's job.
     async fn boot(&self, config: &VmConfig) -> Result<Box<dyn Vm>, HypervisorError>;

@@ -141,6 +141,19 @@ pub fn materialize(parent: &Path, diff: &Path, out: &Path) -> io::Result<String>
     sha256_sparse(out)
 }
 
+/// Copies a (sparse) image: its data regions at the same offsets, holes left holes.
+pub fn copy_sparse(src: &Path, out: &Path) -> io::Result<()> {
+    let s = File::open(src)?;
+    let size = s.metadata()?.len();
+    let d = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(out)?;
+    d.set_len(size)?;
+    copy_data(&s, &d, size)?;
+    d.sync_all()
+}
+
 /// The image size and page count a diff's header gives.
 pub fn read_header(r: &mut impl Read) -> io::Result<(u64, u64)> {
     let mut h = [0u8; HEADER as usize];

@@ -7,6 +7,7 @@
 //! - [`tag`]: which names are allowed.
 //! - [`manifest`]: what a snapshot records about itself, and the seal a fork checks.
 
+pub mod chain;
 pub mod manifest;
 pub mod memory_diff;
 pub mod tag;
@@ -315,6 +316,14 @@ impl Store {
             published: false,
             known: Default::default(),
         })
+    }
+
+    /// A path in the staging area for a scratch file (removed by its user; a crash
+    /// leaves it to `remove_staging_of`'s sweep of its prefix).
+    pub fn scratch_path(&self, name: &str) -> PathBuf {
+        let dir = self.root.join(STAGING);
+        let _ = std::fs::create_dir_all(&dir);
+        dir.join(format!("{name}-{}", crate::ids::random_hex(4)))
     }
 
     /// Removes what unfinished builds of `tag` left in the staging area (a build

@@ -106,6 +106,15 @@ impl crate::Hypervisor for Qemu {
             })
     }
 
+    async fn flatten_disk(
+        &self,
+        top: &Path,
+        base: &Path,
+        out: &Path,
+    ) -> Result<(), HypervisorError> {
+        qcow2::flatten(top, base, out).await
+    }
+
     async fn boot(&self, config: &VmConfig) -> Result<Box<dyn Vm>, HypervisorError> {
         Ok(Box::new(
             QemuVm::start(&self.binary, config, Start::Boot).await?,
