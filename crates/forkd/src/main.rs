@@ -56,13 +56,17 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Remove a snapshot (refused while children of it run, unless --force).
+    /// Remove a snapshot (refused while children of it run, unless --force, or while
+    /// other snapshots depend on it, unless --cascade).
     Rmi {
         /// The snapshot's tag.
         tag: String,
         /// Stop the snapshot's children first.
         #[arg(long)]
         force: bool,
+        /// Remove the snapshots that depend on it (branches of it) too.
+        #[arg(long)]
+        cascade: bool,
     },
     /// Restore N children of a snapshot; prints their ids. They keep running after
     /// this command exits, until `forkd kill`.
@@ -124,7 +128,11 @@ fn main() {
             Command::Snapshots { json } => snapshots::list(&remote::connect(&home)?, json)
                 .await
                 .map(|()| 0),
-            Command::Rmi { tag, force } => snapshots::rmi(&remote::connect(&home)?, &tag, force)
+            Command::Rmi {
+                tag,
+                force,
+                cascade,
+            } => snapshots::rmi(&remote::connect(&home)?, &tag, force, cascade)
                 .await
                 .map(|()| 0),
             Command::Fork(args) => sandboxes::fork_cmd(&remote::connect(&home)?, args).await,

@@ -46,10 +46,23 @@ pub enum SnapshotCommand {
         /// The snapshot's tag.
         tag: String,
     },
-    /// Print what the daemon knows of a snapshot.
+    /// Print what the daemon knows of a snapshot: its chain (depth, ancestors,
+    /// dependents), its own and total size, its children.
     Show {
         /// The snapshot's tag.
         tag: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write a standalone copy of a chain link (memory image, device state, flattened
+    /// disk; no parent): it forks after its ancestors are removed.
+    Compact {
+        /// The chain link.
+        tag: String,
+        /// The new snapshot's tag.
+        #[arg(long = "tag", short = 't')]
+        new_tag: String,
     },
     /// Show or set a snapshot's warm pool: children the daemon keeps prepared (QEMU
     /// started, disk layer made) so that a fork only restores them.
@@ -192,17 +205,41 @@ pub async fn snapshot(client: &Client, cmd: SnapshotCommand) -> Result<()> {
         SnapshotCommand::Verify { tag } => {
             let path = format!("/v1/snapshots/{}/verify", path_tag(&tag)?);
             let v: Value = client.json(Method::POST, &path, None).await?;
+            let links = v["links"].as_u64().unwrap_or(1);
             println!(
-                "{tag}: every part matches its digest ({} hashed in {:.1} s)",
+                "{tag}: every part matches its digest{} ({} hashed in {:.1} s)",
+                if links > 1 {
+                    format!(
+                        ", and so do its {} ancestors and each link's memory diff",
+                        links - 1
+                    )
+                } else {
+                    String::new()
+                },
                 human_size(v["bytes"].as_u64().unwrap_or(0)),
                 v["millis"].as_f64().unwrap_or(0.0) / 1000.0
             );
             Ok(())
         }
-        SnapshotCommand::Show { tag } => {
+        SnapshotCommand::Show { tag, json } => {
             let path = format!("/v1/snapshots/{}", path_tag(&tag)?);
             let v: Value = client.json(Method::GET, &path, None).await?;
-            print_json(&v)
+            if json {
+                return print_json(&v);
+            }
+            print_show(&v);
+            Ok(())
+        }
+        SnapshotCommand::Compact { tag, new_tag } => {
+            forkd_core::snapshot::Tag::parse(&new_tag)?;
+            let path = format!("/v1/snapshots/{}/compact", path_tag(&tag)?);
+            let body = serde_json::json!({ "tag": new_tag });
+            let v: Value = client.json(Method::POST, &path, Some(&body)).await?;
+            println!(
+                "wrote {new_tag}, a standalone copy of {tag} ({} on disk)",
+                human_size(v["chain"]["own_bytes"].as_u64().unwrap_or(0))
+            );
+            Ok(())
         }
         SnapshotCommand::Pool {
             tag,
@@ -280,13 +317,86 @@ pub async fn list(client: &Client, json: bool) -> Result<()> {
 }
 
 /// `forkd rmi TAG`.
-pub async fn rmi(client: &Client, tag: &str, force: bool) -> Result<()> {
+pub async fn rmi(client: &Client, tag: &str, force: bool, cascade: bool) -> Result<()> {
+    let mut dependents = Vec::new();
+    if cascade {
+        let v: Value = client
+            .json(
+                Method::GET,
+                &format!("/v1/snapshots/{}", path_tag(tag)?),
+                None,
+            )
+            .await?;
+        dependents = v["dependents"].as_array().cloned().unwrap_or_default();
+    }
     let path = format!(
-        "/v1/snapshots/{}{}",
+        "/v1/snapshots/{}?force={force}&cascade={cascade}",
         path_tag(tag)?,
-        if force { "?force=true" } else { "" }
     );
     client.delete(&path).await?;
-    println!("removed snapshot {tag}");
+    if dependents.is_empty() {
+        println!("removed snapshot {tag}");
+    } else {
+        println!("removed snapshot {tag} and the snapshots that depended on it");
+    }
     Ok(())
+}
+
+/// `forkd snapshot show` for people.
+fn print_show(v: &Value) {
+    let s = |k: &str| v[k].as_str().unwrap_or("-").to_owned();
+    let list = |x: &Value| {
+        let items: Vec<&str> = x
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect();
+        if items.is_empty() {
+            "none".to_owned()
+        } else {
+            items.join(", ")
+        }
+    };
+    println!(
+        "{}  ({}, template {})",
+        s("tag"),
+        s("status"),
+        s("template")
+    );
+    if let Some(e) = v["error"].as_str() {
+        println!("  error:       {e}");
+    }
+    println!("  created:     {}", s("created_at"));
+    println!(
+        "  machine:     {} vCPU, {} MiB, {}",
+        v["vcpus"],
+        v["memory_mib"],
+        s("accel")
+    );
+    let c = &v["chain"];
+    if c.is_object() {
+        println!(
+            "  chain:       depth {}; ancestors: {}",
+            c["depth"],
+            list(&c["ancestors"])
+        );
+        println!(
+            "  size:        {} its own, {} memory image, {} the whole chain",
+            human_size(c["own_bytes"].as_u64().unwrap_or(0)),
+            human_size(c["memory_image_bytes"].as_u64().unwrap_or(0)),
+            human_size(c["total_bytes"].as_u64().unwrap_or(0))
+        );
+    }
+    if let Some(b) = v["branch"].as_object() {
+        println!(
+            "  branch of:   {} ({}, paused {:.1} ms, {} pages differ from its parent)",
+            b["source"].as_str().unwrap_or("?"),
+            b["mode"].as_str().unwrap_or("?"),
+            b["pause_ms"].as_f64().unwrap_or(0.0),
+            b["pages_changed"]
+        );
+    }
+    println!("  dependents:  {}", list(&v["dependents"]));
+    println!("  children:    {}", list(&v["children"]));
 }

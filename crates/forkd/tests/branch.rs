@@ -248,5 +248,99 @@ fn branch_through_the_daemon() {
         assert_eq!(s, StatusCode::CREATED, "{b}");
         let child = fork(&c, "after-crash", 1).await.remove(0);
         assert_eq!(py(&c, &child, "x").await, "41");
+        kill(&c, &child).await;
     });
+    chains_are_shown_kept_removed_and_compacted(&d, &rt, &c, &source);
+}
+
+/// `forkd` aimed at the test's daemon; panics with its stderr unless it succeeds
+/// (`ok`) or fails (`!ok`); returns its stdout and stderr.
+fn cli(d: &Daemon, args: &[&str], ok: bool) -> (String, String) {
+    let out = d.forkd().args(args).output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert_eq!(out.status.success(), ok, "forkd {args:?}: {stdout}{stderr}");
+    (stdout, stderr)
+}
+
+/// A branch of a child of a branch of a child of a branch: depth 3 over the template.
+fn chains_are_shown_kept_removed_and_compacted(
+    d: &Daemon,
+    rt: &tokio::runtime::Runtime,
+    c: &Client,
+    source: &str,
+) {
+    let mut base = "b-live".to_owned();
+    let mut made = Vec::new();
+    rt.block_on(async {
+        for link in ["d2", "d3"] {
+            let child = fork(c, &base, 1).await.remove(0);
+            sh(c, &child, &format!("echo {link} > /root/{link}")).await;
+            let (s, b) = branch(c, &child, json!({"tag": link})).await;
+            assert_eq!(s, StatusCode::CREATED, "{b}");
+            assert_eq!(b["parent"], base.as_str());
+            made.push(child);
+            base = link.to_owned();
+        }
+        let child = fork(c, "d3", 1).await.remove(0);
+        assert_eq!(
+            sh(c, &child, "cat /root/d2 /root/d3 /root/note").await,
+            "d2\nd3\nwritten-before"
+        );
+        assert_eq!(py(c, &child, "x").await, "41");
+        made.push(child);
+        for id in &made {
+            kill(c, id).await;
+        }
+    });
+    let (show, _) = cli(d, &["snapshot", "show", "d3", "--json"], true);
+    let v: Value = serde_json::from_str(&show).unwrap();
+    assert_eq!(v["chain"]["depth"], 3, "{v}");
+    assert_eq!(v["chain"]["ancestors"], json!(["d2", "b-live", "py"]));
+    assert_eq!(v["parent"], "d2");
+    // Little was dirtied in d3's source: it stores a small fraction of the RAM.
+    let own = v["chain"]["own_bytes"].as_u64().unwrap();
+    assert!(own < (512 << 20) / 10, "d3 stores {own} bytes of its own");
+    assert!(v["chain"]["total_bytes"].as_u64().unwrap() > own);
+    let (text, _) = cli(d, &["snapshot", "show", "d3"], true);
+    assert!(
+        text.contains("depth 3") && text.contains("ancestors: d2, b-live, py"),
+        "{text}"
+    );
+    let (ok, _) = cli(d, &["snapshot", "verify", "d3"], true);
+    assert!(ok.contains("its 3 ancestors"), "{ok}");
+
+    // A middle link is kept while others depend on it; --cascade takes them all.
+    let (_, err) = cli(d, &["rmi", "d2"], false);
+    assert!(err.contains("snapshot d3"), "{err}");
+    let (_, err) = cli(d, &["rmi", "--cascade", "b-live"], false);
+    assert!(
+        err.contains(source),
+        "the source builds on b-live's chain: {err}"
+    );
+    cli(d, &["snapshot", "compact", "d3", "--tag", "d3-flat"], true);
+    rt.block_on(kill(c, source));
+    cli(d, &["rmi", "--cascade", "b-live"], true);
+    let tags = rt.block_on(snapshot_tags(c));
+    for gone in ["b-live", "b-pause", "after-crash", "d2", "d3"] {
+        assert!(!tags.contains(&gone.to_owned()), "{gone} left: {tags:?}");
+    }
+    cli(d, &["rmi", "py"], true);
+    rt.block_on(async {
+        let child = fork(c, "d3-flat", 1).await.remove(0);
+        assert_eq!(
+            sh(c, &child, "cat /root/d2 /root/d3 /root/note").await,
+            "d2\nd3\nwritten-before"
+        );
+        assert_eq!(py(c, &child, "x + 1").await, "42");
+    });
+    let (show, _) = cli(d, &["snapshot", "show", "d3-flat", "--json"], true);
+    let v: Value = serde_json::from_str(&show).unwrap();
+    assert_eq!(
+        (v["chain"]["depth"].as_u64(), v["parent"].is_null()),
+        (Some(0), true),
+        "{v}"
+    );
 }

@@ -103,6 +103,7 @@ pub fn router(app: App) -> Router {
             get(snapshots::get).delete(snapshots::delete),
         )
         .route("/v1/snapshots/{tag}/verify", post(snapshots::verify))
+        .route("/v1/snapshots/{tag}/compact", post(snapshots::compact))
         .route(
             "/v1/snapshots/{tag}/pool",
             get(snapshots::get_pool).put(snapshots::set_pool),
@@ -161,6 +162,7 @@ pub fn router(app: App) -> Router {
         snapshots::delete,
         snapshots::build,
         snapshots::verify,
+        snapshots::compact,
         snapshots::get_pool,
         snapshots::set_pool,
         snapshots::operation,

@@ -2,14 +2,16 @@
 //! delete.
 
 use super::error::ErrorBody;
-use super::types::{BuildSnapshotBody, SnapshotInfo, SnapshotList, Verified};
+use super::types::{
+    BuildSnapshotBody, ChainBody, CompactBody, SnapshotInfo, SnapshotList, Verified,
+};
 use super::{ApiError, App, JsonBody, PathParams, QueryParams};
 use crate::registry::RegistryError;
 use crate::state::OperationRow;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use forkd_core::snapshot::{Snapshot, SnapshotError, Tag};
+use forkd_core::snapshot::{chain, Snapshot, SnapshotError, Tag};
 use forkd_core::template::{self, Recipe};
 use forkd_core::SandboxError;
 use serde::Deserialize;
@@ -20,8 +22,12 @@ fn info(app: &App, tag: &str, res: Result<Snapshot, SnapshotError>) -> SnapshotI
         .map(|t| store.dependents(&t))
         .unwrap_or_default();
     let children = app.registry.children_of(tag);
-    match res {
-        Ok(s) => SnapshotInfo {
+    let chained = res.and_then(|s| {
+        let c = chain::info(store, &s)?;
+        Ok((s, c))
+    });
+    match chained {
+        Ok((s, c)) => SnapshotInfo {
             tag: tag.to_owned(),
             status: "ok".into(),
             error: None,
@@ -36,6 +42,14 @@ fn info(app: &App, tag: &str, res: Result<Snapshot, SnapshotError>) -> SnapshotI
             dependents,
             children,
             pool: Some(app.registry.pool_status(&s)),
+            chain: Some(ChainBody {
+                depth: u32::try_from(c.depth).unwrap_or(u32::MAX),
+                ancestors: c.ancestors,
+                own_bytes: c.own_bytes,
+                memory_image_bytes: c.memory_image_bytes,
+                total_bytes: c.total_bytes,
+            }),
+            branch: s.manifest.branch.clone(),
         },
         Err(e) => SnapshotInfo {
             tag: tag.to_owned(),
@@ -52,6 +66,8 @@ fn info(app: &App, tag: &str, res: Result<Snapshot, SnapshotError>) -> SnapshotI
             dependents,
             children,
             pool: None,
+            chain: None,
+            branch: None,
         },
     }
 }
@@ -84,17 +100,21 @@ pub async fn get(
     }
 }
 
-/// `?force=true`
+/// `?force=true&cascade=true`
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct DeleteQuery {
-    /// Stop the snapshot's live children first.
+    /// Stop the snapshot's live children first (with `cascade`, its dependents' too).
     #[serde(default)]
     force: bool,
+    /// Remove the snapshots that depend on it too (deepest first).
+    #[serde(default)]
+    cascade: bool,
 }
 
 /// Deletes a snapshot. Refused (409, naming them) while children run from it, unless
-/// `force` stops them first, or while other snapshots depend on it.
+/// `force` stops them first, or while other snapshots depend on it, unless `cascade`
+/// removes those too (all or nothing: refused if any of them is in use).
 #[utoipa::path(delete, path = "/v1/snapshots/{tag}", params(("tag" = String, Path), DeleteQuery),
     responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
         (status = 409, body = ErrorBody)))]
@@ -111,7 +131,40 @@ pub async fn delete(
         }
         .into());
     }
-    if q.force {
+    let mut doomed = if q.cascade {
+        chain::descendants(store, &tag)
+    } else {
+        Vec::new()
+    };
+    doomed.push(tag.to_string());
+    if q.cascade && !q.force {
+        // All or nothing: say everything that stands in the way before removing any.
+        let users: Vec<String> = doomed
+            .iter()
+            .flat_map(|t| {
+                app.registry
+                    .users_of(t)
+                    .into_iter()
+                    .map(move |u| format!("{u} (of {t})"))
+            })
+            .collect();
+        if !users.is_empty() {
+            return Err(SnapshotError::InUse {
+                tag: tag.to_string(),
+                users: users.join(", "),
+            }
+            .into());
+        }
+    }
+    for t in &doomed {
+        remove_one(&app, &Tag::parse(t)?, q.force).await?;
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Removes one snapshot (its children first with `force`).
+async fn remove_one(app: &App, tag: &Tag, force: bool) -> Result<(), ApiError> {
+    if force {
         for id in app.registry.children_of(tag.as_str()) {
             // One that went away meanwhile (deleted, timed out) is as good as stopped.
             match app.registry.delete(&id).await {
@@ -122,11 +175,43 @@ pub async fn delete(
     }
     // Its pool members hold its files open: they go first (and come back if the
     // snapshot stays).
+    let store = app.registry.store();
     app.registry.drain_pool(tag.as_str()).await;
-    let removed = store.remove(&tag, &app.registry.users_of(tag.as_str()));
+    let removed = store.remove(tag, &app.registry.users_of(tag.as_str()));
     app.registry.reopen_pool(tag.as_str(), removed.is_ok());
     removed?;
-    Ok(StatusCode::NO_CONTENT)
+    Ok(())
+}
+
+/// Writes a standalone copy of a chain link: its memory image and device state copied,
+/// its disk flattened, no parent. Its ancestors can then be removed.
+#[utoipa::path(post, path = "/v1/snapshots/{tag}/compact", params(("tag" = String, Path)),
+    request_body = CompactBody,
+    responses((status = 201, body = SnapshotInfo), (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody),
+        (status = 507, body = ErrorBody)))]
+pub async fn compact(
+    State(app): State<App>,
+    PathParams(tag): PathParams<String>,
+    JsonBody(b): JsonBody<CompactBody>,
+) -> Result<(StatusCode, Json<SnapshotInfo>), ApiError> {
+    let head = app.registry.store().open(&Tag::parse(&tag)?)?;
+    let new = Tag::parse(&b.tag)?;
+    if head.manifest.parent.is_none() {
+        return Err(ApiError::conflict(format!(
+            "snapshot {tag} has no parent: it is standalone already"
+        )));
+    }
+    let snap = forkd_core::compact::compact(
+        app.registry.hypervisor().as_ref(),
+        app.registry.store(),
+        &head,
+        &new,
+    )
+    .await?;
+    let new_tag = snap.tag.to_string();
+    let info = info(&app, &new_tag, Ok(snap));
+    Ok((StatusCode::CREATED, Json(info)))
 }
 
 /// A snapshot's warm pool: its size, where the size comes from, members ready and
@@ -321,12 +406,18 @@ pub async fn verify(
     let tag = Tag::parse(&tag)?;
     let store = app.registry.store().clone();
     let t = std::time::Instant::now();
-    let snap = tokio::task::spawn_blocking(move || store.verify(&tag))
+    let links = tokio::task::spawn_blocking(move || chain::verify(&store, &tag))
         .await
         .map_err(|e| ApiError::internal(e.to_string()))??;
+    let snap = links.last().expect("a chain holds its head");
     Ok(Json(Verified {
         tag: snap.tag.to_string(),
-        bytes: snap.manifest.parts.values().map(|p| p.size).sum(),
+        links: u32::try_from(links.len()).unwrap_or(u32::MAX),
+        bytes: links
+            .iter()
+            .flat_map(|l| l.manifest.parts.values())
+            .map(|p| p.size)
+            .sum(),
         millis: u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX),
     }))
 }

@@ -420,6 +420,38 @@ pub struct SnapshotInfo {
     /// Its warm pool (children prepared ahead of forks).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pool: Option<crate::pool::PoolStatus>,
+    /// Where it stands in its chain and what it stores.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chain: Option<ChainBody>,
+    /// For a branch: the sandbox it was taken from and what the capture cost.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub branch: Option<forkd_core::snapshot::manifest::BranchInfo>,
+}
+
+/// A snapshot's place in its chain.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ChainBody {
+    /// Links above a standalone snapshot (0 for a template's).
+    pub depth: u32,
+    /// Its ancestors' tags, nearest first.
+    pub ancestors: Vec<String>,
+    /// Bytes on disk that are its own (a link's device state, memory diff and disk layer).
+    pub own_bytes: u64,
+    /// Bytes on disk of the memory image its children map (a link's is made from the
+    /// chain once, when it is written).
+    pub memory_image_bytes: u64,
+    /// Bytes on disk of the whole chain up to it.
+    pub total_bytes: u64,
+}
+
+/// `POST /v1/snapshots/{tag}/compact`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CompactBody {
+    /// The standalone snapshot's tag.
+    #[schema(pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+    pub tag: String,
 }
 
 /// `PUT /v1/snapshots/{tag}/pool`: how many children to keep prepared for forks of it.
@@ -459,6 +491,8 @@ pub struct BuildSnapshotBody {
 pub struct Verified {
     /// The tag.
     pub tag: String,
+    /// Snapshots checked: it and its ancestors.
+    pub links: u32,
     /// Bytes hashed.
     pub bytes: u64,
     /// How long it took, milliseconds.
