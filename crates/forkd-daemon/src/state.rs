@@ -498,27 +498,27 @@ impl State {
         Ok(self
             .conn()
             .query_row(
-                "SELECT id, kind, target, status, error, created_at, finished_at, done, total, result
-                 FROM operations WHERE id = ?1",
+                &format!("SELECT {OPERATION_COLUMNS} FROM operations WHERE id = ?1"),
                 params![id],
-                |r| {
-                    Ok(OperationRow {
-                        id: r.get(0)?,
-                        kind: r.get(1)?,
-                        target: r.get(2)?,
-                        status: r.get(3)?,
-                        error: r.get(4)?,
-                        created_at: r.get(5)?,
-                        finished_at: r.get(6)?,
-                        done: r.get::<_, i64>(7)? as u64,
-                        total: r.get::<_, i64>(8)? as u64,
-                        result: r
-                            .get::<_, Option<String>>(9)?
-                            .and_then(|t| serde_json::from_str(&t).ok()),
-                    })
-                },
+                operation_row,
             )
             .optional()?)
+    }
+
+    /// The latest `limit` operations (of `kind`, if given), newest first.
+    pub fn operations(
+        &self,
+        kind: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<OperationRow>, StateError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&format!(
+            "SELECT {OPERATION_COLUMNS} FROM operations
+             WHERE ?1 IS NULL OR kind = ?1
+             ORDER BY created_at DESC, rowid DESC LIMIT ?2"
+        ))?;
+        let rows = stmt.query_map(params![kind, limit], operation_row)?;
+        Ok(rows.collect::<Result<Vec<_>, _>>()?)
     }
 
     /// The running operation on `target`, if any.
@@ -617,6 +617,26 @@ pub struct PoolMemberRow {
     pub dir: std::path::PathBuf,
     /// RFC 3339.
     pub created_at: String,
+}
+
+const OPERATION_COLUMNS: &str =
+    "id, kind, target, status, error, created_at, finished_at, done, total, result";
+
+fn operation_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OperationRow> {
+    Ok(OperationRow {
+        id: r.get(0)?,
+        kind: r.get(1)?,
+        target: r.get(2)?,
+        status: r.get(3)?,
+        error: r.get(4)?,
+        created_at: r.get(5)?,
+        finished_at: r.get(6)?,
+        done: r.get::<_, i64>(7)? as u64,
+        total: r.get::<_, i64>(8)? as u64,
+        result: r
+            .get::<_, Option<String>>(9)?
+            .and_then(|t| serde_json::from_str(&t).ok()),
+    })
 }
 
 const SANDBOX_COLUMNS: &str =

@@ -18,6 +18,9 @@ pub enum BenchCommand {
     /// Many children through the daemon's API, with and without the warm pool: wall
     /// time, children alive after idling, idle CPU and memory per child.
     Scale(crate::bench_scale::ScaleArgs),
+    /// BRANCH through the daemon's API: the source's pause in each mode against the
+    /// memory it dirtied, bytes stored, branch to first child, forks from chain depths.
+    Branch(crate::bench_branch::BranchArgs),
 }
 
 /// Arguments of `forkd bench fork`.
@@ -87,6 +90,7 @@ pub async fn run(home: &Home, cmd: BenchCommand) -> Result<()> {
         BenchCommand::Boot(args) => boot(home, args).await,
         BenchCommand::Fork(args) => fork(home, args).await,
         BenchCommand::Scale(args) => crate::bench_scale::run(home, args).await,
+        BenchCommand::Branch(args) => crate::bench_branch::run(home, args).await,
     }
 }
 

@@ -293,7 +293,7 @@ const MIB: f64 = 1024.0 * 1024.0;
 /// their ids once every one has answered, and how long the create request took. In pool
 /// mode the pool is then set to 0 before
 /// the execs: its refill is not the children's work, and must not be measured as such.
-async fn fork_and_exec(
+pub(crate) async fn fork_and_exec(
     c: &Client,
     tag: &str,
     count: u32,
@@ -350,7 +350,7 @@ async fn pids_of(c: &Client, ids: &[String]) -> Result<Vec<u32>> {
     Ok(pids)
 }
 
-async fn delete_all(c: &Client, ids: &[String]) -> Result<()> {
+pub(crate) async fn delete_all(c: &Client, ids: &[String]) -> Result<()> {
     let deletes = ids
         .iter()
         .map(|id| async move { c.delete(&format!("/v1/sandboxes/{id}")).await });
@@ -411,14 +411,16 @@ fn cpu_ticks(pids: &[u32]) -> Vec<u64> {
 
 /// A daemon of the benchmark's own, on a private data directory, stopped (with every
 /// VM of the directory) when dropped.
-struct BenchDaemon {
-    dir: PathBuf,
+pub(crate) struct BenchDaemon {
+    /// Its data directory.
+    pub(crate) dir: PathBuf,
     process: std::process::Child,
-    client: Client,
+    /// A client on its socket.
+    pub(crate) client: Client,
 }
 
 impl BenchDaemon {
-    async fn start(home: &Home, max_sandboxes: usize) -> Result<BenchDaemon> {
+    pub(crate) async fn start(home: &Home, max_sandboxes: usize) -> Result<BenchDaemon> {
         // Beside the assets: one filesystem, so that the snapshot hard-links them.
         let parent = home.root().join("bench");
         std::fs::create_dir_all(&parent)

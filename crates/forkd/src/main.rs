@@ -1,6 +1,7 @@
 //! The `forkd` command line.
 
 mod bench;
+mod bench_branch;
 mod bench_scale;
 mod branch;
 mod daemon;

@@ -108,6 +108,7 @@ pub fn router(app: App) -> Router {
             "/v1/snapshots/{tag}/pool",
             get(snapshots::get_pool).put(snapshots::set_pool),
         )
+        .route("/v1/operations", get(snapshots::operations))
         .route(
             "/v1/operations/{id}",
             get(snapshots::operation).delete(snapshots::cancel_operation),
@@ -165,6 +166,7 @@ pub fn router(app: App) -> Router {
         snapshots::compact,
         snapshots::get_pool,
         snapshots::set_pool,
+        snapshots::operations,
         snapshots::operation,
         snapshots::cancel_operation,
         sandboxes::create,

@@ -347,6 +347,35 @@ async fn build_snapshot(app: &App, recipe: &Recipe, tag: &Tag) -> anyhow::Result
     Ok(())
 }
 
+/// `?kind=&limit=`
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct OperationsQuery {
+    /// Only operations of this kind (`build_snapshot`, `fork`, `branch`).
+    #[serde(default)]
+    kind: Option<String>,
+    /// At most this many (1 to 1000; default 100), newest first.
+    #[serde(default)]
+    limit: Option<u32>,
+}
+
+/// The latest operations, newest first.
+#[utoipa::path(get, path = "/v1/operations", params(OperationsQuery),
+    responses((status = 200, body = super::types::OperationList), (status = 400, body = ErrorBody)))]
+pub async fn operations(
+    State(app): State<App>,
+    QueryParams(q): QueryParams<OperationsQuery>,
+) -> Result<Json<super::types::OperationList>, ApiError> {
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(ApiError::bad_request(format!(
+            "limit = {limit} is outside 1..=1000"
+        )));
+    }
+    let operations = app.registry.state().operations(q.kind.as_deref(), limit)?;
+    Ok(Json(super::types::OperationList { operations }))
+}
+
 /// A long-running operation.
 #[utoipa::path(get, path = "/v1/operations/{id}", params(("id" = String, Path)),
     responses((status = 200, body = OperationRow), (status = 404, body = ErrorBody)))]

@@ -520,3 +520,10 @@ pub struct Version {
     /// The QEMU the daemon runs.
     pub qemu: String,
 }
+
+/// `GET /v1/operations`.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct OperationList {
+    /// Newest first.
+    pub operations: Vec<crate::state::OperationRow>,
+}

@@ -130,7 +130,7 @@ impl QemuVm {
         let outcome = self.copy_and_switch(plan).await;
         // The source runs again whatever happened (from `postmigrate`, `cont` also takes
         // back the disks the migration handed over).
-        let resumed = self.qmp.execute("cont", None).await;
+        let resumed = self.resume_after_migration().await;
         let running_again = Instant::now();
         let switched = outcome?;
         resumed?;
@@ -215,6 +215,23 @@ impl QemuVm {
         })
     }
 
+    /// `cont` once the migration has let go of the VM. QEMU sends the `completed` event
+    /// from the migration thread before the main loop leaves `finish-migrate`, and
+    /// refuses `cont` until then ("Migration is not finalized yet"): a few ms at most.
+    async fn resume_after_migration(&self) -> Result<(), HypervisorError> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match self.qmp.execute("cont", None).await {
+                Err(HypervisorError::Qmp { desc, .. })
+                    if desc.contains("not finalized") && Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                other => return other.map(drop),
+            }
+        }
+    }
+
     /// The file of the root disk's top layer, as QEMU has it open.
     async fn disk_top(&self) -> Result<std::path::PathBuf, HypervisorError> {
         let blocks = self.qmp.execute("query-block", None).await?;
@@ -241,7 +258,7 @@ impl QemuVm {
         }
         let run = self.qmp.execute("query-status", None).await?;
         if run["status"] != "running" {
-            self.qmp.execute("cont", None).await?;
+            self.resume_after_migration().await?;
         }
         Ok(())
     }
