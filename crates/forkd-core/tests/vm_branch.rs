@@ -13,27 +13,8 @@ use forkd_core::snapshot::{chain, Snapshot, Tag};
 use forkd_core::template::Recipe;
 use forkd_core::Sandbox;
 use forkd_hypervisor::BranchMode;
-use forkd_proto::context::{Execution, RunCodeRequest};
 
-async fn run(sb: &Sandbox, code: &str) -> Execution {
-    let code = code.to_owned();
-    let x = sb
-        .call(|a| async move {
-            let ctx = a.list_contexts().await?.remove(0).id;
-            a.run_code(
-                &ctx,
-                &RunCodeRequest {
-                    code,
-                    timeout_ms: None,
-                },
-            )
-            .await
-        })
-        .await
-        .unwrap();
-    assert!(x.error.is_none(), "{x:?}");
-    x
-}
+use common::run_code as run;
 
 async fn shell(sb: &Sandbox, script: &str) -> String {
     let r = sb.exec(sh(script), None).await.unwrap();

@@ -5,29 +5,9 @@ mod common;
 
 use common::{build_template, fork, fork_options, home, TestStore};
 use forkd_core::template::Recipe;
-use forkd_core::Sandbox;
-use forkd_proto::context::{Execution, RunCodeRequest};
 
 /// Runs `code` in the sandbox's first code context (the template's warm one).
-async fn run(sb: &Sandbox, code: &str) -> Execution {
-    let code = code.to_owned();
-    let x = sb
-        .call(|a| async move {
-            let ctx = a.list_contexts().await?.remove(0).id;
-            a.run_code(
-                &ctx,
-                &RunCodeRequest {
-                    code,
-                    timeout_ms: None,
-                },
-            )
-            .await
-        })
-        .await
-        .unwrap();
-    assert!(x.error.is_none(), "{x:?}");
-    x
-}
+use common::run_code as run;
 
 fn now_secs() -> f64 {
     std::time::SystemTime::now()

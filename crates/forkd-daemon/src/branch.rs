@@ -82,18 +82,12 @@ impl Registry {
                     "sandbox {id} cannot be branched: the snapshot its disk builds on ({base_tag}) cannot be opened: {e}"
                 ))
             })?;
-        let op = OperationRow {
-            id: format!("op-{}", forkd_core::ids::random_hex(8)),
-            kind: "branch".into(),
-            target: tag.to_string(),
-            status: "running".into(),
-            error: None,
-            created_at: crate::now_rfc3339(),
-            finished_at: None,
-            done: 0,
-            total: 1,
-            result: Some(serde_json::json!({ "source": id, "mode": mode })),
-        };
+        let op = OperationRow::running(
+            "branch",
+            tag.as_str(),
+            1,
+            Some(serde_json::json!({ "source": id, "mode": mode })),
+        );
         {
             let mut slots = self.slots();
             if let Some(t) = slots.branching.get(id) {

@@ -141,7 +141,30 @@ pub struct SandboxRow {
     pub created_at: String,
 }
 
-/// One long-running operation (a template build).
+impl OperationRow {
+    /// A new operation of `kind` on `target`, `running` from now, with a fresh id.
+    pub fn running(
+        kind: &str,
+        target: &str,
+        total: u64,
+        result: Option<serde_json::Value>,
+    ) -> OperationRow {
+        OperationRow {
+            id: format!("op-{}", forkd_core::ids::random_hex(8)),
+            kind: kind.into(),
+            target: target.into(),
+            status: "running".into(),
+            error: None,
+            created_at: crate::now_rfc3339(),
+            finished_at: None,
+            done: 0,
+            total,
+            result,
+        }
+    }
+}
+
+/// One long-running operation (a template build, a fork, a branch).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct OperationRow {
     /// The operation id.

@@ -8,37 +8,13 @@
 
 mod common;
 
-use common::{b64, build_snapshot, call, runtime, Daemon};
+use common::{b64, build_snapshot, call, create as fork, exec, runtime, Daemon};
 use forkd_daemon::client::Client;
 use hyper::{Method, StatusCode};
 use serde_json::{json, Value};
 
-async fn fork(c: &Client, snapshot: &str, n: u32) -> Vec<String> {
-    let (s, v) = call(
-        c,
-        Method::POST,
-        "/v1/sandboxes",
-        Some(json!({"snapshot": snapshot, "n": n})),
-    )
-    .await;
-    assert_eq!(s, StatusCode::CREATED, "{v}");
-    v["sandboxes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["id"].as_str().unwrap().to_owned())
-        .collect()
-}
-
 async fn sh(c: &Client, id: &str, script: &str) -> String {
-    let (s, v) = call(
-        c,
-        Method::POST,
-        &format!("/v1/sandboxes/{id}/exec"),
-        Some(json!({ "shell": script })),
-    )
-    .await;
-    assert_eq!(s, StatusCode::OK, "exec in {id}: {v}");
+    let v = exec(c, id, script).await;
     assert_eq!(v["exit_code"], 0, "exec in {id}: {script}: {v}");
     String::from_utf8(b64(&v["stdout_b64"]))
         .unwrap()

@@ -13,36 +13,7 @@ use std::time::{Duration, Instant};
 
 const TOKEN: &str = "0123456789abcdef0123456789abcdef-test-token";
 
-use common::{build_snapshot as build, call, free_port, runtime, Daemon};
-
-async fn create(c: &Client, tag: &str, n: u32) -> Vec<String> {
-    let (s, v) = call(
-        c,
-        Method::POST,
-        "/v1/sandboxes",
-        Some(json!({"snapshot": tag, "n": n, "labels": {"test": "yes"}})),
-    )
-    .await;
-    assert_eq!(s, StatusCode::CREATED, "{v}");
-    v["sandboxes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["id"].as_str().unwrap().to_owned())
-        .collect()
-}
-
-async fn exec(c: &Client, id: &str, shell: &str) -> Value {
-    let (s, v) = call(
-        c,
-        Method::POST,
-        &format!("/v1/sandboxes/{id}/exec"),
-        Some(json!({ "shell": shell })),
-    )
-    .await;
-    assert_eq!(s, StatusCode::OK, "{v}");
-    v
-}
+use common::{build_snapshot as build, call, create, exec, free_port, runtime, Daemon};
 
 /// create -> exec -> write and read a file -> run code -> delete, on one client.
 async fn round_trip(c: &Client, tag: &str) {

@@ -357,6 +357,11 @@ impl Store {
             });
         }
         let seal: Seal = read_json(&dir.join(SEAL)).map_err(damaged)?;
+        // Every file the seal vouches for, the parts first: a damaged part is named
+        // even when the manifest was touched too.
+        for name in seal.files.keys().filter(|n| n.as_str() != MANIFEST) {
+            check_stamp(&dir, &seal, name).map_err(damaged)?;
+        }
         check_stamp(&dir, &seal, MANIFEST).map_err(damaged)?;
         let manifest: Manifest = read_json(&dir.join(MANIFEST)).map_err(damaged)?;
         if manifest.format != manifest::FORMAT {
@@ -367,7 +372,9 @@ impl Store {
             )));
         }
         for name in manifest.part_names() {
-            check_stamp(&dir, &seal, name).map_err(damaged)?;
+            if !seal.files.contains_key(name) {
+                return Err(damaged(format!("the seal does not cover {name}")));
+            }
         }
         for name in manifest.part_names() {
             match manifest.parts.get(name) {

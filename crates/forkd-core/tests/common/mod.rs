@@ -210,3 +210,25 @@ pub fn sha256(path: &Path) -> String {
     std::io::copy(&mut f, &mut h).unwrap();
     hex::encode(h.finalize())
 }
+
+/// Runs `code` in the sandbox's first code context (a template's warm one); it must
+/// raise nothing.
+pub async fn run_code(sb: &Sandbox, code: &str) -> forkd_proto::context::Execution {
+    let code = code.to_owned();
+    let x = sb
+        .call(|a| async move {
+            let ctx = a.list_contexts().await?.remove(0).id;
+            a.run_code(
+                &ctx,
+                &forkd_proto::context::RunCodeRequest {
+                    code,
+                    timeout_ms: None,
+                },
+            )
+            .await
+        })
+        .await
+        .unwrap();
+    assert!(x.error.is_none(), "{x:?}");
+    x
+}

@@ -134,8 +134,9 @@ fn exit_event(s: ExitStatus) -> ExecEventBody {
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", params(("id" = String, Path)),
     request_body = ExecBody,
     responses(
-        (status = 200, body = ExecResultBody,
-         description = "The command's result; with `stream`, NDJSON lines of ExecEventBody"),
+        (status = 200,
+         description = "The command's result; with `stream`, NDJSON lines of ExecEventBody",
+         content((ExecResultBody = "application/json"), ("application/x-ndjson"))),
         (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
         (status = 413, body = ErrorBody), (status = 502, body = ErrorBody)))]
 pub async fn exec(
@@ -259,8 +260,9 @@ async fn pick_context(sandbox: &Sandbox, named: Option<String>) -> Result<String
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/code", params(("id" = String, Path)),
     request_body = RunCodeBody,
     responses(
-        (status = 200, body = CodeResult,
-         description = "What the cell produced; with `stream`, NDJSON lines (stdout, stderr, result, error, done)"),
+        (status = 200,
+         description = "What the cell produced; with `stream`, NDJSON lines (stdout, stderr, result, error, done)",
+         content((CodeResult = "application/json"), ("application/x-ndjson"))),
         (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
         (status = 413, body = ErrorBody), (status = 502, body = ErrorBody)))]
 pub async fn run_code(

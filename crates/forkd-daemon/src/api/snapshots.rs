@@ -285,18 +285,7 @@ pub async fn build(
             op.id
         )));
     }
-    let op = OperationRow {
-        id: format!("op-{}", forkd_core::ids::random_hex(8)),
-        kind: "build_snapshot".into(),
-        target: tag.to_string(),
-        status: "running".into(),
-        error: None,
-        created_at: crate::now_rfc3339(),
-        finished_at: None,
-        done: 0,
-        total: 0,
-        result: None,
-    };
+    let op = OperationRow::running("build_snapshot", tag.as_str(), 0, None);
     app.registry.state().insert_operation(&op)?;
     let app2 = app.clone();
     let op_id = op.id.clone();

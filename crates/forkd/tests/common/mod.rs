@@ -303,3 +303,34 @@ pub async fn start_streamed_exec(
     assert_eq!(resp.status(), hyper::StatusCode::OK);
     resp
 }
+
+/// Forks `n` children of `snapshot` (labelled `test=yes`); returns their ids.
+pub async fn create(c: &Client, snapshot: &str, n: u32) -> Vec<String> {
+    let (s, v) = call(
+        c,
+        hyper::Method::POST,
+        "/v1/sandboxes",
+        Some(serde_json::json!({"snapshot": snapshot, "n": n, "labels": {"test": "yes"}})),
+    )
+    .await;
+    assert_eq!(s, hyper::StatusCode::CREATED, "{v}");
+    v["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Runs `shell` in sandbox `id`, which must answer 200; returns the result.
+pub async fn exec(c: &Client, id: &str, shell: &str) -> serde_json::Value {
+    let (s, v) = call(
+        c,
+        hyper::Method::POST,
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(serde_json::json!({ "shell": shell })),
+    )
+    .await;
+    assert_eq!(s, hyper::StatusCode::OK, "exec in {id}: {v}");
+    v
+}
