@@ -65,6 +65,7 @@ pub async fn branch(
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<Branched, SandboxError> {
     let t0 = Instant::now();
+    check_layers(hv, source)?;
     let machine = &base.manifest.machine;
     crate::space::ensure_room(
         store.root(),
@@ -204,21 +205,68 @@ pub async fn branch(
     })
 }
 
-/// A new file name for the source's next top layer: `root.N.qcow2`, N one more than any
-/// layer its directory holds.
-fn next_layer_path(dir: &Path) -> PathBuf {
-    let highest = std::fs::read_dir(dir)
+/// The source's disk layers (`root.qcow2`, `root.N.qcow2`), each with its number (0 for
+/// `root.qcow2`).
+fn layers(dir: &Path) -> Vec<(u32, PathBuf)> {
+    std::fs::read_dir(dir)
         .into_iter()
         .flatten()
         .flatten()
         .filter_map(|e| {
             let name = e.file_name().into_string().ok()?;
-            name.strip_prefix("root.")?
-                .strip_suffix(".qcow2")?
-                .parse::<u32>()
-                .ok()
+            let n = if name == "root.qcow2" {
+                0
+            } else {
+                name.strip_prefix("root.")?
+                    .strip_suffix(".qcow2")?
+                    .parse::<u32>()
+                    .ok()?
+            };
+            Some((n, e.path()))
         })
-        .max()
-        .unwrap_or(0);
+        .collect()
+}
+
+/// Refuses a source one of whose disk layers builds on a file that is not there: a
+/// branch whose capture moved the source onto a new layer but which was never
+/// published (it failed, or the daemon died, after the capture). Branching it again
+/// would make a snapshot whose disk cannot be opened.
+fn check_layers(hv: &dyn Hypervisor, source: &Sandbox) -> Result<(), SandboxError> {
+    for (_, layer) in layers(source.dir()) {
+        let base = hv.layer_base(&layer)?;
+        if let Some(base) = base.filter(|b| !b.exists()) {
+            return Err(SandboxError::Unbranchable {
+                id: source.id().to_owned(),
+                detail: format!(
+                    "its disk builds on {}, which a branch that was not written left missing; fork a new sandbox to branch from",
+                    base.display()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// After an interrupted branch: removes the layers above `top` (the one the VM writes
+/// to), made for a capture that never moved the VM onto them.
+pub fn remove_unused_layers(sandbox_dir: &Path, top: &Path) {
+    let Some(top_n) = layers(sandbox_dir)
+        .into_iter()
+        .find(|(_, p)| p == top)
+        .map(|(n, _)| n)
+    else {
+        return;
+    };
+    for (n, p) in layers(sandbox_dir) {
+        if n > top_n {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// A new file name for the source's next top layer: `root.N.qcow2`, N one more than any
+/// layer its directory holds.
+fn next_layer_path(dir: &Path) -> PathBuf {
+    let highest = layers(dir).into_iter().map(|(n, _)| n).max().unwrap_or(0);
     dir.join(format!("root.{}.qcow2", highest + 1))
 }

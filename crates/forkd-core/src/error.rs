@@ -76,6 +76,14 @@ pub enum SandboxError {
         /// Its state.
         state: crate::lifecycle::SandboxState,
     },
+    /// sandbox {id} cannot be branched: {detail}
+    #[error("sandbox {id} cannot be branched: {detail}")]
+    Unbranchable {
+        /// The sandbox.
+        id: String,
+        /// Why.
+        detail: String,
+    },
     /// {0}
     #[error(transparent)]
     Snapshot(#[from] crate::snapshot::SnapshotError),

@@ -202,7 +202,10 @@ impl Registry {
                 Err(_) => continue,
             };
             match vm.abandon_branch().await {
-                Ok(()) => {
+                Ok(top) => {
+                    if let Some(top) = top {
+                        forkd_core::branch::remove_unused_layers(&row.config.dir, &top);
+                    }
                     tracing::info!(id = %row.id, "the source of an interrupted branch runs again")
                 }
                 Err(e) => tracing::warn!(

@@ -145,6 +145,13 @@ pub trait Hypervisor: Send + Sync {
     /// Creates a disk layer as `layer` describes.
     async fn create_disk_layer(&self, layer: DiskLayer<'_>) -> Result<(), HypervisorError>;
 
+    /// The base a disk layer made by [`Hypervisor::create_disk_layer`] names, resolved
+    /// against the layer's directory.
+    fn layer_base(&self, layer: &Path) -> Result<Option<std::path::PathBuf>, HypervisorError> {
+        let _ = layer;
+        Ok(None)
+    }
+
     /// Writes at `out` one layer with the contents of the layered disk `top` over the raw
     /// image `base`, which it names (relative to `out`'s directory): the chain under
     /// `top` down to `base` is no longer needed.
@@ -245,9 +252,10 @@ pub trait Vm: Send + Sync {
     }
 
     /// After a branch that was interrupted (its caller died): cancels a migration still
-    /// under way and starts the vCPUs if they are stopped.
-    async fn abandon_branch(&self) -> Result<(), HypervisorError> {
-        Ok(())
+    /// under way and starts the vCPUs if they are stopped. Returns the file of the
+    /// disk's top layer, if the backend knows it.
+    async fn abandon_branch(&self) -> Result<Option<std::path::PathBuf>, HypervisorError> {
+        Ok(None)
     }
 
     /// Stops the vCPUs.

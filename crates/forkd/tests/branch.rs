@@ -219,6 +219,19 @@ fn branch_through_the_daemon() {
             "{v}"
         );
         assert_eq!(py(&c, &source, "x").await, "41");
+        // The layer made for the cut capture, never used, is gone: none of the
+        // source's layers builds on the snapshot that was not written.
+        let dir = d.home.path().join("run/sandboxes").join(&source);
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("root") && name.ends_with(".qcow2") {
+                let base = forkd_hypervisor::qemu::qcow2::backing_name(&e.path()).unwrap();
+                assert!(
+                    !base.unwrap_or_default().contains("/cut/"),
+                    "{name} builds on the cut branch"
+                );
+            }
+        }
         // And it can be branched again.
         let (s, b) = branch(&c, &source, json!({"tag": "after-crash"})).await;
         assert_eq!(s, StatusCode::CREATED, "{b}");

@@ -131,7 +131,9 @@ impl From<SandboxError> for ApiError {
                     }
                 }
             }
-            SandboxError::NotReady { .. } => ApiError::conflict(msg),
+            SandboxError::NotReady { .. } | SandboxError::Unbranchable { .. } => {
+                ApiError::conflict(msg)
+            }
             SandboxError::NoSpace { .. } => ApiError::new(
                 StatusCode::INSUFFICIENT_STORAGE,
                 "insufficient_storage",

@@ -233,7 +233,7 @@ impl QemuVm {
     }
 
     /// The file of the root disk's top layer, as QEMU has it open.
-    async fn disk_top(&self) -> Result<std::path::PathBuf, HypervisorError> {
+    pub(super) async fn disk_top(&self) -> Result<std::path::PathBuf, HypervisorError> {
         let blocks = self.qmp.execute("query-block", None).await?;
         blocks
             .as_array()

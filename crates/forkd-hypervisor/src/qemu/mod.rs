@@ -106,6 +106,12 @@ impl crate::Hypervisor for Qemu {
             })
     }
 
+    fn layer_base(&self, layer: &Path) -> Result<Option<PathBuf>, HypervisorError> {
+        let name = qcow2::backing_name(layer)
+            .map_err(|e| HypervisorError::io(format!("reading {}", layer.display()), e))?;
+        Ok(name.map(|n| layer.parent().unwrap_or(Path::new("/")).join(n)))
+    }
+
     async fn flatten_disk(
         &self,
         top: &Path,
@@ -519,8 +525,9 @@ impl Vm for QemuVm {
         self.branch_into(mode, plan).await
     }
 
-    async fn abandon_branch(&self) -> Result<(), HypervisorError> {
-        self.abandon_migration().await
+    async fn abandon_branch(&self) -> Result<Option<PathBuf>, HypervisorError> {
+        self.abandon_migration().await?;
+        self.disk_top().await.map(Some)
     }
 
     async fn resume(&self) -> Result<(), HypervisorError> {

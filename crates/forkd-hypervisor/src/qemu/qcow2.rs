@@ -66,6 +66,37 @@ pub fn virtual_size(base: &Path, format: BaseFormat) -> std::io::Result<u64> {
     }
 }
 
+/// The backing file a qcow2 image's header names (as written: absolute, or relative to
+/// the image's directory), or None if it has none.
+pub fn backing_name(image: &Path) -> std::io::Result<Option<String>> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(image)?;
+    let mut head = [0u8; 20];
+    f.read_exact_at(&mut head, 0)?;
+    if u32::from_be_bytes([head[0], head[1], head[2], head[3]]) != MAGIC {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{} is not a qcow2 image", image.display()),
+        ));
+    }
+    let offset = u64::from_be_bytes(head[8..16].try_into().expect("8 bytes"));
+    let len = u32::from_be_bytes(head[16..20].try_into().expect("4 bytes"));
+    if offset == 0 || len == 0 {
+        return Ok(None);
+    }
+    if len > 1023 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{}: a backing file name of {len} bytes", image.display()),
+        ));
+    }
+    let mut name = vec![0u8; len as usize];
+    f.read_exact_at(&mut name, offset)?;
+    String::from_utf8(name)
+        .map(Some)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
 /// The bytes of an empty overlay of `size` bytes whose backing file is `backing_name`
 /// (as QEMU will open it: absolute, or relative to the overlay's directory).
 pub fn overlay_image(
@@ -232,6 +263,9 @@ mod tests {
         }
         let (ok, info) = qemu_img(&["info", "--output=json", top.to_str().unwrap()]);
         assert!(ok, "{info}");
+        assert_eq!(backing_name(&top).unwrap().as_deref(), mid.to_str());
+        assert_eq!(backing_name(&mid).unwrap().as_deref(), Some("base.raw"));
+        assert!(backing_name(&raw).is_err(), "not a qcow2 image");
         let v: serde_json::Value = serde_json::from_str(&info).unwrap();
         assert_eq!(v["format"], "qcow2");
         assert_eq!(v["virtual-size"], 3 << 20);
