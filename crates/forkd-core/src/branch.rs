@@ -73,9 +73,7 @@ pub async fn branch(
         &format!("branching {} into snapshot {tag}", source.id()),
     )?;
     let mut staging = store.stage(tag)?;
-    for name in [parts::KERNEL, parts::INITRAMFS, parts::ROOTFS] {
-        staging.link_from(base, name)?;
-    }
+    staging.link_assets_from(base)?;
     // The contexts the source has now (informative: children have what memory has).
     let contexts = source
         .call(|a| async move { a.list_contexts().await })

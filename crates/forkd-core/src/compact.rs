@@ -28,9 +28,7 @@ pub async fn compact(
         &format!("compacting snapshot {} into {tag}", head.tag),
     )?;
     let mut staging = store.stage(tag)?;
-    for name in [parts::KERNEL, parts::INITRAMFS, parts::ROOTFS] {
-        staging.link_from(head, name)?;
-    }
+    staging.link_assets_from(head)?;
     let io = |what: String| {
         move |source: std::io::Error| SandboxError::Io {
             context: what,

@@ -68,39 +68,27 @@ pub fn ancestors(store: &Store, snap: &Snapshot) -> Result<Vec<Snapshot>, Snapsh
 /// Where `snap` stands in its chain.
 pub fn info(store: &Store, snap: &Snapshot) -> Result<ChainInfo, SnapshotError> {
     let up = ancestors(store, snap)?;
-    let own_bytes = own_bytes(snap);
-    let image = allocated(&snap.part(parts::MEMORY));
-    let total_bytes = own_bytes
-        + up.iter()
-            .map(|a| {
-                own_bytes_of(a)
-                    + if a.manifest.parent.is_some() {
-                        allocated(&a.part(parts::MEMORY))
-                    } else {
-                        0
-                    }
-            })
-            .sum::<u64>()
-        + if snap.manifest.parent.is_some() {
-            image
-        } else {
-            0
-        };
+    // A link's memory image is on disk beside what it owns; a root's is one of its parts.
+    let stored = |s: &Snapshot| {
+        own_bytes(s)
+            + if s.manifest.parent.is_some() {
+                allocated(&s.part(parts::MEMORY))
+            } else {
+                0
+            }
+    };
+    let total_bytes = stored(snap) + up.iter().map(stored).sum::<u64>();
     Ok(ChainInfo {
         depth: up.len(),
         ancestors: up.iter().map(|a| a.tag.to_string()).collect(),
-        own_bytes,
-        memory_image_bytes: image,
+        own_bytes: own_bytes(snap),
+        memory_image_bytes: allocated(&snap.part(parts::MEMORY)),
         total_bytes,
     })
 }
 
 /// What `snap` stores of its own (see [`ChainInfo::own_bytes`]).
 pub fn own_bytes(snap: &Snapshot) -> u64 {
-    own_bytes_of(snap)
-}
-
-fn own_bytes_of(snap: &Snapshot) -> u64 {
     let names: &[&str] = if snap.manifest.parent.is_some() {
         &[
             parts::STATE,

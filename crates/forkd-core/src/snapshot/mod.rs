@@ -122,7 +122,8 @@ impl Snapshot {
     /// Bytes the parts take on disk (allocated blocks: the memory image is sparse).
     pub fn disk_usage(&self) -> u64 {
         use std::os::unix::fs::MetadataExt;
-        parts::ALL
+        self.manifest
+            .part_names()
             .iter()
             .filter_map(|p| std::fs::metadata(self.part(p)).ok())
             .map(|m| m.blocks() * 512)
@@ -158,21 +159,24 @@ impl Staging {
         self.known.insert(name.to_owned(), part);
     }
 
-    /// Hard-links `from`'s part `name` into this snapshot, taking its digest from `from`'s
-    /// manifest when the seal shows the file is the one that was hashed (same inode, size
-    /// and modification time), so the link costs neither a copy nor a re-hash.
-    pub fn link_from(&mut self, from: &Snapshot, name: &str) -> Result<(), SnapshotError> {
-        let src = from.part(name);
-        std::fs::hard_link(&src, self.part(name))
-            .or_else(|_| std::fs::copy(&src, self.part(name)).map(drop))
-            .map_err(io(format!("linking {}", src.display())))?;
+    /// Hard-links `from`'s guest assets (kernel, initramfs, root filesystem) into this
+    /// snapshot, taking their digests from `from`'s manifest where its seal shows the
+    /// file is the one that was hashed (same inode, size and modification time): the
+    /// links cost neither a copy nor a re-hash.
+    pub fn link_assets_from(&mut self, from: &Snapshot) -> Result<(), SnapshotError> {
         let sealed: Option<Seal> = read_json(&from.dir.join(SEAL)).ok();
-        let stamp = FileStamp::of(&self.part(name)).ok();
-        if let (Some(seal), Some(stamp), Some(part)) =
-            (sealed, stamp, from.manifest.parts.get(name))
-        {
-            if seal.files.get(name) == Some(&stamp) {
-                self.know(name, part.clone());
+        for name in [parts::KERNEL, parts::INITRAMFS, parts::ROOTFS] {
+            let src = from.part(name);
+            std::fs::hard_link(&src, self.part(name))
+                .or_else(|_| std::fs::copy(&src, self.part(name)).map(drop))
+                .map_err(io(format!("linking {}", src.display())))?;
+            let stamp = FileStamp::of(&self.part(name)).ok();
+            if let (Some(seal), Some(stamp), Some(part)) =
+                (&sealed, stamp, from.manifest.parts.get(name))
+            {
+                if seal.files.get(name) == Some(&stamp) {
+                    self.know(name, part.clone());
+                }
             }
         }
         Ok(())

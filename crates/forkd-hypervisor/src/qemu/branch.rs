@@ -84,7 +84,7 @@ impl QemuVm {
     ) -> Result<BranchStats, HypervisorError> {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()
             .map_err(|e| HypervisorError::io("creating the branch stream", e))?;
-        receiver.capabilities(false, false).await?;
+        receiver.set_capabilities(false, false).await?;
         receiver
             .qmp
             .execute_with_fd(
@@ -104,7 +104,7 @@ impl QemuVm {
 
         // The source's RAM is a private mapping, so it is not "shared" for QEMU: with or
         // without x-ignore-shared it is sent; off, so that the receiver accepts it.
-        self.capabilities(false, true).await?;
+        self.set_capabilities(false, true).await?;
         self.qmp
             .execute(
                 "migrate-set-parameters",
@@ -271,25 +271,6 @@ impl QemuVm {
             return Err(self.migration_failed("receiving the branch", &status).await);
         }
         self.save_state(state).await
-    }
-
-    /// Sets the migration capabilities a branch uses: MIGRATION events always.
-    async fn capabilities(
-        &self,
-        ignore_shared: bool,
-        pause_before_switchover: bool,
-    ) -> Result<(), HypervisorError> {
-        self.qmp
-            .execute(
-                "migrate-set-capabilities",
-                Some(json!({ "capabilities": [
-                    { "capability": "x-ignore-shared", "state": ignore_shared },
-                    { "capability": "pause-before-switchover", "state": pause_before_switchover },
-                    { "capability": "events", "state": true }
-                ]})),
-            )
-            .await
-            .map(drop)
     }
 }
 

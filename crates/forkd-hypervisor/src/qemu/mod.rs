@@ -471,14 +471,24 @@ impl QemuVm {
         HypervisorError::Migration(format!("{what} ended as {status}: {detail}"))
     }
 
+    /// For a save or restore of device state: RAM in a shared file is left out.
     async fn set_ignore_shared(&self) -> Result<(), HypervisorError> {
+        self.set_capabilities(true, false).await
+    }
+
+    /// Sets the migration capabilities forkd uses, MIGRATION events always: the end of
+    /// a migration is waited for, not polled.
+    async fn set_capabilities(
+        &self,
+        ignore_shared: bool,
+        pause_before_switchover: bool,
+    ) -> Result<(), HypervisorError> {
         self.qmp
             .execute(
                 "migrate-set-capabilities",
                 Some(json!({ "capabilities": [
-                    { "capability": "x-ignore-shared", "state": true },
-                    // MIGRATION events: the end of a save or restore is waited for, not
-                    // polled.
+                    { "capability": "x-ignore-shared", "state": ignore_shared },
+                    { "capability": "pause-before-switchover", "state": pause_before_switchover },
                     { "capability": "events", "state": true }
                 ]})),
             )
