@@ -338,6 +338,12 @@ impl Sandbox {
 
     /// Captures the running VM for a branch (see [`Vm::branch`]); the watchdog does not
     /// count its pause against the agent.
+    /// Whether a live branch would capture this sandbox faithfully; if not, why (then
+    /// only [`forkd_hypervisor::BranchMode::Pause`] is offered).
+    pub fn live_branch(&self) -> Result<(), String> {
+        self.inner.vm.live_branch()
+    }
+
     pub(crate) async fn branch_vm(
         &self,
         mode: forkd_hypervisor::BranchMode,

@@ -58,7 +58,7 @@ impl Registry {
         &self,
         id: &str,
         tag: Tag,
-        mode: BranchMode,
+        mode: Option<BranchMode>,
     ) -> Result<Accepted, RegistryError> {
         let entry = self.get(id)?;
         if entry.row.state != SandboxState::Running {
@@ -68,6 +68,22 @@ impl Registry {
             }
             .into());
         }
+        // Live where the hypervisor copies a running guest faithfully, else pause.
+        let mode = match (mode, entry.sandbox.live_branch()) {
+            (Some(BranchMode::Live), Err(detail)) => {
+                return Err(SandboxError::Unbranchable {
+                    id: id.to_owned(),
+                    detail,
+                }
+                .into())
+            }
+            (None, Err(why)) => {
+                tracing::info!("sandbox {id} is branched in pause mode: {why}");
+                BranchMode::Pause
+            }
+            (Some(mode), _) => mode,
+            (None, Ok(())) => BranchMode::Live,
+        };
         if self.store().exists(&tag) {
             return Err(SandboxError::from(SnapshotError::Exists {
                 tag: tag.to_string(),

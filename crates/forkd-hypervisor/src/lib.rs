@@ -251,6 +251,12 @@ pub trait Vm: Send + Sync {
         ))
     }
 
+    /// Whether [`BranchMode::Live`] captures this VM faithfully; if not, why. A backend
+    /// whose live copy can miss guest writes says so here, and [`Vm::branch`] refuses it.
+    fn live_branch(&self) -> Result<(), String> {
+        Ok(())
+    }
+
     /// After a branch that was interrupted (its caller died): cancels a migration still
     /// under way and starts the vCPUs if they are stopped. Returns the file of the
     /// disk's top layer, if the backend knows it.

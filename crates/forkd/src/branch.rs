@@ -23,9 +23,10 @@ pub struct BranchArgs {
     /// The new snapshot's tag (default: `br-` and 8 random hex digits).
     #[arg(long, short)]
     tag: Option<String>,
-    /// How the sandbox is captured.
-    #[arg(long, value_enum, default_value_t = Mode::Live)]
-    mode: Mode,
+    /// How the sandbox is captured (default: live where the hypervisor copies a running
+    /// guest faithfully, i.e. KVM or QEMU 9.0 and newer under TCG, else pause).
+    #[arg(long, value_enum)]
+    mode: Option<Mode>,
     /// Print the branch's operation and return at once (poll it with the API's
     /// /v1/operations/ID).
     #[arg(long)]
@@ -39,11 +40,14 @@ pub async fn branch(client: &Client, args: BranchArgs) -> Result<()> {
     if let Some(t) = &args.tag {
         forkd_core::snapshot::Tag::parse(t)?;
     }
-    let mode = match args.mode {
-        Mode::Live => "live",
-        Mode::Pause => "pause",
-    };
-    let mut body = json!({ "mode": mode, "wait": !args.no_wait });
+    let mut body = json!({ "wait": !args.no_wait });
+    if let Some(mode) = args.mode {
+        body["mode"] = match mode {
+            Mode::Live => "live",
+            Mode::Pause => "pause",
+        }
+        .into();
+    }
     if let Some(t) = &args.tag {
         body["tag"] = t.clone().into();
     }
@@ -72,10 +76,11 @@ pub async fn branch(client: &Client, args: BranchArgs) -> Result<()> {
     };
     println!("{tag}");
     eprintln!(
-        "branched {} into {tag} (a diff on {}): paused {:.1} ms ({mode}), {} pages differ ({:.1} MiB stored), written in {:.0} ms",
+        "branched {} into {tag} (a diff on {}): paused {:.1} ms ({}), {} pages differ ({:.1} MiB stored), written in {:.0} ms",
         args.id,
         v["parent"].as_str().unwrap_or("?"),
         v["pause_ms"].as_f64().unwrap_or(0.0),
+        v["mode"].as_str().unwrap_or("?"),
         v["pages_changed"].as_u64().unwrap_or(0),
         v["diff_bytes"].as_f64().unwrap_or(0.0) / (1u64 << 20) as f64,
         v["total_ms"].as_f64().unwrap_or(0.0),

@@ -122,6 +122,22 @@ fn check_qemu() -> Check {
         );
     }
     match version::machine_types(bin) {
+        // Under TCG, QEMU before 9.0 loses guest writes during a live migration.
+        Ok(types)
+            if types.iter().any(|t| t == "microvm")
+                && v < version::QemuVersion(9, 0, 0)
+                && !probe_kvm().usable =>
+        {
+            bad(
+                "qemu",
+                Level::Warn,
+                format!(
+                    "QEMU {v} ({}): under TCG its live migration loses guest writes, so branches pause the sandbox for the whole copy",
+                    bin.display()
+                ),
+                "install QEMU 9.0 or newer (Debian bookworm: qemu-system-x86 and qemu-utils from bookworm-backports; ./dev setup does it)",
+            )
+        }
         Ok(types) if types.iter().any(|t| t == "microvm") => ok(
             "qemu",
             format!(

@@ -20,8 +20,10 @@ pub struct BranchBody {
     #[serde(default)]
     #[schema(pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
     pub tag: Option<String>,
-    /// `live` (the default: memory is copied while the source runs, which stops only
-    /// for the last pages and the device state) or `pause` (stopped for the whole copy).
+    /// `live` (memory is copied while the source runs, which stops only for the last
+    /// pages and the device state) or `pause` (stopped for the whole copy). The default
+    /// is `live` where the hypervisor copies a running guest faithfully (KVM, or QEMU 9.0
+    /// and newer under TCG) and `pause` elsewhere; asking for `live` there gets a 409.
     #[serde(default)]
     #[schema(value_type = Option<String>, example = "live")]
     pub mode: Option<BranchMode>,
@@ -54,8 +56,7 @@ pub async fn branch(
         Some(t) => Tag::parse(t)?,
         None => Tag::parse(&format!("br-{}", forkd_core::ids::random_hex(4)))?,
     };
-    let mode = b.mode.unwrap_or(BranchMode::Live);
-    let accepted = app.registry.accept_branch(&id, tag, mode)?;
+    let accepted = app.registry.accept_branch(&id, tag, b.mode)?;
     let op = accepted.op.clone();
     // In a task of its own: a client that hangs up must not cut the branch short.
     let app2 = app.clone();

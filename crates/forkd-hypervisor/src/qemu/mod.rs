@@ -527,11 +527,18 @@ impl Vm for QemuVm {
         self.qmp.execute("stop", None).await.map(drop)
     }
 
+    fn live_branch(&self) -> Result<(), String> {
+        branch::live_copy_is_faithful(self.config.accel, self.qmp.version())
+    }
+
     async fn branch(
         &self,
         mode: crate::BranchMode,
         plan: &crate::BranchPlan,
     ) -> Result<crate::BranchStats, HypervisorError> {
+        if mode == crate::BranchMode::Live {
+            self.live_branch().map_err(HypervisorError::Config)?;
+        }
         self.branch_into(mode, plan).await
     }
 

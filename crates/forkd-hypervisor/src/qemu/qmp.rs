@@ -5,6 +5,7 @@
 //! Written here rather than taken from a crate: the part forkd needs is a page of code,
 //! and the crates on offer pull in a generated binding of the whole QAPI schema.
 
+use super::version::QemuVersion;
 use crate::HypervisorError;
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -27,6 +28,9 @@ pub struct Qmp {
     next_id: AtomicU64,
     events: broadcast::Sender<Value>,
     reader: tokio::task::JoinHandle<()>,
+    /// The version of the QEMU at the other end, as its greeting says (which can differ
+    /// from the installed program's: the package may have been upgraded since it started).
+    version: Option<QemuVersion>,
 }
 
 impl Qmp {
@@ -66,11 +70,11 @@ impl Qmp {
             })?
             .map_err(|e| HypervisorError::QmpClosed(e.to_string()))?
             .ok_or_else(|| HypervisorError::QmpClosed("no greeting".into()))?;
-        if !greeting.contains("\"QMP\"") {
+        let Some(version) = parse_greeting(&greeting) else {
             return Err(HypervisorError::QmpClosed(format!(
                 "unexpected greeting: {greeting}"
             )));
-        }
+        };
         let pending: Pending = Arc::default();
         let (events, _) = broadcast::channel(64);
         let reader = tokio::spawn(read_loop(lines, pending.clone(), events.clone()));
@@ -80,9 +84,15 @@ impl Qmp {
             next_id: AtomicU64::new(1),
             events,
             reader,
+            version,
         };
         qmp.execute("qmp_capabilities", None).await?;
         Ok(qmp)
+    }
+
+    /// The version of the QEMU this session talks to, if its greeting said.
+    pub fn version(&self) -> Option<QemuVersion> {
+        self.version
     }
 
     /// Runs one command and returns its `return` value.
@@ -234,5 +244,36 @@ async fn read_loop(
     };
     for (_, tx) in lock(&pending).drain() {
         let _ = tx.send(Err(HypervisorError::QmpClosed(reason.clone())));
+    }
+}
+
+/// Checks a QMP greeting (`{"QMP": {"version": {"qemu": {major, minor, micro}}, ...}}`)
+/// and returns the version it carries: `None` for what is not a greeting, `Some(None)`
+/// for a greeting without a readable version.
+fn parse_greeting(line: &str) -> Option<Option<QemuVersion>> {
+    let v: Value = serde_json::from_str(line).ok()?;
+    let qmp = v.get("QMP")?;
+    let q = &qmp["version"]["qemu"];
+    let part = |k: &str| q[k].as_u64().and_then(|n| u32::try_from(n).ok());
+    Some(match (part("major"), part("minor"), part("micro")) {
+        (Some(a), Some(b), Some(c)) => Some(QemuVersion(a, b, c)),
+        _ => None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greetings_give_the_version() {
+        let g = r#"{"QMP": {"version": {"qemu": {"micro": 2, "minor": 0, "major": 10}, "package": "Debian"}, "capabilities": ["oob"]}}"#;
+        assert_eq!(parse_greeting(g), Some(Some(QemuVersion(10, 0, 2))));
+        assert_eq!(
+            parse_greeting(r#"{"QMP": {"capabilities": []}}"#),
+            Some(None)
+        );
+        assert_eq!(parse_greeting(r#"{"return": {}}"#), None);
+        assert_eq!(parse_greeting("QMP"), None);
     }
 }
