@@ -66,14 +66,12 @@ pub async fn branch(
 ) -> Result<Branched, SandboxError> {
     let t0 = Instant::now();
     check_layers(hv, source)?;
-    if mode == BranchMode::Live {
-        source
-            .live_branch()
-            .map_err(|detail| SandboxError::Unbranchable {
-                id: source.id().to_owned(),
-                detail,
-            })?;
-    }
+    source
+        .can_branch(mode)
+        .map_err(|detail| SandboxError::Unbranchable {
+            id: source.id().to_owned(),
+            detail,
+        })?;
     let machine = &base.manifest.machine;
     crate::space::ensure_room(
         store.root(),

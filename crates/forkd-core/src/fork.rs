@@ -181,7 +181,7 @@ async fn fork_each(
     prepared: Vec<PreparedChild>,
 ) -> Result<Vec<Result<Sandbox, SandboxError>>, SandboxError> {
     use futures::StreamExt;
-    let planned = match plan_fork(home, snap, opts, observer, &prepared) {
+    let planned = match plan_fork(hv, home, snap, opts, observer, &prepared) {
         Ok(p) => p,
         Err(e) => {
             // Nothing started: the prepared VMs are not anyone's any more.
@@ -211,6 +211,7 @@ async fn fork_each(
 /// Checks a fork request, plans the children `prepared` does not cover, and tells the
 /// observer of them all (one record for the whole fork, before any VM starts).
 fn plan_fork(
+    hv: &dyn Hypervisor,
     home: &Home,
     snap: &Snapshot,
     opts: &ForkOptions,
@@ -226,6 +227,7 @@ fn plan_fork(
             ),
         });
     }
+    same_release(hv, snap)?;
     if snap.manifest.machine.accel == Accel::Kvm {
         // A KVM snapshot cannot run under TCG (and the other way round).
         accel::resolve(AccelChoice::Kvm)?;
@@ -257,6 +259,34 @@ fn plan_fork(
         .collect();
     observer.planned(&configs)?;
     Ok(planned)
+}
+
+/// Refuses a snapshot made by another release of the backend than the one installed. Its
+/// device state is QEMU's migration format of that release, for the `microvm` machine,
+/// which has no versioned machine types to keep it loadable by later releases. A version
+/// either side cannot read is left for the restore itself to judge.
+fn same_release(hv: &dyn Hypervisor, snap: &Snapshot) -> Result<(), SandboxError> {
+    let Ok(now) = hv.version() else {
+        return Ok(());
+    };
+    match release_mismatch(&snap.manifest.versions.qemu, &now) {
+        None => Ok(()),
+        Some(detail) => Err(SandboxError::Template {
+            name: snap.tag.to_string(),
+            detail,
+        }),
+    }
+}
+
+/// Why a snapshot made by backend version `made` cannot be restored by version `now`.
+fn release_mismatch(made: &str, now: &str) -> Option<String> {
+    use forkd_hypervisor::qemu::version::release_of;
+    match (release_of(made), release_of(now)) {
+        (Some(a), Some(b)) if a != b => Some(format!(
+            "it was made by QEMU {made} and this host runs QEMU {now}; a snapshot's device state does not carry across QEMU releases, so build it again (`forkd template build`, or branch its source again)"
+        )),
+        _ => None,
+    }
 }
 
 fn m_accel_is_tcg(snap: &Snapshot) -> bool {
@@ -292,6 +322,7 @@ impl PlannedChild {
         hv: &dyn Hypervisor,
         snap: &Snapshot,
     ) -> Result<PreparedChild, SandboxError> {
+        same_release(hv, snap)?;
         create_layer(hv, snap, &self.config).await?;
         let vm = hv
             .prepare_restore(&self.config, &snap.part(parts::STATE))
@@ -466,4 +497,21 @@ async fn launch_child(
         seccomp: opts.seccomp,
     };
     Sandbox::launch(hv, config, how, &sopts, guard).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshots_of_another_qemu_release_are_refused() {
+        assert_eq!(release_mismatch("10.0.2", "10.0.7"), None);
+        let why = release_mismatch("7.2.22", "10.0.2").unwrap();
+        assert!(
+            why.contains("QEMU 7.2.22") && why.contains("QEMU 10.0.2"),
+            "{why}"
+        );
+        // A version that is not a QEMU release (the fake backend's) is left alone.
+        assert_eq!(release_mismatch("fake-0.1.0", "10.0.2"), None);
+    }
 }

@@ -338,10 +338,9 @@ impl Sandbox {
 
     /// Captures the running VM for a branch (see [`Vm::branch`]); the watchdog does not
     /// count its pause against the agent.
-    /// Whether a live branch would capture this sandbox faithfully; if not, why (then
-    /// only [`forkd_hypervisor::BranchMode::Pause`] is offered).
-    pub fn live_branch(&self) -> Result<(), String> {
-        self.inner.vm.live_branch()
+    /// Whether a branch in `mode` would capture this sandbox faithfully; if not, why.
+    pub fn can_branch(&self, mode: forkd_hypervisor::BranchMode) -> Result<(), String> {
+        self.inner.vm.can_branch(mode)
     }
 
     pub(crate) async fn branch_vm(

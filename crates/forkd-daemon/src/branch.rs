@@ -69,7 +69,7 @@ impl Registry {
             .into());
         }
         // Live where the hypervisor copies a running guest faithfully, else pause.
-        let mode = match (mode, entry.sandbox.live_branch()) {
+        let mode = match (mode, entry.sandbox.can_branch(BranchMode::Live)) {
             (Some(BranchMode::Live), Err(detail)) => {
                 return Err(SandboxError::Unbranchable {
                     id: id.to_owned(),

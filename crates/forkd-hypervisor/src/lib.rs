@@ -251,9 +251,10 @@ pub trait Vm: Send + Sync {
         ))
     }
 
-    /// Whether [`BranchMode::Live`] captures this VM faithfully; if not, why. A backend
+    /// Whether a branch in `mode` captures this VM faithfully; if not, why. A backend
     /// whose live copy can miss guest writes says so here, and [`Vm::branch`] refuses it.
-    fn live_branch(&self) -> Result<(), String> {
+    fn can_branch(&self, mode: BranchMode) -> Result<(), String> {
+        let _ = mode;
         Ok(())
     }
 

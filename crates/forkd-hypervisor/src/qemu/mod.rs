@@ -51,7 +51,7 @@ impl crate::Hypervisor for Qemu {
     }
 
     fn version(&self) -> Result<String, HypervisorError> {
-        version::installed_version(&self.binary)
+        version::current_version(&self.binary)
             .map(|v| v.to_string())
             .map_err(HypervisorError::Config)
     }
@@ -527,8 +527,23 @@ impl Vm for QemuVm {
         self.qmp.execute("stop", None).await.map(drop)
     }
 
-    fn live_branch(&self) -> Result<(), String> {
-        branch::live_copy_is_faithful(self.config.accel, self.qmp.version())
+    fn can_branch(&self, mode: crate::BranchMode) -> Result<(), String> {
+        // The receiver is started from the installed program, which an upgrade may have
+        // replaced since this VM started: a migration stream is only read by its release.
+        let installed = version::current_version(&self.binary).ok();
+        if let (Some(running), Some(installed)) = (self.qmp.version(), installed) {
+            if (running.0, running.1) != (installed.0, installed.1) {
+                return Err(format!(
+                    "it runs QEMU {running} and the installed QEMU is {installed}, which cannot receive its state; fork a new sandbox to branch from"
+                ));
+            }
+        }
+        match mode {
+            crate::BranchMode::Live => {
+                branch::live_copy_is_faithful(self.config.accel, self.qmp.version())
+            }
+            crate::BranchMode::Pause => Ok(()),
+        }
     }
 
     async fn branch(
@@ -536,9 +551,7 @@ impl Vm for QemuVm {
         mode: crate::BranchMode,
         plan: &crate::BranchPlan,
     ) -> Result<crate::BranchStats, HypervisorError> {
-        if mode == crate::BranchMode::Live {
-            self.live_branch().map_err(HypervisorError::Config)?;
-        }
+        self.can_branch(mode).map_err(HypervisorError::Config)?;
         self.branch_into(mode, plan).await
     }
 

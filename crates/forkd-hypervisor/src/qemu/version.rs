@@ -1,6 +1,9 @@
 //! What the installed QEMU is and can do (for `forkd doctor` and snapshot manifests).
 
-use std::path::Path;
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 /// QEMU's version, as `major.minor.micro`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -36,6 +39,53 @@ pub fn installed_version(binary: &Path) -> Result<QemuVersion, String> {
     parse_version(&text).ok_or_else(|| format!("unrecognised version output: {}", text.trim()))
 }
 
+/// Where `binary` is: itself if it names a directory, else the first match on `PATH`.
+fn resolve(binary: &Path) -> Option<PathBuf> {
+    if binary.components().count() > 1 {
+        return Some(binary.to_owned());
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|dir| dir.join(binary))
+        .find(|p| p.is_file())
+}
+
+/// [`installed_version`], remembered while the program file stays the same (device, inode,
+/// modification time): a fork asks on every call, and running `--version` costs a process
+/// (10–30 ms), while a package upgrade replaces the file.
+pub fn current_version(binary: &Path) -> Result<QemuVersion, String> {
+    type Identity = (u64, u64, i64, i64);
+    static SEEN: Mutex<Option<HashMap<PathBuf, (Identity, QemuVersion)>>> = Mutex::new(None);
+    let identity = resolve(binary)
+        .and_then(|p| std::fs::metadata(p).ok())
+        .map(|m| (m.dev(), m.ino(), m.mtime(), m.mtime_nsec()));
+    let Some(identity) = identity else {
+        return installed_version(binary);
+    };
+    if let Some((id, v)) = SEEN
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .get(binary)
+    {
+        if *id == identity {
+            return Ok(*v);
+        }
+    }
+    let v = installed_version(binary)?;
+    SEEN.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .insert(binary.to_owned(), (identity, v));
+    Ok(v)
+}
+
+/// The `major.minor` release of a version string such as `10.0.2` (snapshot manifests
+/// record the backend's version so).
+pub fn release_of(version: &str) -> Option<(u32, u32)> {
+    let mut it = version.split('.');
+    Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
+}
+
 /// The machine types `binary -machine help` lists.
 pub fn machine_types(binary: &Path) -> Result<Vec<String>, String> {
     let out = std::process::Command::new(binary)
@@ -65,5 +115,34 @@ mod tests {
         );
         assert_eq!(parse_version("nonsense"), None);
         assert!(QemuVersion(7, 2, 0) > QemuVersion(6, 9, 9));
+    }
+
+    #[test]
+    fn releases_are_major_and_minor() {
+        assert_eq!(release_of("10.0.2"), Some((10, 0)));
+        assert_eq!(release_of("7.2.22"), Some((7, 2)));
+        assert_eq!(release_of("fake-0.1.0"), None);
+        assert_eq!(release_of("unknown (no qemu)"), None);
+    }
+
+    #[test]
+    fn the_current_version_is_remembered_per_program_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("qemu");
+        let write = |v: &str| {
+            std::fs::write(
+                &bin,
+                format!("#!/bin/sh\necho 'QEMU emulator version {v}'\n"),
+            )
+            .unwrap();
+            std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                .unwrap();
+        };
+        write("9.2.1");
+        assert_eq!(current_version(&bin), Ok(QemuVersion(9, 2, 1)));
+        // A new program file (an upgrade) is asked again.
+        std::fs::remove_file(&bin).unwrap();
+        write("10.0.2");
+        assert_eq!(current_version(&bin), Ok(QemuVersion(10, 0, 2)));
     }
 }
