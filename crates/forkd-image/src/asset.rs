@@ -145,6 +145,22 @@ mod tests {
         (file, manifest)
     }
 
+    /// A builder that waited for another's lock reads the asset from its manifest and
+    /// must get what the builder returned: every float round-trips exactly.
+    #[test]
+    fn a_stored_asset_reads_back_equal() {
+        let asset = Asset {
+            path: "/a/vmlinuz".into(),
+            sha256: "00".into(),
+            size: 1,
+            built_at: "2026-12-04T04:10:10Z".into(),
+            build_seconds: 1.2476219259999999,
+            inputs: "i".into(),
+        };
+        let back: Asset = serde_json::from_str(&serde_json::to_string(&asset).unwrap()).unwrap();
+        assert_eq!(back, asset);
+    }
+
     #[test]
     fn reuse_only_with_same_inputs_and_size() {
         let dir = tempfile::tempdir().unwrap();
