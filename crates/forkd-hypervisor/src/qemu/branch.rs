@@ -189,6 +189,7 @@ impl QemuVm {
             .execute("migrate", Some(json!({ "uri": format!("fd:{STREAM_FD}") })))
             .await?;
         let status = self.migration_reaches(events, &["pre-switchover"]).await?;
+        let at_switchover = Instant::now();
         if status != "pre-switchover" {
             let _ = std::fs::remove_file(&plan.next_layer);
             return Err(self.migration_failed("copying the memory", &status).await);
@@ -231,12 +232,22 @@ impl QemuVm {
                 Some(json!({ "state": "pre-switchover" })),
             )
             .await?;
+        let continued_at = Instant::now();
         let status = self.migration_end(events).await?;
         let completed_at = Instant::now();
         if status != "completed" {
             return Err(self.migration_failed("the switch-over", &status).await);
         }
         let info = self.qmp.execute("query-migrate", None).await?;
+        tracing::debug!(
+            disk_switch_ms = (continued_at - at_switchover).as_secs_f64() * 1e3,
+            last_pass_ms = (completed_at - continued_at).as_secs_f64() * 1e3,
+            downtime_ms = info["downtime"].as_u64(),
+            downtime_bytes = info["ram"]["downtime-bytes"].as_u64(),
+            dirty_syncs = info["ram"]["dirty-sync-count"].as_u64(),
+            mbps = info["ram"]["mbps"].as_f64(),
+            "branch switch-over"
+        );
         Ok(Switched {
             frozen_layer,
             downtime_ms: info["downtime"].as_u64().unwrap_or(0),
@@ -249,15 +260,25 @@ impl QemuVm {
     /// from the migration thread before the main loop leaves `finish-migrate`, and
     /// refuses `cont` until then ("Migration is not finalized yet"): a few ms at most.
     async fn resume_after_migration(&self) -> Result<(), HypervisorError> {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let started = Instant::now();
+        let deadline = started + Duration::from_secs(10);
+        let mut refused = 0u32;
         loop {
             match self.qmp.execute("cont", None).await {
                 Err(HypervisorError::Qmp { desc, .. })
                     if desc.contains("not finalized") && Instant::now() < deadline =>
                 {
+                    refused += 1;
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
-                other => return other.map(drop),
+                other => {
+                    tracing::debug!(
+                        refused,
+                        ms = started.elapsed().as_secs_f64() * 1e3,
+                        "cont after the migration"
+                    );
+                    return other.map(drop);
+                }
             }
         }
     }
