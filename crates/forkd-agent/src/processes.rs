@@ -64,13 +64,8 @@ impl Tail {
         self.0.extend(data);
     }
 
-    fn lossy(&self) -> String {
-        let (a, b) = self.0.as_slices();
-        if b.is_empty() {
-            String::from_utf8_lossy(a).into_owned()
-        } else {
-            String::from_utf8_lossy(&[a, b].concat()).into_owned()
-        }
+    fn bytes(&self) -> Vec<u8> {
+        self.0.iter().copied().collect()
     }
 }
 
@@ -88,8 +83,8 @@ impl Proc {
             argv: self.argv.clone(),
             started_at_ms: self.started_at_ms,
             exit: *self.exit.borrow(),
-            stdout: out.stdout.lossy(),
-            stderr: out.stderr.lossy(),
+            stdout: out.stdout.bytes(),
+            stderr: out.stderr.bytes(),
         }
     }
 

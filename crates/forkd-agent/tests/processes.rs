@@ -34,8 +34,8 @@ async fn start_list_wait_signal_and_kill() {
         .await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(done.exit.map(|e| e.code), Some(Some(0)));
-    assert_eq!(done.stdout, "out\n");
-    assert_eq!(done.stderr, "err\n");
+    assert_eq!(done.stdout, b"out\n");
+    assert_eq!(done.stderr, b"err\n");
 
     let (_, sleeper): (_, ProcessInfo) = c
         .json(
@@ -79,7 +79,7 @@ async fn start_list_wait_signal_and_kill() {
         .await;
     let exit = ended.exit.expect("ended");
     assert_eq!(exit.signal, Some(15));
-    assert_eq!(ended.stdout, "started\n");
+    assert_eq!(ended.stdout, b"started\n");
 
     let (_, victim): (_, ProcessInfo) = c
         .json(Method::POST, "/v1/processes", Some(shell("sleep 30")))
@@ -130,7 +130,7 @@ async fn output_keeps_the_tail_and_timeouts_apply() {
         .json(Method::POST, &format!("/v1/processes/{}/wait", p.id), None)
         .await;
     assert_eq!(p.stdout.len(), forkd_proto::exec::BACKGROUND_OUTPUT_LIMIT);
-    assert!(p.stdout.ends_with("aaaEND"));
+    assert!(p.stdout.ends_with(b"aaaEND"));
 
     let mut req = ExecRequest::new(Command::Argv(vec!["sleep".into(), "30".into()]));
     req.timeout_ms = Some(200);

@@ -135,7 +135,10 @@ async fn concurrent_execs_and_background_processes() {
     let killed = agent.kill_process(p.id).await.unwrap();
     let exit = killed.exit.expect("killed process has an exit status");
     assert_eq!(exit.signal, Some(9));
-    assert!(killed.stdout.contains("bg-started"), "{killed:?}");
+    assert!(
+        String::from_utf8_lossy(&killed.stdout).contains("bg-started"),
+        "{killed:?}"
+    );
     assert!(agent
         .list_processes()
         .await
@@ -158,7 +161,7 @@ async fn concurrent_execs_and_background_processes() {
     let q = agent.spawn_process(&sh("echo done; exit 4")).await.unwrap();
     let q = agent.wait_process(q.id, Some(60_000)).await.unwrap();
     assert_eq!(q.exit.map(|e| e.code), Some(Some(4)));
-    assert_eq!(q.stdout, "done\n");
+    assert_eq!(q.stdout, b"done\n");
 
     sb.destroy().await.unwrap();
     fp.assert_gone();

@@ -112,12 +112,29 @@ pub struct ProcessInfo {
     pub started_at_ms: u64,
     /// Set once it has ended.
     pub exit: Option<ExitStatus>,
-    /// Output captured so far (the last [`BACKGROUND_OUTPUT_LIMIT`] bytes), lossy UTF-8.
-    #[serde(default)]
-    pub stdout: String,
+    /// Output captured so far: the last [`BACKGROUND_OUTPUT_LIMIT`] bytes, exactly as
+    /// written (base64 on the wire).
+    #[serde(default, rename = "stdout_b64", with = "base64_bytes")]
+    pub stdout: Vec<u8>,
     /// Like `stdout`.
-    #[serde(default)]
-    pub stderr: String,
+    #[serde(default, rename = "stderr_b64", with = "base64_bytes")]
+    pub stderr: Vec<u8>,
+}
+
+/// Bytes as base64 (RFC 4648, standard alphabet, padded) in JSON.
+mod base64_bytes {
+    use base64::engine::general_purpose::STANDARD;
+    use base64::Engine as _;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&STANDARD.encode(bytes))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let text = String::deserialize(d)?;
+        STANDARD.decode(text).map_err(serde::de::Error::custom)
+    }
 }
 
 /// How many bytes of a background process's stdout and of its stderr the agent keeps.

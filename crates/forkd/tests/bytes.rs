@@ -1,8 +1,9 @@
 //! Process output is bytes, not text: what a command writes reaches the API's client and
 //! the CLI's stdout byte for byte (random bytes, multibyte characters cut anywhere by the
-//! stream), requests too large for the agent protocol are refused with a 4xx and stay on
-//! record, and the record of a fork names its children. One daemon, one `minimal`
-//! template and one child for the whole file: VMs are slow under TCG.
+//! stream), background processes keep their output as bytes, requests too large for the
+//! agent protocol are refused with a 4xx and stay on record, and the record of a fork
+//! names its children. One daemon, one `minimal` template and one child for the whole
+//! file: VMs are slow under TCG.
 
 mod common;
 
@@ -61,6 +62,157 @@ async fn exec_streamed(c: &Client, id: &str, mut body: Value) -> (Vec<Vec<u8>>, 
         }
     }
     panic!("the stream ended without an exit line")
+}
+
+async fn process(
+    c: &Client,
+    method: Method,
+    path: &str,
+    body: Option<Value>,
+) -> (StatusCode, Value) {
+    call(c, method, path, body).await
+}
+
+/// Background processes through the API: output kept as bytes, the exit code and signal
+/// of how each ended, waits that time out while it runs, signals, kills, and a 4xx for
+/// each bad request.
+async fn background_processes_keep_bytes_exits_and_signals(c: &Client, id: &str) {
+    let base = format!("/v1/sandboxes/{id}/processes");
+    let (s, p) = process(
+        c,
+        Method::POST,
+        &base,
+        Some(json!({"shell": "printf '\\377\\000ok'; echo err >&2; exit 3"})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{p}");
+    let n = p["id"].as_u64().unwrap();
+    let (s, done) = process(c, Method::POST, &format!("{base}/{n}/wait"), None).await;
+    assert_eq!(s, StatusCode::OK, "{done}");
+    assert_eq!(
+        (&done["running"], &done["exit_code"], &done["signal"]),
+        (&json!(false), &json!(3), &json!(null)),
+        "{done}"
+    );
+    assert_eq!(b64(&done["stdout_b64"]), b"\xff\0ok");
+    assert_eq!(b64(&done["stderr_b64"]), b"err\n");
+
+    // A long one: a wait that times out finds it running; SIGTERM ends it.
+    let (s, p) = process(
+        c,
+        Method::POST,
+        &base,
+        Some(json!({"cmd": ["sleep", "600"]})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{p}");
+    let n = p["id"].as_u64().unwrap();
+    let (_, list) = process(c, Method::GET, &base, None).await;
+    assert!(
+        list.as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["id"] == n && p["running"] == true),
+        "{list}"
+    );
+    let (s, still) = process(
+        c,
+        Method::POST,
+        &format!("{base}/{n}/wait?timeout_s=0.2"),
+        None,
+    )
+    .await;
+    assert_eq!(
+        (s, &still["running"]),
+        (StatusCode::OK, &json!(true)),
+        "{still}"
+    );
+    let (s, v) = process(
+        c,
+        Method::POST,
+        &format!("{base}/{n}/signal"),
+        Some(json!({"signal": 15})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (_, ended) = process(c, Method::POST, &format!("{base}/{n}/wait"), None).await;
+    assert_eq!(
+        (&ended["running"], &ended["signal"], &ended["exit_code"]),
+        (&json!(false), &json!(15), &json!(143)),
+        "{ended}"
+    );
+
+    // Killed and forgotten.
+    let (_, p) = process(
+        c,
+        Method::POST,
+        &base,
+        Some(json!({"cmd": ["sleep", "600"]})),
+    )
+    .await;
+    let n = p["id"].as_u64().unwrap();
+    let (s, killed) = process(c, Method::DELETE, &format!("{base}/{n}"), None).await;
+    assert_eq!(
+        (s, &killed["running"]),
+        (StatusCode::OK, &json!(false)),
+        "{killed}"
+    );
+    let (s, v) = process(c, Method::GET, &format!("{base}/{n}"), None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+
+    for (method, path, body, want) in [
+        (
+            Method::POST,
+            base.clone(),
+            Some(json!({})),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            Method::POST,
+            base.clone(),
+            Some(json!({"cmd": ["true"], "stdin": "x"})),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            Method::GET,
+            format!("{base}/abc"),
+            None,
+            StatusCode::NOT_FOUND,
+        ),
+        (
+            Method::GET,
+            format!("{base}/999999"),
+            None,
+            StatusCode::NOT_FOUND,
+        ),
+        (
+            Method::POST,
+            format!("{base}/1/signal"),
+            Some(json!({"signal": 0})),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            Method::POST,
+            format!("{base}/1/wait?timeout_s=-1"),
+            None,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            Method::GET,
+            "/v1/sandboxes/sb-000000000000/processes".to_owned(),
+            None,
+            StatusCode::NOT_FOUND,
+        ),
+    ] {
+        let (s, v) = process(c, method, &path, body.clone()).await;
+        assert_eq!(s, want, "{path} {body:?}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{v}"
+        );
+    }
 }
 
 #[test]
@@ -221,6 +373,8 @@ fn exec_output_is_bytes_and_oversized_requests_are_refused_on_record() {
                 .contains("stdin_b64"),
             "{v}"
         );
+        background_processes_keep_bytes_exits_and_signals(&c, &id).await;
+
         (id, want)
     });
 

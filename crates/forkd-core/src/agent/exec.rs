@@ -202,6 +202,11 @@ impl AgentClient {
         self.get_json(routes::PROCESSES).await
     }
 
+    /// One background process.
+    pub async fn get_process(&self, id: u64) -> Result<ProcessInfo, AgentError> {
+        self.get_json(&routes::process(id)).await
+    }
+
     /// Waits for a background process to end, at most `timeout_ms` if given.
     pub async fn wait_process(
         &self,

@@ -4,6 +4,7 @@
 mod branch;
 pub mod error;
 mod files;
+mod processes;
 mod run;
 mod sandboxes;
 mod snapshots;
@@ -126,6 +127,22 @@ pub fn router(app: App) -> Router {
         .route("/v1/sandboxes/{id}/exec", post(run::exec))
         .route("/v1/sandboxes/{id}/code", post(run::run_code))
         .route(
+            "/v1/sandboxes/{id}/processes",
+            get(processes::list).post(processes::start),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{process}",
+            get(processes::get).delete(processes::kill),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{process}/wait",
+            post(processes::wait),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{process}/signal",
+            post(processes::signal),
+        )
+        .route(
             "/v1/sandboxes/{id}/contexts",
             get(run::list_contexts).post(run::create_context),
         )
@@ -181,6 +198,12 @@ pub fn router(app: App) -> Router {
         run::create_context,
         run::reset_context,
         run::delete_context,
+        processes::start,
+        processes::list,
+        processes::get,
+        processes::wait,
+        processes::signal,
+        processes::kill,
         files::read,
         files::write,
         files::remove,

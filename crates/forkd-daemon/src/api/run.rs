@@ -46,7 +46,7 @@ fn timeout_ms(t: Option<f64>) -> Result<Option<u64>, ApiError> {
     }
 }
 
-fn exec_request(b: &ExecBody) -> Result<ExecRequest, ApiError> {
+pub(super) fn exec_request(b: &ExecBody) -> Result<ExecRequest, ApiError> {
     let command = match (&b.cmd, &b.shell) {
         (Some(argv), None) if !argv.is_empty() && !argv[0].is_empty() => {
             Command::Argv(argv.clone())

@@ -527,3 +527,86 @@ pub struct OperationList {
     /// Newest first.
     pub operations: Vec<crate::state::OperationRow>,
 }
+
+/// What a background process runs: a command as for exec, without stdin or streaming.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessStartBody {
+    /// Program and arguments.
+    #[serde(default)]
+    #[schema(min_items = 1)]
+    pub cmd: Option<Vec<String>>,
+    /// A shell command line.
+    #[serde(default)]
+    pub shell: Option<String>,
+    /// Environment variables added to the defaults.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory (absolute).
+    #[serde(default)]
+    #[schema(pattern = "^/")]
+    pub cwd: Option<String>,
+    /// Kill the process after this many seconds.
+    #[serde(default)]
+    #[schema(minimum = 0.001, maximum = 86400)]
+    pub timeout_s: Option<f64>,
+}
+
+/// A background process: running, or how it ended, with the last 1 MiB of each output
+/// stream as base64 (RFC 4648 standard alphabet, with `=` padding) of the raw bytes.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ProcessBody {
+    /// The sandbox's id for it (not its pid, which the guest may reuse).
+    pub id: u64,
+    /// Its pid in the guest.
+    pub pid: u32,
+    /// What runs.
+    pub argv: Vec<String>,
+    /// When it started: milliseconds since the Unix epoch, guest clock.
+    pub started_at_ms: u64,
+    /// False once it has ended.
+    pub running: bool,
+    /// Once ended: the exit code a shell would report (128 + signal for a signal).
+    pub exit_code: Option<i32>,
+    /// Once ended by a signal: its number.
+    pub signal: Option<i32>,
+    /// True when its timeout killed it.
+    pub timed_out: bool,
+    /// Once ended: wall time in the guest, milliseconds.
+    pub duration_ms: Option<u64>,
+    /// The last 1 MiB of its standard output: base64 of the raw bytes.
+    #[schema(content_encoding = "base64")]
+    pub stdout_b64: String,
+    /// The last 1 MiB of its standard error: base64 of the raw bytes.
+    #[schema(content_encoding = "base64")]
+    pub stderr_b64: String,
+}
+
+impl From<forkd_proto::exec::ProcessInfo> for ProcessBody {
+    fn from(p: forkd_proto::exec::ProcessInfo) -> ProcessBody {
+        use base64::Engine as _;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        ProcessBody {
+            id: p.id,
+            pid: p.pid,
+            argv: p.argv,
+            started_at_ms: p.started_at_ms,
+            running: p.exit.is_none(),
+            exit_code: p.exit.map(|e| e.shell_code()),
+            signal: p.exit.and_then(|e| e.signal),
+            timed_out: p.exit.is_some_and(|e| e.timed_out),
+            duration_ms: p.exit.map(|e| e.duration_ms),
+            stdout_b64: b64.encode(&p.stdout),
+            stderr_b64: b64.encode(&p.stderr),
+        }
+    }
+}
+
+/// A signal for a background process's group.
+#[derive(Debug, Clone, Copy, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SignalBody {
+    /// Its number (15 for SIGTERM, 9 for SIGKILL...).
+    #[schema(minimum = 1, maximum = 64)]
+    pub signal: i32,
+}

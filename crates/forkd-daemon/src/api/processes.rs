@@ -1,0 +1,158 @@
+//! Background processes in a sandbox: started, listed, waited for, signalled and killed
+//! through the guest agent, which keeps each one's exit and the tail of its output.
+
+use super::error::ErrorBody;
+use super::run::exec_request;
+use super::types::{ExecBody, ProcessBody, ProcessStartBody, SignalBody};
+use super::{ApiError, App, JsonBody, PathParams, QueryParams};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use serde::Deserialize;
+
+/// Longest wait one request may ask for: an hour (the process runs on after it).
+const MAX_WAIT_S: f64 = 3600.0;
+
+/// `?timeout_s=...`
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct WaitParams {
+    /// Answer after this many seconds even if the process still runs (default: wait
+    /// until it ends, at most an hour).
+    #[serde(default)]
+    #[param(minimum = 0, maximum = 3600)]
+    timeout_s: Option<f64>,
+}
+
+/// A process id from the path; anything else names no process.
+fn process_id(raw: &str) -> Result<u64, ApiError> {
+    raw.parse()
+        .map_err(|_| ApiError::not_found(format!("no background process with id {raw}")))
+}
+
+/// Starts a background process; it runs on after this answers (201).
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/processes", params(("id" = String, Path)),
+    request_body = ProcessStartBody,
+    responses((status = 201, body = ProcessBody), (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody), (status = 413, body = ErrorBody),
+        (status = 502, body = ErrorBody)))]
+pub async fn start(
+    State(app): State<App>,
+    PathParams(id): PathParams<String>,
+    JsonBody(b): JsonBody<ProcessStartBody>,
+) -> Result<(StatusCode, Json<ProcessBody>), ApiError> {
+    let sandbox = app.registry.get(&id)?.sandbox;
+    let req = exec_request(&ExecBody {
+        cmd: b.cmd,
+        shell: b.shell,
+        env: b.env,
+        cwd: b.cwd,
+        timeout_s: b.timeout_s,
+        stdin: None,
+        stdin_b64: None,
+        stream: false,
+    })?;
+    let p = sandbox
+        .call(|a| async move { a.spawn_process(&req).await })
+        .await?;
+    Ok((StatusCode::CREATED, Json(p.into())))
+}
+
+/// The sandbox's background processes, running and ended, oldest first.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/processes", params(("id" = String, Path)),
+    responses((status = 200, body = Vec<ProcessBody>), (status = 404, body = ErrorBody),
+        (status = 502, body = ErrorBody)))]
+pub async fn list(
+    State(app): State<App>,
+    PathParams(id): PathParams<String>,
+) -> Result<Json<Vec<ProcessBody>>, ApiError> {
+    let sandbox = app.registry.get(&id)?.sandbox;
+    let list = sandbox
+        .call(|a| async move { a.list_processes().await })
+        .await?;
+    Ok(Json(list.into_iter().map(ProcessBody::from).collect()))
+}
+
+/// One background process.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/processes/{process}",
+    params(("id" = String, Path), ("process" = u64, Path)),
+    responses((status = 200, body = ProcessBody), (status = 404, body = ErrorBody),
+        (status = 502, body = ErrorBody)))]
+pub async fn get(
+    State(app): State<App>,
+    PathParams((id, process)): PathParams<(String, String)>,
+) -> Result<Json<ProcessBody>, ApiError> {
+    let sandbox = app.registry.get(&id)?.sandbox;
+    let pid = process_id(&process)?;
+    let p = sandbox
+        .call(|a| async move { a.get_process(pid).await })
+        .await?;
+    Ok(Json(p.into()))
+}
+
+/// Waits for a background process to end (or for `timeout_s`) and answers with it.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{process}/wait",
+    params(("id" = String, Path), ("process" = u64, Path), WaitParams),
+    responses((status = 200, body = ProcessBody), (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody), (status = 502, body = ErrorBody)))]
+pub async fn wait(
+    State(app): State<App>,
+    PathParams((id, process)): PathParams<(String, String)>,
+    QueryParams(q): QueryParams<WaitParams>,
+) -> Result<Json<ProcessBody>, ApiError> {
+    let sandbox = app.registry.get(&id)?.sandbox;
+    let pid = process_id(&process)?;
+    let secs = q.timeout_s.unwrap_or(MAX_WAIT_S);
+    if !(0.0..=MAX_WAIT_S).contains(&secs) {
+        return Err(ApiError::bad_request(format!(
+            "timeout_s = {secs} is outside [0, {MAX_WAIT_S}]"
+        )));
+    }
+    let ms = (secs * 1000.0).ceil() as u64;
+    let p = sandbox
+        .call(|a| async move { a.wait_process(pid, Some(ms)).await })
+        .await?;
+    Ok(Json(p.into()))
+}
+
+/// Sends a signal to a background process's group.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{process}/signal",
+    params(("id" = String, Path), ("process" = u64, Path)), request_body = SignalBody,
+    responses((status = 200, body = ProcessBody), (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody), (status = 502, body = ErrorBody)))]
+pub async fn signal(
+    State(app): State<App>,
+    PathParams((id, process)): PathParams<(String, String)>,
+    JsonBody(b): JsonBody<SignalBody>,
+) -> Result<Json<ProcessBody>, ApiError> {
+    let sandbox = app.registry.get(&id)?.sandbox;
+    let pid = process_id(&process)?;
+    if !(1..=64).contains(&b.signal) {
+        return Err(ApiError::bad_request(format!(
+            "signal {} is not a signal number (1 to 64)",
+            b.signal
+        )));
+    }
+    let p = sandbox
+        .call(|a| async move { a.signal_process(pid, b.signal).await })
+        .await?;
+    Ok(Json(p.into()))
+}
+
+/// Kills a background process (SIGKILL to its group) and forgets it; answers with how
+/// it ended.
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}/processes/{process}",
+    params(("id" = String, Path), ("process" = u64, Path)),
+    responses((status = 200, body = ProcessBody), (status = 404, body = ErrorBody),
+        (status = 502, body = ErrorBody)))]
+pub async fn kill(
+    State(app): State<App>,
+    PathParams((id, process)): PathParams<(String, String)>,
+) -> Result<Json<ProcessBody>, ApiError> {
+    let sandbox = app.registry.get(&id)?.sandbox;
+    let pid = process_id(&process)?;
+    let p = sandbox
+        .call(|a| async move { a.kill_process(pid).await })
+        .await?;
+    Ok(Json(p.into()))
+}
