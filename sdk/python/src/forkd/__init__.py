@@ -1,0 +1,67 @@
+"""forkd: microVM sandboxes forked from warm snapshots, from Python.
+
+    from forkd import Sandbox
+
+    with Sandbox.create("python") as sbx:
+        print(sbx.commands.run("uname -r").stdout)
+        print(sbx.run_code("import pandas as pd; pd.__version__").text)
+
+The daemon is found through ``FORKD_URL`` (``unix:/path``, ``http://`` or
+``https://``), ``FORKD_TOKEN`` and ``FORKD_CA``, else on its local unix socket.
+"""
+
+from ._connection import Connection
+from .errors import (
+    AuthError,
+    BadRequestError,
+    CapacityError,
+    ConflictError,
+    ForbiddenError,
+    ForkdError,
+    NotFoundError,
+    SandboxFailedError,
+    StorageError,
+    TimeoutError,
+    TooLargeError,
+)
+from .models import (
+    CodeContext,
+    CommandResult,
+    EntryInfo,
+    Execution,
+    ExecutionError,
+    Logs,
+    ProcessInfo,
+    Result,
+    SandboxInfo,
+)
+from .sandbox import CommandHandle, Commands, Files, Sandbox, Snapshot
+
+__all__ = [
+    "AuthError",
+    "BadRequestError",
+    "CapacityError",
+    "CodeContext",
+    "CommandHandle",
+    "CommandResult",
+    "Commands",
+    "ConflictError",
+    "Connection",
+    "EntryInfo",
+    "Execution",
+    "ExecutionError",
+    "Files",
+    "ForbiddenError",
+    "ForkdError",
+    "Logs",
+    "NotFoundError",
+    "ProcessInfo",
+    "Result",
+    "Sandbox",
+    "SandboxFailedError",
+    "SandboxInfo",
+    "Snapshot",
+    "StorageError",
+    "TimeoutError",
+    "TooLargeError",
+]

@@ -1,0 +1,113 @@
+"""Where the daemon is and how to talk to it: one httpx client per connection.
+
+The daemon serves its API on a unix socket (``forkd.sock`` in its data directory) and,
+when asked, on TCP with a bearer token and optional TLS. ``FORKD_URL`` picks one:
+``unix:/path/to/forkd.sock``, ``http://host:port`` or ``https://host:port``;
+``FORKD_TOKEN`` is the token and ``FORKD_CA`` a CA bundle for a certificate the system
+does not trust.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+from typing import Any, Dict, Iterator, Optional, Union
+
+import httpx
+
+from .errors import error_for
+
+# Requests that run guest code may take as long as the code does: no read timeout.
+_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=None, pool=None)
+
+
+def default_socket() -> str:
+    """The socket of the daemon on this host's default data directory."""
+    home = os.environ.get("FORKD_HOME")
+    if not home:
+        xdg = os.environ.get("XDG_DATA_HOME", "")
+        if os.geteuid() == 0:
+            home = "/var/lib/forkd"
+        elif os.path.isabs(xdg):
+            home = os.path.join(xdg, "forkd")
+        else:
+            home = os.path.join(os.path.expanduser("~"), ".local", "share", "forkd")
+    return os.path.join(home, "forkd.sock")
+
+
+class Connection:
+    """A connection to one daemon. Arguments override ``FORKD_URL``, ``FORKD_TOKEN``
+    and ``FORKD_CA``; with none of them set, the local unix socket is used."""
+
+    def __init__(
+        self,
+        url: Optional[str] = None,
+        token: Optional[str] = None,
+        ca: Optional[str] = None,
+    ) -> None:
+        url = url or os.environ.get("FORKD_URL") or "unix:" + default_socket()
+        token = token or os.environ.get("FORKD_TOKEN")
+        ca = ca or os.environ.get("FORKD_CA")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if url.startswith("unix:"):
+            transport = httpx.HTTPTransport(uds=url[len("unix:"):])
+            self._http = httpx.Client(
+                transport=transport, base_url="http://forkd", headers=headers, timeout=_TIMEOUT
+            )
+        elif url.startswith(("http://", "https://")):
+            verify: Union[bool, ssl.SSLContext] = True
+            if ca:
+                verify = ssl.create_default_context(cafile=ca)
+            self._http = httpx.Client(
+                base_url=url.rstrip("/"), headers=headers, timeout=_TIMEOUT, verify=verify
+            )
+        else:
+            raise ValueError(f"FORKD_URL must be unix:/path, http://HOST:PORT or https://HOST:PORT: {url!r}")
+        self.url = url
+
+    def close(self) -> None:
+        self._http.close()
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        json_body: Any = None,
+        params: Any = None,
+        content: Any = None,
+    ) -> Any:
+        """Sends one request; returns the decoded JSON answer (None when empty) or raises
+        the error the daemon answered with."""
+        r = self._http.request(method, path, json=json_body, params=params, content=content)
+        return self._decode(r)
+
+    @staticmethod
+    def _decode(r: httpx.Response) -> Any:
+        body: Any = None
+        if r.content:
+            try:
+                body = r.json()
+            except ValueError:
+                body = None
+        if r.status_code >= 400:
+            raise error_for(r.status_code, body)
+        return body
+
+    def stream_lines(self, method: str, path: str, json_body: Any) -> Iterator[Dict[str, Any]]:
+        """Sends one request whose answer is NDJSON and yields its lines as they come."""
+        with self._http.stream(method, path, json=json_body) as r:
+            if r.status_code >= 400:
+                r.read()
+                self._decode(r)
+            for line in r.iter_lines():
+                if line.strip():
+                    yield json.loads(line)
+
+    def stream_bytes(self, method: str, path: str, params: Any) -> Iterator[bytes]:
+        """Sends one request and yields the answer's body in chunks."""
+        with self._http.stream(method, path, params=params) as r:
+            if r.status_code >= 400:
+                r.read()
+                self._decode(r)
+            yield from r.iter_bytes()

@@ -1,0 +1,201 @@
+"""What the API answers with, as typed values."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+def _b64(text: Optional[str]) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+@dataclass
+class CommandResult:
+    """How a command ended and what it wrote. ``stdout``/``stderr`` are the bytes
+    decoded as UTF-8 (invalid bytes replaced); ``stdout_bytes``/``stderr_bytes`` are
+    exactly what it wrote."""
+
+    exit_code: int
+    stdout_bytes: bytes
+    stderr_bytes: bytes
+    signal: Optional[int] = None
+    timed_out: bool = False
+    duration_ms: int = 0
+    truncated: bool = False
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", errors="replace")
+
+    @classmethod
+    def from_api(cls, v: Dict[str, Any]) -> "CommandResult":
+        return cls(
+            exit_code=int(v["exit_code"]),
+            stdout_bytes=_b64(v.get("stdout_b64")),
+            stderr_bytes=_b64(v.get("stderr_b64")),
+            signal=v.get("signal"),
+            timed_out=bool(v.get("timed_out")),
+            duration_ms=int(v.get("duration_ms") or 0),
+            truncated=bool(v.get("truncated")),
+        )
+
+
+@dataclass
+class ProcessInfo:
+    """A background process as the sandbox tracks it (the last 1 MiB of each stream)."""
+
+    id: int
+    pid: int
+    argv: List[str]
+    started_at_ms: int
+    running: bool
+    exit_code: Optional[int]
+    signal: Optional[int]
+    timed_out: bool
+    stdout_bytes: bytes
+    stderr_bytes: bytes
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", errors="replace")
+
+    @classmethod
+    def from_api(cls, v: Dict[str, Any]) -> "ProcessInfo":
+        return cls(
+            id=int(v["id"]),
+            pid=int(v["pid"]),
+            argv=list(v.get("argv") or []),
+            started_at_ms=int(v.get("started_at_ms") or 0),
+            running=bool(v["running"]),
+            exit_code=v.get("exit_code"),
+            signal=v.get("signal"),
+            timed_out=bool(v.get("timed_out")),
+            stdout_bytes=_b64(v.get("stdout_b64")),
+            stderr_bytes=_b64(v.get("stderr_b64")),
+        )
+
+
+@dataclass
+class EntryInfo:
+    """A file, directory or link in the guest."""
+
+    path: str
+    name: str
+    type: str
+    size: int
+    mode: int
+    mtime_ms: int
+
+    @classmethod
+    def from_api(cls, v: Dict[str, Any]) -> "EntryInfo":
+        return cls(
+            path=v["path"],
+            name=v["name"],
+            type=v["kind"],
+            size=int(v["size"]),
+            mode=int(v["mode"]),
+            mtime_ms=int(v["mtime_ms"]),
+        )
+
+
+@dataclass
+class Result:
+    """A value a code cell produced: its text, and HTML or a PNG (base64) where it has one."""
+
+    text: str
+    html: Optional[str] = None
+    png: Optional[str] = None
+
+    @classmethod
+    def from_api(cls, v: Dict[str, Any]) -> "Result":
+        return cls(text=v.get("text", ""), html=v.get("html"), png=v.get("png"))
+
+
+@dataclass
+class ExecutionError:
+    """The exception a code cell raised."""
+
+    name: str
+    value: str
+    traceback: str
+
+
+@dataclass
+class Logs:
+    """What a code cell printed, in the pieces it came in."""
+
+    stdout: List[str] = field(default_factory=list)
+    stderr: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Execution:
+    """Everything one code cell produced."""
+
+    results: List[Result] = field(default_factory=list)
+    logs: Logs = field(default_factory=Logs)
+    error: Optional[ExecutionError] = None
+    execution_count: int = 0
+
+    @property
+    def text(self) -> Optional[str]:
+        """The text of the cell's value, if it had one."""
+        return self.results[0].text if self.results else None
+
+
+@dataclass
+class CodeContext:
+    """A Python interpreter in a sandbox whose state persists between cells."""
+
+    id: str
+    language: str
+    pid: int
+    execution_count: int
+
+    @classmethod
+    def from_api(cls, v: Dict[str, Any]) -> "CodeContext":
+        return cls(
+            id=v["id"],
+            language=v.get("language", "python"),
+            pid=int(v.get("pid") or 0),
+            execution_count=int(v.get("execution_count") or 0),
+        )
+
+
+@dataclass
+class SandboxInfo:
+    """A sandbox as the daemon lists it."""
+
+    id: str
+    snapshot: str
+    status: str
+    labels: Dict[str, str]
+    vcpus: int
+    memory_mib: int
+    created_at: str
+    timeout_at: Optional[int]
+    error: Optional[str]
+
+    @classmethod
+    def from_api(cls, v: Dict[str, Any]) -> "SandboxInfo":
+        return cls(
+            id=v["id"],
+            snapshot=v["snapshot"],
+            status=v["status"],
+            labels=dict(v.get("labels") or {}),
+            vcpus=int(v.get("vcpus") or 0),
+            memory_mib=int(v.get("memory_mib") or 0),
+            created_at=v.get("created_at", ""),
+            timeout_at=v.get("timeout_at"),
+            error=v.get("error"),
+        )

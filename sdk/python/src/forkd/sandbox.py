@@ -1,0 +1,505 @@
+"""Sandboxes and snapshots: the SDK's surface over forkd's REST API."""
+
+from __future__ import annotations
+
+import base64
+import codecs
+import time
+from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Union
+
+from ._connection import Connection
+from .errors import ForkdError, NotFoundError, SandboxFailedError, TimeoutError
+from .models import (
+    CodeContext,
+    CommandResult,
+    EntryInfo,
+    Execution,
+    ExecutionError,
+    ProcessInfo,
+    Result,
+    SandboxInfo,
+)
+
+OutputHandler = Callable[[str], None]
+
+# Uploads go in pieces of this size.
+_CHUNK = 1 << 20
+
+
+def _shell_or_argv(cmd: Union[str, List[str]]) -> Dict[str, Any]:
+    if isinstance(cmd, str):
+        return {"shell": cmd}
+    return {"cmd": list(cmd)}
+
+
+def _command_body(
+    cmd: Union[str, List[str]],
+    envs: Optional[Mapping[str, str]],
+    cwd: Optional[str],
+    timeout: Optional[float],
+) -> Dict[str, Any]:
+    body = _shell_or_argv(cmd)
+    if envs:
+        body["env"] = dict(envs)
+    if cwd:
+        body["cwd"] = cwd
+    if timeout:
+        body["timeout_s"] = timeout
+    return body
+
+
+class CommandHandle:
+    """A command running in the background. ``wait`` blocks until it ends."""
+
+    def __init__(self, sandbox: "Sandbox", process_id: int, pid: int) -> None:
+        self._sandbox = sandbox
+        self.id = process_id
+        self.pid = pid
+
+    def _path(self, tail: str = "") -> str:
+        return f"/v1/sandboxes/{self._sandbox.id}/processes/{self.id}{tail}"
+
+    def info(self) -> ProcessInfo:
+        """The process now: running or how it ended, with its output so far."""
+        return ProcessInfo.from_api(self._sandbox._conn.request("GET", self._path()))
+
+    def wait(self, timeout: Optional[float] = None) -> ProcessInfo:
+        """Waits until the process ends; raises :class:`TimeoutError` if it still runs
+        after ``timeout`` seconds (it keeps running)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 3600.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            v = self._sandbox._conn.request(
+                "POST", self._path("/wait"), params={"timeout_s": min(left, 3600.0)}
+            )
+            info = ProcessInfo.from_api(v)
+            if not info.running:
+                return info
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"process {self.id} still runs after {timeout} s")
+
+    def send_signal(self, signal: int) -> ProcessInfo:
+        """Sends ``signal`` (a number: 15 for SIGTERM) to the process's group."""
+        v = self._sandbox._conn.request("POST", self._path("/signal"), {"signal": signal})
+        return ProcessInfo.from_api(v)
+
+    def kill(self) -> ProcessInfo:
+        """Kills the process's group and forgets it; returns how it ended."""
+        return ProcessInfo.from_api(self._sandbox._conn.request("DELETE", self._path()))
+
+
+class Commands:
+    """Running commands in a sandbox: ``sandbox.commands``."""
+
+    def __init__(self, sandbox: "Sandbox") -> None:
+        self._sandbox = sandbox
+
+    def run(
+        self,
+        cmd: Union[str, List[str]],
+        envs: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        timeout: Optional[float] = None,
+        stdin: Optional[Union[str, bytes]] = None,
+        on_stdout: Optional[OutputHandler] = None,
+        on_stderr: Optional[OutputHandler] = None,
+        background: bool = False,
+    ) -> Any:
+        """Runs ``cmd`` (a shell command line, or an argv list) and returns its
+        :class:`CommandResult` once it ends; a non-zero exit is a result, not an error.
+
+        With ``on_stdout``/``on_stderr`` the output is handed over as it comes (text,
+        decoded as UTF-8 across the pieces). With ``background=True`` it returns a
+        :class:`CommandHandle` at once instead (stdin is not supported there)."""
+        body = _command_body(cmd, envs, cwd, timeout)
+        path = f"/v1/sandboxes/{self._sandbox.id}"
+        if background:
+            if stdin is not None:
+                raise ValueError("a background command takes no stdin")
+            v = self._sandbox._conn.request("POST", path + "/processes", body)
+            return CommandHandle(self._sandbox, int(v["id"]), int(v["pid"]))
+        if stdin is not None:
+            data = stdin.encode() if isinstance(stdin, str) else stdin
+            body["stdin_b64"] = base64.b64encode(data).decode()
+        if on_stdout is None and on_stderr is None:
+            return CommandResult.from_api(self._sandbox._conn.request("POST", path + "/exec", body))
+        body["stream"] = True
+        return self._run_streamed(path + "/exec", body, on_stdout, on_stderr)
+
+    def _run_streamed(
+        self,
+        path: str,
+        body: Dict[str, Any],
+        on_stdout: Optional[OutputHandler],
+        on_stderr: Optional[OutputHandler],
+    ) -> CommandResult:
+        out, err = bytearray(), bytearray()
+        decoders = {
+            "stdout": (codecs.getincrementaldecoder("utf-8")(errors="replace"), on_stdout, out),
+            "stderr": (codecs.getincrementaldecoder("utf-8")(errors="replace"), on_stderr, err),
+        }
+        for line in self._sandbox._conn.stream_lines("POST", path, body):
+            kind = line.get("type")
+            if kind in decoders:
+                decoder, handler, buf = decoders[kind]
+                data = base64.b64decode(line.get("data_b64", ""))
+                buf.extend(data)
+                text = decoder.decode(data)
+                if handler and text:
+                    handler(text)
+            elif kind == "exit":
+                for decoder, handler, _ in decoders.values():
+                    rest = decoder.decode(b"", final=True)
+                    if handler and rest:
+                        handler(rest)
+                return CommandResult(
+                    exit_code=int(line["exit_code"]),
+                    stdout_bytes=bytes(out),
+                    stderr_bytes=bytes(err),
+                    signal=line.get("signal"),
+                    timed_out=bool(line.get("timed_out")),
+                    duration_ms=int(line.get("duration_ms") or 0),
+                )
+            elif kind == "error":
+                raise SandboxFailedError(str(line.get("message", "the command failed")))
+        raise ForkdError("the daemon ended the command's stream without its exit")
+
+    def list(self) -> List[ProcessInfo]:
+        """The sandbox's background processes, running and ended."""
+        v = self._sandbox._conn.request("GET", f"/v1/sandboxes/{self._sandbox.id}/processes")
+        return [ProcessInfo.from_api(p) for p in v]
+
+    def connect(self, process_id: int) -> CommandHandle:
+        """A handle on a background process started earlier."""
+        info = ProcessInfo.from_api(
+            self._sandbox._conn.request(
+                "GET", f"/v1/sandboxes/{self._sandbox.id}/processes/{process_id}"
+            )
+        )
+        return CommandHandle(self._sandbox, info.id, info.pid)
+
+
+class Files:
+    """The sandbox's filesystem: ``sandbox.files``. Paths are absolute guest paths."""
+
+    def __init__(self, sandbox: "Sandbox") -> None:
+        self._sandbox = sandbox
+        self._base = f"/v1/sandboxes/{sandbox.id}/files"
+
+    def read(self, path: str, format: str = "text") -> Any:
+        """The file's contents: ``format="text"`` (UTF-8) gives a str, ``"bytes"``
+        bytes, and ``"stream"`` an iterator of byte chunks as they arrive."""
+        chunks = self._sandbox._conn.stream_bytes("GET", self._base, {"path": path})
+        if format == "stream":
+            return chunks
+        data = b"".join(chunks)
+        if format == "bytes":
+            return data
+        if format == "text":
+            return data.decode("utf-8")
+        raise ValueError(f"format must be text, bytes or stream, not {format!r}")
+
+    def write(
+        self,
+        path: str,
+        data: Union[str, bytes, IO[bytes], Iterable[bytes]],
+        mode: Optional[int] = None,
+    ) -> EntryInfo:
+        """Writes ``data`` (text, bytes, a binary file object or an iterable of byte
+        chunks, sent as it is read) to ``path``, replacing it once complete."""
+        content: Any
+        if isinstance(data, str):
+            content = data.encode()
+        elif isinstance(data, (bytes, bytearray)):
+            content = bytes(data)
+        elif hasattr(data, "read"):
+            reader = data
+
+            def pieces() -> Iterator[bytes]:
+                while True:
+                    piece = reader.read(_CHUNK)
+                    if not piece:
+                        return
+                    yield piece
+
+            content = pieces()
+        else:
+            content = iter(data)
+        params: Dict[str, Any] = {"path": path}
+        if mode is not None:
+            params["mode"] = format(mode, "o")
+        self._sandbox._conn.request("PUT", self._base, params=params, content=content)
+        return self.stat(path)
+
+    def list(self, path: str) -> List[EntryInfo]:
+        """The entries of a directory."""
+        v = self._sandbox._conn.request("GET", self._base + "/list", params={"path": path})
+        return [EntryInfo.from_api(e) for e in v["entries"]]
+
+    def stat(self, path: str) -> EntryInfo:
+        """One path (a link is described itself, not what it points to)."""
+        return EntryInfo.from_api(
+            self._sandbox._conn.request("GET", self._base + "/stat", params={"path": path})
+        )
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.stat(path)
+            return True
+        except NotFoundError:
+            return False
+
+    def make_dir(self, path: str) -> EntryInfo:
+        """Makes a directory and its missing parents."""
+        return EntryInfo.from_api(
+            self._sandbox._conn.request("POST", self._base + "/mkdir", {"path": path})
+        )
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        """Removes a file, or a directory (with everything in it if ``recursive``)."""
+        params = {"path": path, "recursive": "true" if recursive else "false"}
+        self._sandbox._conn.request("DELETE", self._base, params=params)
+
+    def rename(self, old_path: str, new_path: str) -> EntryInfo:
+        return EntryInfo.from_api(
+            self._sandbox._conn.request(
+                "POST", self._base + "/rename", {"from": old_path, "to": new_path}
+            )
+        )
+
+
+class Snapshot:
+    """A snapshot: a template's frozen parent or a branch of a running sandbox."""
+
+    def __init__(self, info: Dict[str, Any], conn: Connection) -> None:
+        self._conn = conn
+        self.info = info
+        self.tag: str = info["tag"]
+
+    def __repr__(self) -> str:
+        return f"Snapshot({self.tag!r})"
+
+    @classmethod
+    def list(cls, connection: Optional[Connection] = None) -> List["Snapshot"]:
+        conn = connection or Connection()
+        return [cls(s, conn) for s in conn.request("GET", "/v1/snapshots")["snapshots"]]
+
+    @classmethod
+    def get(cls, tag: str, connection: Optional[Connection] = None) -> "Snapshot":
+        conn = connection or Connection()
+        return cls(conn.request("GET", f"/v1/snapshots/{tag}"), conn)
+
+    def fork(self, n: int = 1, **options: Any) -> List["Sandbox"]:
+        """``n`` children of this snapshot (options as for :meth:`Sandbox.create`)."""
+        return Sandbox._fork(self._conn, self.tag, n, **options)
+
+    def delete(self, cascade: bool = False, force: bool = False) -> None:
+        """Removes it (``cascade``: with the snapshots that build on it; ``force``:
+        stopping its children first)."""
+        params = {"cascade": str(cascade).lower(), "force": str(force).lower()}
+        self._conn.request("DELETE", f"/v1/snapshots/{self.tag}", params=params)
+
+
+class Sandbox:
+    """One running sandbox. Make one with :meth:`create`, :meth:`fork` or
+    :meth:`connect`; as a context manager it is killed on exit."""
+
+    def __init__(self, info: Dict[str, Any], conn: Connection) -> None:
+        self._conn = conn
+        self.id: str = info["id"]
+        self.info = SandboxInfo.from_api(info)
+        self.commands = Commands(self)
+        self.files = Files(self)
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.id!r})"
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.kill()
+        except NotFoundError:
+            pass
+
+    @classmethod
+    def _fork(
+        cls,
+        conn: Connection,
+        snapshot: str,
+        n: int,
+        timeout: Optional[int] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        vcpus: Optional[int] = None,
+        memory_mib: Optional[int] = None,
+    ) -> List["Sandbox"]:
+        body: Dict[str, Any] = {"snapshot": snapshot, "n": n}
+        if timeout is not None:
+            body["timeout_s"] = timeout
+        if labels:
+            body["labels"] = dict(labels)
+        if vcpus is not None:
+            body["vcpus"] = vcpus
+        if memory_mib is not None:
+            body["memory_mib"] = memory_mib
+        v = conn.request("POST", "/v1/sandboxes", body)
+        return [cls(s, conn) for s in v["sandboxes"]]
+
+    @classmethod
+    def create(
+        cls,
+        template: str = "python",
+        snapshot: Optional[str] = None,
+        timeout: Optional[int] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        connection: Optional[Connection] = None,
+        **options: Any,
+    ) -> "Sandbox":
+        """A new sandbox forked from ``snapshot`` (or from the template's snapshot,
+        which has the template's name). ``timeout`` is its lifetime in seconds."""
+        conn = connection or Connection()
+        return cls._fork(conn, snapshot or template, 1, timeout, labels, **options)[0]
+
+    @classmethod
+    def fork(
+        cls, snapshot: str, n: int = 1, connection: Optional[Connection] = None, **options: Any
+    ) -> List["Sandbox"]:
+        """``n`` new sandboxes forked from ``snapshot``, all or none."""
+        return cls._fork(connection or Connection(), snapshot, n, **options)
+
+    @classmethod
+    def connect(cls, sandbox_id: str, connection: Optional[Connection] = None) -> "Sandbox":
+        conn = connection or Connection()
+        return cls(conn.request("GET", f"/v1/sandboxes/{sandbox_id}"), conn)
+
+    @classmethod
+    def list(
+        cls,
+        labels: Optional[Mapping[str, str]] = None,
+        connection: Optional[Connection] = None,
+    ) -> List[SandboxInfo]:
+        """The sandboxes, those carrying every label in ``labels`` if given."""
+        conn = connection or Connection()
+        params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        v = conn.request("GET", "/v1/sandboxes", params=params)
+        return [SandboxInfo.from_api(s) for s in v["sandboxes"]]
+
+    def refresh(self) -> SandboxInfo:
+        self.info = SandboxInfo.from_api(self._conn.request("GET", f"/v1/sandboxes/{self.id}"))
+        return self.info
+
+    def is_running(self) -> bool:
+        try:
+            return self.refresh().status == "running"
+        except NotFoundError:
+            return False
+
+    def kill(self) -> None:
+        """Stops the sandbox and removes its files."""
+        self._conn.request("DELETE", f"/v1/sandboxes/{self.id}")
+
+    def set_timeout(self, timeout: Optional[int]) -> None:
+        """Ends the sandbox ``timeout`` seconds from now (None: never)."""
+        self._conn.request("PUT", f"/v1/sandboxes/{self.id}/timeout", {"timeout_s": timeout})
+
+    def branch(self, tag: Optional[str] = None, mode: Optional[str] = None) -> Snapshot:
+        """Snapshots this running sandbox, which runs on; the snapshot forks like a
+        template. ``mode`` is ``"live"`` or ``"pause"`` (default: the daemon's)."""
+        body: Dict[str, Any] = {}
+        if tag:
+            body["tag"] = tag
+        if mode:
+            body["mode"] = mode
+        v = self._conn.request("POST", f"/v1/sandboxes/{self.id}/branch", body)
+        return Snapshot.get(v["snapshot"], self._conn)
+
+    # Code contexts: Python interpreters whose state persists between cells.
+
+    def run_code(
+        self,
+        code: str,
+        context: Optional[Union[str, CodeContext]] = None,
+        timeout: Optional[float] = None,
+        on_stdout: Optional[OutputHandler] = None,
+        on_stderr: Optional[OutputHandler] = None,
+        on_result: Optional[Callable[[Result], None]] = None,
+        on_error: Optional[Callable[[ExecutionError], None]] = None,
+    ) -> Execution:
+        """Runs a cell in ``context`` (the sandbox's first by default). The cell's
+        exception, if any, is in ``execution.error``: it is not raised here."""
+        body: Dict[str, Any] = {"code": code}
+        if context is not None:
+            body["context"] = context.id if isinstance(context, CodeContext) else context
+        if timeout:
+            body["timeout_s"] = timeout
+        path = f"/v1/sandboxes/{self.id}/code"
+        if not any((on_stdout, on_stderr, on_result, on_error)):
+            v = self._conn.request("POST", path, body)
+            x = Execution(
+                results=[Result.from_api(r) for r in v.get("results") or []],
+                execution_count=int(v.get("execution_count") or 0),
+            )
+            if v.get("stdout"):
+                x.logs.stdout.append(v["stdout"])
+            if v.get("stderr"):
+                x.logs.stderr.append(v["stderr"])
+            if v.get("error"):
+                e = v["error"]
+                x.error = ExecutionError(e["name"], e["value"], e["traceback"])
+            return x
+        body["stream"] = True
+        x = Execution()
+        for line in self._conn.stream_lines("POST", path, body):
+            kind = line.get("type")
+            if kind == "stdout":
+                x.logs.stdout.append(line["text"])
+                if on_stdout:
+                    on_stdout(line["text"])
+            elif kind == "stderr":
+                x.logs.stderr.append(line["text"])
+                if on_stderr:
+                    on_stderr(line["text"])
+            elif kind == "result":
+                r = Result.from_api(line)
+                x.results.append(r)
+                if on_result:
+                    on_result(r)
+            elif kind == "error":
+                # The daemon's own line when the sandbox failed mid-cell (no traceback).
+                if line.get("name") == "SandboxError" and not line.get("traceback"):
+                    raise SandboxFailedError(str(line.get("value", "the sandbox failed")))
+                x.error = ExecutionError(line["name"], line["value"], line["traceback"])
+                if on_error:
+                    on_error(x.error)
+            elif kind == "done":
+                x.execution_count = int(line.get("execution_count") or 0)
+                return x
+        raise ForkdError("the daemon ended the cell's stream before its end")
+
+    def create_code_context(
+        self, cwd: Optional[str] = None, envs: Optional[Mapping[str, str]] = None
+    ) -> CodeContext:
+        body: Dict[str, Any] = {}
+        if cwd:
+            body["cwd"] = cwd
+        if envs:
+            body["env"] = dict(envs)
+        return CodeContext.from_api(
+            self._conn.request("POST", f"/v1/sandboxes/{self.id}/contexts", body)
+        )
+
+    def list_code_contexts(self) -> List[CodeContext]:
+        v = self._conn.request("GET", f"/v1/sandboxes/{self.id}/contexts")
+        return [CodeContext.from_api(c) for c in v]
+
+    def reset_code_context(self, context: Union[str, CodeContext]) -> CodeContext:
+        """Restarts the context's interpreter with empty state."""
+        cid = context.id if isinstance(context, CodeContext) else context
+        return CodeContext.from_api(
+            self._conn.request("POST", f"/v1/sandboxes/{self.id}/contexts/{cid}/reset")
+        )
+
+    def remove_code_context(self, context: Union[str, CodeContext]) -> None:
+        cid = context.id if isinstance(context, CodeContext) else context
+        self._conn.request("DELETE", f"/v1/sandboxes/{self.id}/contexts/{cid}")

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+from typing import List
+
+from forkd import Result, Sandbox
+
+
+def test_cells_share_state_and_give_values(sbx: Sandbox) -> None:
+    assert sbx.run_code("x = 41").error is None
+    x = sbx.run_code("print('hi'); x + 1")
+    assert (x.text, x.logs.stdout, x.error) == ("42", ["hi\n"], None)
+
+
+def test_an_exception_is_an_execution_error(sbx: Sandbox) -> None:
+    x = sbx.run_code("1 / 0")
+    assert x.error is not None
+    assert x.error.name == "ZeroDivisionError"
+    assert 'File "<cell>", line 1' in x.error.traceback
+
+
+def test_streamed_cells_and_rich_results(sbx: Sandbox) -> None:
+    out: List[str] = []
+    results: List[Result] = []
+    x = sbx.run_code(
+        "import pandas as pd\nprint('a')\npd.DataFrame({'n': [1, 2]})",
+        on_stdout=out.append,
+        on_result=results.append,
+    )
+    assert "".join(out) == "a\n"
+    assert results and results[0].html and "<table" in results[0].html
+    assert x.results == results and x.execution_count > 0
+
+
+def test_contexts_are_separate_and_reset(sbx: Sandbox) -> None:
+    ctx = sbx.create_code_context(cwd="/tmp", envs={"K": "v"})
+    assert sbx.run_code("import os; (os.getcwd(), os.environ['K'])", context=ctx).text == "('/tmp', 'v')"
+    sbx.run_code("y = 1", context=ctx)
+    assert sbx.run_code("'y' in globals()").text == "False"
+    sbx.reset_code_context(ctx)
+    assert sbx.run_code("'y' in globals()", context=ctx).text == "False"
+    assert any(c.id == ctx.id for c in sbx.list_code_contexts())
+    sbx.remove_code_context(ctx)
+    assert all(c.id != ctx.id for c in sbx.list_code_contexts())

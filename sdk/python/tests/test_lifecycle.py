@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from forkd import ConflictError, Connection, NotFoundError, Sandbox, Snapshot
+
+
+def test_create_list_connect_and_kill(snapshot: str, conn: Connection) -> None:
+    label = uuid.uuid4().hex[:8]
+    with Sandbox.create(snapshot=snapshot, labels={"run": label}, timeout=600) as s:
+        assert [i.id for i in Sandbox.list(labels={"run": label})] == [s.id]
+        again = Sandbox.connect(s.id)
+        assert again.info.snapshot == snapshot and again.info.timeout_at is not None
+        s.set_timeout(None)
+        assert s.refresh().timeout_at is None
+        assert again.commands.run("echo ok").stdout == "ok\n"
+    assert not s.is_running()
+    with pytest.raises(NotFoundError):
+        s.kill()
+    with pytest.raises(NotFoundError):
+        Sandbox.connect("sb-000000000000")
+
+
+def test_branch_then_fork_the_branch(snapshot: str) -> None:
+    tag = "sdk-" + uuid.uuid4().hex[:8]
+    with Sandbox.create(snapshot=snapshot) as source:
+        source.run_code("state = 'kept'")
+        source.files.write("/root/note", "before")
+        snap = source.branch(tag=tag)
+        assert snap.tag == tag and snap.info["parent"] == snapshot
+        with pytest.raises(ConflictError):
+            source.branch(tag=tag)
+        source.files.write("/root/note", "after")
+        children = snap.fork(n=2)
+        try:
+            for c in children:
+                assert c.run_code("state").text == "'kept'"
+                assert c.files.read("/root/note") == "before"
+        finally:
+            for c in children:
+                c.kill()
+    assert tag in [s.tag for s in Snapshot.list()]
+    Snapshot.get(tag).delete()
+    with pytest.raises(NotFoundError):
+        Snapshot.get(tag)
