@@ -10,7 +10,14 @@ The daemon is found through ``FORKD_URL`` (``unix:/path``, ``http://`` or
 ``https://``), ``FORKD_TOKEN`` and ``FORKD_CA``, else on its local unix socket.
 """
 
-from ._connection import Connection
+from ._connection import AsyncConnection, Connection
+from .async_sandbox import (
+    AsyncCommandHandle,
+    AsyncCommands,
+    AsyncFiles,
+    AsyncSandbox,
+    AsyncSnapshot,
+)
 from .errors import (
     AuthError,
     BadRequestError,
@@ -38,6 +45,12 @@ from .models import (
 from .sandbox import CommandHandle, Commands, Files, Sandbox, Snapshot
 
 __all__ = [
+    "AsyncCommandHandle",
+    "AsyncCommands",
+    "AsyncConnection",
+    "AsyncFiles",
+    "AsyncSandbox",
+    "AsyncSnapshot",
     "AuthError",
     "BadRequestError",
     "CapacityError",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import ssl
-from typing import Any, Dict, Iterator, Optional, Union
+from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple
 
 import httpx
 
@@ -36,6 +36,42 @@ def default_socket() -> str:
     return os.path.join(home, "forkd.sock")
 
 
+def _settings(
+    url: Optional[str], token: Optional[str], ca: Optional[str]
+) -> Tuple[str, Dict[str, Any]]:
+    """The URL and the httpx client options for these arguments and the environment."""
+    url = url or os.environ.get("FORKD_URL") or "unix:" + default_socket()
+    token = token or os.environ.get("FORKD_TOKEN")
+    ca = ca or os.environ.get("FORKD_CA")
+    options: Dict[str, Any] = {
+        "headers": {"Authorization": f"Bearer {token}"} if token else {},
+        "timeout": _TIMEOUT,
+    }
+    if url.startswith("unix:"):
+        options["base_url"] = "http://forkd"
+        options["uds"] = url[len("unix:"):]
+    elif url.startswith(("http://", "https://")):
+        options["base_url"] = url.rstrip("/")
+        if ca:
+            options["verify"] = ssl.create_default_context(cafile=ca)
+    else:
+        raise ValueError(f"FORKD_URL must be unix:/path, http://HOST:PORT or https://HOST:PORT: {url!r}")
+    return url, options
+
+
+def decode(r: httpx.Response) -> Any:
+    """The decoded JSON answer (None when empty), or the error the daemon answered with."""
+    body: Any = None
+    if r.content:
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+    if r.status_code >= 400:
+        raise error_for(r.status_code, body)
+    return body
+
+
 class Connection:
     """A connection to one daemon. Arguments override ``FORKD_URL``, ``FORKD_TOKEN``
     and ``FORKD_CA``; with none of them set, the local unix socket is used."""
@@ -46,25 +82,11 @@ class Connection:
         token: Optional[str] = None,
         ca: Optional[str] = None,
     ) -> None:
-        url = url or os.environ.get("FORKD_URL") or "unix:" + default_socket()
-        token = token or os.environ.get("FORKD_TOKEN")
-        ca = ca or os.environ.get("FORKD_CA")
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        if url.startswith("unix:"):
-            transport = httpx.HTTPTransport(uds=url[len("unix:"):])
-            self._http = httpx.Client(
-                transport=transport, base_url="http://forkd", headers=headers, timeout=_TIMEOUT
-            )
-        elif url.startswith(("http://", "https://")):
-            verify: Union[bool, ssl.SSLContext] = True
-            if ca:
-                verify = ssl.create_default_context(cafile=ca)
-            self._http = httpx.Client(
-                base_url=url.rstrip("/"), headers=headers, timeout=_TIMEOUT, verify=verify
-            )
-        else:
-            raise ValueError(f"FORKD_URL must be unix:/path, http://HOST:PORT or https://HOST:PORT: {url!r}")
-        self.url = url
+        self.url, options = _settings(url, token, ca)
+        uds = options.pop("uds", None)
+        if uds is not None:
+            options["transport"] = httpx.HTTPTransport(uds=uds)
+        self._http = httpx.Client(**options)
 
     def close(self) -> None:
         self._http.close()
@@ -80,26 +102,14 @@ class Connection:
         """Sends one request; returns the decoded JSON answer (None when empty) or raises
         the error the daemon answered with."""
         r = self._http.request(method, path, json=json_body, params=params, content=content)
-        return self._decode(r)
-
-    @staticmethod
-    def _decode(r: httpx.Response) -> Any:
-        body: Any = None
-        if r.content:
-            try:
-                body = r.json()
-            except ValueError:
-                body = None
-        if r.status_code >= 400:
-            raise error_for(r.status_code, body)
-        return body
+        return decode(r)
 
     def stream_lines(self, method: str, path: str, json_body: Any) -> Iterator[Dict[str, Any]]:
         """Sends one request whose answer is NDJSON and yields its lines as they come."""
         with self._http.stream(method, path, json=json_body) as r:
             if r.status_code >= 400:
                 r.read()
-                self._decode(r)
+                decode(r)
             for line in r.iter_lines():
                 if line.strip():
                     yield json.loads(line)
@@ -109,5 +119,54 @@ class Connection:
         with self._http.stream(method, path, params=params) as r:
             if r.status_code >= 400:
                 r.read()
-                self._decode(r)
+                decode(r)
             yield from r.iter_bytes()
+
+
+class AsyncConnection:
+    """:class:`Connection` on asyncio."""
+
+    def __init__(
+        self,
+        url: Optional[str] = None,
+        token: Optional[str] = None,
+        ca: Optional[str] = None,
+    ) -> None:
+        self.url, options = _settings(url, token, ca)
+        uds = options.pop("uds", None)
+        if uds is not None:
+            options["transport"] = httpx.AsyncHTTPTransport(uds=uds)
+        self._http = httpx.AsyncClient(**options)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        json_body: Any = None,
+        params: Any = None,
+        content: Any = None,
+    ) -> Any:
+        r = await self._http.request(method, path, json=json_body, params=params, content=content)
+        return decode(r)
+
+    async def stream_lines(
+        self, method: str, path: str, json_body: Any
+    ) -> AsyncIterator[Dict[str, Any]]:
+        async with self._http.stream(method, path, json=json_body) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                decode(r)
+            async for line in r.aiter_lines():
+                if line.strip():
+                    yield json.loads(line)
+
+    async def stream_bytes(self, method: str, path: str, params: Any) -> AsyncIterator[bytes]:
+        async with self._http.stream(method, path, params=params) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                decode(r)
+            async for chunk in r.aiter_bytes():
+                yield chunk

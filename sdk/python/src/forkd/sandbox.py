@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import base64
-import codecs
 import time
 from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Union
 
+from . import _api
+from ._api import OutputHandler
 from ._connection import Connection
-from .errors import ForkdError, NotFoundError, SandboxFailedError, TimeoutError
+from .errors import NotFoundError, TimeoutError
 from .models import (
     CodeContext,
     CommandResult,
@@ -19,33 +19,6 @@ from .models import (
     Result,
     SandboxInfo,
 )
-
-OutputHandler = Callable[[str], None]
-
-# Uploads go in pieces of this size.
-_CHUNK = 1 << 20
-
-
-def _shell_or_argv(cmd: Union[str, List[str]]) -> Dict[str, Any]:
-    if isinstance(cmd, str):
-        return {"shell": cmd}
-    return {"cmd": list(cmd)}
-
-
-def _command_body(
-    cmd: Union[str, List[str]],
-    envs: Optional[Mapping[str, str]],
-    cwd: Optional[str],
-    timeout: Optional[float],
-) -> Dict[str, Any]:
-    body = _shell_or_argv(cmd)
-    if envs:
-        body["env"] = dict(envs)
-    if cwd:
-        body["cwd"] = cwd
-    if timeout:
-        body["timeout_s"] = timeout
-    return body
 
 
 class CommandHandle:
@@ -111,7 +84,7 @@ class Commands:
         With ``on_stdout``/``on_stderr`` the output is handed over as it comes (text,
         decoded as UTF-8 across the pieces). With ``background=True`` it returns a
         :class:`CommandHandle` at once instead (stdin is not supported there)."""
-        body = _command_body(cmd, envs, cwd, timeout)
+        body = _api.command_body(cmd, envs, cwd, timeout)
         path = f"/v1/sandboxes/{self._sandbox.id}"
         if background:
             if stdin is not None:
@@ -119,50 +92,16 @@ class Commands:
             v = self._sandbox._conn.request("POST", path + "/processes", body)
             return CommandHandle(self._sandbox, int(v["id"]), int(v["pid"]))
         if stdin is not None:
-            data = stdin.encode() if isinstance(stdin, str) else stdin
-            body["stdin_b64"] = base64.b64encode(data).decode()
+            body["stdin_b64"] = _api.stdin_b64(stdin)
         if on_stdout is None and on_stderr is None:
             return CommandResult.from_api(self._sandbox._conn.request("POST", path + "/exec", body))
         body["stream"] = True
-        return self._run_streamed(path + "/exec", body, on_stdout, on_stderr)
-
-    def _run_streamed(
-        self,
-        path: str,
-        body: Dict[str, Any],
-        on_stdout: Optional[OutputHandler],
-        on_stderr: Optional[OutputHandler],
-    ) -> CommandResult:
-        out, err = bytearray(), bytearray()
-        decoders = {
-            "stdout": (codecs.getincrementaldecoder("utf-8")(errors="replace"), on_stdout, out),
-            "stderr": (codecs.getincrementaldecoder("utf-8")(errors="replace"), on_stderr, err),
-        }
-        for line in self._sandbox._conn.stream_lines("POST", path, body):
-            kind = line.get("type")
-            if kind in decoders:
-                decoder, handler, buf = decoders[kind]
-                data = base64.b64decode(line.get("data_b64", ""))
-                buf.extend(data)
-                text = decoder.decode(data)
-                if handler and text:
-                    handler(text)
-            elif kind == "exit":
-                for decoder, handler, _ in decoders.values():
-                    rest = decoder.decode(b"", final=True)
-                    if handler and rest:
-                        handler(rest)
-                return CommandResult(
-                    exit_code=int(line["exit_code"]),
-                    stdout_bytes=bytes(out),
-                    stderr_bytes=bytes(err),
-                    signal=line.get("signal"),
-                    timed_out=bool(line.get("timed_out")),
-                    duration_ms=int(line.get("duration_ms") or 0),
-                )
-            elif kind == "error":
-                raise SandboxFailedError(str(line.get("message", "the command failed")))
-        raise ForkdError("the daemon ended the command's stream without its exit")
+        reader = _api.ExecReader(on_stdout, on_stderr)
+        for line in self._sandbox._conn.stream_lines("POST", path + "/exec", body):
+            result = reader.feed(line)
+            if result is not None:
+                return result
+        raise reader.ended_early()
 
     def list(self) -> List[ProcessInfo]:
         """The sandbox's background processes, running and ended."""
@@ -192,12 +131,7 @@ class Files:
         chunks = self._sandbox._conn.stream_bytes("GET", self._base, {"path": path})
         if format == "stream":
             return chunks
-        data = b"".join(chunks)
-        if format == "bytes":
-            return data
-        if format == "text":
-            return data.decode("utf-8")
-        raise ValueError(f"format must be text, bytes or stream, not {format!r}")
+        return _api.decode_file(b"".join(chunks), format)
 
     def write(
         self,
@@ -217,7 +151,7 @@ class Files:
 
             def pieces() -> Iterator[bytes]:
                 while True:
-                    piece = reader.read(_CHUNK)
+                    piece = reader.read(_api.CHUNK)
                     if not piece:
                         return
                     yield piece
@@ -225,9 +159,7 @@ class Files:
             content = pieces()
         else:
             content = iter(data)
-        params: Dict[str, Any] = {"path": path}
-        if mode is not None:
-            params["mode"] = format(mode, "o")
+        params = _api.file_params(path, mode)
         self._sandbox._conn.request("PUT", self._base, params=params, content=content)
         return self.stat(path)
 
@@ -334,15 +266,7 @@ class Sandbox:
         vcpus: Optional[int] = None,
         memory_mib: Optional[int] = None,
     ) -> List["Sandbox"]:
-        body: Dict[str, Any] = {"snapshot": snapshot, "n": n}
-        if timeout is not None:
-            body["timeout_s"] = timeout
-        if labels:
-            body["labels"] = dict(labels)
-        if vcpus is not None:
-            body["vcpus"] = vcpus
-        if memory_mib is not None:
-            body["memory_mib"] = memory_mib
+        body = _api.fork_body(snapshot, n, timeout, labels, vcpus, memory_mib)
         v = conn.request("POST", "/v1/sandboxes", body)
         return [cls(s, conn) for s in v["sandboxes"]]
 
@@ -381,8 +305,7 @@ class Sandbox:
     ) -> List[SandboxInfo]:
         """The sandboxes, those carrying every label in ``labels`` if given."""
         conn = connection or Connection()
-        params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
-        v = conn.request("GET", "/v1/sandboxes", params=params)
+        v = conn.request("GET", "/v1/sandboxes", params=_api.label_params(labels))
         return [SandboxInfo.from_api(s) for s in v["sandboxes"]]
 
     def refresh(self) -> SandboxInfo:
@@ -406,11 +329,7 @@ class Sandbox:
     def branch(self, tag: Optional[str] = None, mode: Optional[str] = None) -> Snapshot:
         """Snapshots this running sandbox, which runs on; the snapshot forks like a
         template. ``mode`` is ``"live"`` or ``"pause"`` (default: the daemon's)."""
-        body: Dict[str, Any] = {}
-        if tag:
-            body["tag"] = tag
-        if mode:
-            body["mode"] = mode
+        body = _api.branch_body(tag, mode)
         v = self._conn.request("POST", f"/v1/sandboxes/{self.id}/branch", body)
         return Snapshot.get(v["snapshot"], self._conn)
 
@@ -428,63 +347,22 @@ class Sandbox:
     ) -> Execution:
         """Runs a cell in ``context`` (the sandbox's first by default). The cell's
         exception, if any, is in ``execution.error``: it is not raised here."""
-        body: Dict[str, Any] = {"code": code}
-        if context is not None:
-            body["context"] = context.id if isinstance(context, CodeContext) else context
-        if timeout:
-            body["timeout_s"] = timeout
+        body = _api.code_body(code, context, timeout)
         path = f"/v1/sandboxes/{self.id}/code"
         if not any((on_stdout, on_stderr, on_result, on_error)):
-            v = self._conn.request("POST", path, body)
-            x = Execution(
-                results=[Result.from_api(r) for r in v.get("results") or []],
-                execution_count=int(v.get("execution_count") or 0),
-            )
-            if v.get("stdout"):
-                x.logs.stdout.append(v["stdout"])
-            if v.get("stderr"):
-                x.logs.stderr.append(v["stderr"])
-            if v.get("error"):
-                e = v["error"]
-                x.error = ExecutionError(e["name"], e["value"], e["traceback"])
-            return x
+            return _api.execution_from_api(self._conn.request("POST", path, body))
         body["stream"] = True
-        x = Execution()
+        reader = _api.CodeReader(on_stdout, on_stderr, on_result, on_error)
         for line in self._conn.stream_lines("POST", path, body):
-            kind = line.get("type")
-            if kind == "stdout":
-                x.logs.stdout.append(line["text"])
-                if on_stdout:
-                    on_stdout(line["text"])
-            elif kind == "stderr":
-                x.logs.stderr.append(line["text"])
-                if on_stderr:
-                    on_stderr(line["text"])
-            elif kind == "result":
-                r = Result.from_api(line)
-                x.results.append(r)
-                if on_result:
-                    on_result(r)
-            elif kind == "error":
-                # The daemon's own line when the sandbox failed mid-cell (no traceback).
-                if line.get("name") == "SandboxError" and not line.get("traceback"):
-                    raise SandboxFailedError(str(line.get("value", "the sandbox failed")))
-                x.error = ExecutionError(line["name"], line["value"], line["traceback"])
-                if on_error:
-                    on_error(x.error)
-            elif kind == "done":
-                x.execution_count = int(line.get("execution_count") or 0)
+            x = reader.feed(line)
+            if x is not None:
                 return x
-        raise ForkdError("the daemon ended the cell's stream before its end")
+        raise reader.ended_early()
 
     def create_code_context(
         self, cwd: Optional[str] = None, envs: Optional[Mapping[str, str]] = None
     ) -> CodeContext:
-        body: Dict[str, Any] = {}
-        if cwd:
-            body["cwd"] = cwd
-        if envs:
-            body["env"] = dict(envs)
+        body = _api.context_body(cwd, envs)
         return CodeContext.from_api(
             self._conn.request("POST", f"/v1/sandboxes/{self.id}/contexts", body)
         )
@@ -495,11 +373,11 @@ class Sandbox:
 
     def reset_code_context(self, context: Union[str, CodeContext]) -> CodeContext:
         """Restarts the context's interpreter with empty state."""
-        cid = context.id if isinstance(context, CodeContext) else context
+        cid = _api.context_id(context)
         return CodeContext.from_api(
             self._conn.request("POST", f"/v1/sandboxes/{self.id}/contexts/{cid}/reset")
         )
 
     def remove_code_context(self, context: Union[str, CodeContext]) -> None:
-        cid = context.id if isinstance(context, CodeContext) else context
+        cid = _api.context_id(context)
         self._conn.request("DELETE", f"/v1/sandboxes/{self.id}/contexts/{cid}")
