@@ -8,6 +8,8 @@ use super::{ApiError, App, JsonBody, PathParams, QueryParams};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
+use forkd_core::agent::{AgentClient, AgentError};
+use forkd_proto::exec::ProcessInfo;
 use serde::Deserialize;
 
 /// Longest wait one request may ask for: an hour (the process runs on after it).
@@ -28,6 +30,23 @@ pub struct WaitParams {
 fn process_id(raw: &str) -> Result<u64, ApiError> {
     raw.parse()
         .map_err(|_| ApiError::not_found(format!("no background process with id {raw}")))
+}
+
+/// Runs one agent call on process `process` of sandbox `id` and answers with the process.
+async fn on_process<F, Fut>(
+    app: &App,
+    id: &str,
+    process: &str,
+    f: F,
+) -> Result<Json<ProcessBody>, ApiError>
+where
+    F: FnOnce(AgentClient, u64) -> Fut,
+    Fut: std::future::Future<Output = Result<ProcessInfo, AgentError>>,
+{
+    let sandbox = app.registry.get(id)?.sandbox;
+    let n = process_id(process)?;
+    let p = sandbox.call(|a| f(a, n)).await?;
+    Ok(Json(p.into()))
 }
 
 /// Starts a background process; it runs on after this answers (201).
@@ -82,12 +101,13 @@ pub async fn get(
     State(app): State<App>,
     PathParams((id, process)): PathParams<(String, String)>,
 ) -> Result<Json<ProcessBody>, ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
-    let pid = process_id(&process)?;
-    let p = sandbox
-        .call(|a| async move { a.get_process(pid).await })
-        .await?;
-    Ok(Json(p.into()))
+    on_process(
+        &app,
+        &id,
+        &process,
+        |a, n| async move { a.get_process(n).await },
+    )
+    .await
 }
 
 /// Waits for a background process to end (or for `timeout_s`) and answers with it.
@@ -100,8 +120,6 @@ pub async fn wait(
     PathParams((id, process)): PathParams<(String, String)>,
     QueryParams(q): QueryParams<WaitParams>,
 ) -> Result<Json<ProcessBody>, ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
-    let pid = process_id(&process)?;
     let secs = q.timeout_s.unwrap_or(MAX_WAIT_S);
     if !(0.0..=MAX_WAIT_S).contains(&secs) {
         return Err(ApiError::bad_request(format!(
@@ -109,10 +127,10 @@ pub async fn wait(
         )));
     }
     let ms = (secs * 1000.0).ceil() as u64;
-    let p = sandbox
-        .call(|a| async move { a.wait_process(pid, Some(ms)).await })
-        .await?;
-    Ok(Json(p.into()))
+    on_process(&app, &id, &process, |a, n| async move {
+        a.wait_process(n, Some(ms)).await
+    })
+    .await
 }
 
 /// Sends a signal to a background process's group.
@@ -125,18 +143,16 @@ pub async fn signal(
     PathParams((id, process)): PathParams<(String, String)>,
     JsonBody(b): JsonBody<SignalBody>,
 ) -> Result<Json<ProcessBody>, ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
-    let pid = process_id(&process)?;
     if !(1..=64).contains(&b.signal) {
         return Err(ApiError::bad_request(format!(
             "signal {} is not a signal number (1 to 64)",
             b.signal
         )));
     }
-    let p = sandbox
-        .call(|a| async move { a.signal_process(pid, b.signal).await })
-        .await?;
-    Ok(Json(p.into()))
+    on_process(&app, &id, &process, |a, n| async move {
+        a.signal_process(n, b.signal).await
+    })
+    .await
 }
 
 /// Kills a background process (SIGKILL to its group) and forgets it; answers with how
@@ -149,10 +165,8 @@ pub async fn kill(
     State(app): State<App>,
     PathParams((id, process)): PathParams<(String, String)>,
 ) -> Result<Json<ProcessBody>, ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
-    let pid = process_id(&process)?;
-    let p = sandbox
-        .call(|a| async move { a.kill_process(pid).await })
-        .await?;
-    Ok(Json(p.into()))
+    on_process(&app, &id, &process, |a, n| async move {
+        a.kill_process(n).await
+    })
+    .await
 }

@@ -11,8 +11,23 @@ def _b64(text: Optional[str]) -> bytes:
     return base64.b64decode(text) if text else b""
 
 
+class _Output:
+    """``stdout``/``stderr``: the captured bytes decoded as UTF-8, invalid bytes replaced."""
+
+    stdout_bytes: bytes
+    stderr_bytes: bytes
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", errors="replace")
+
+
 @dataclass
-class CommandResult:
+class CommandResult(_Output):
     """How a command ended and what it wrote. ``stdout``/``stderr`` are the bytes
     decoded as UTF-8 (invalid bytes replaced); ``stdout_bytes``/``stderr_bytes`` are
     exactly what it wrote."""
@@ -24,14 +39,6 @@ class CommandResult:
     timed_out: bool = False
     duration_ms: int = 0
     truncated: bool = False
-
-    @property
-    def stdout(self) -> str:
-        return self.stdout_bytes.decode("utf-8", errors="replace")
-
-    @property
-    def stderr(self) -> str:
-        return self.stderr_bytes.decode("utf-8", errors="replace")
 
     @classmethod
     def from_api(cls, v: Dict[str, Any]) -> "CommandResult":
@@ -47,7 +54,7 @@ class CommandResult:
 
 
 @dataclass
-class ProcessInfo:
+class ProcessInfo(_Output):
     """A background process as the sandbox tracks it (the last 1 MiB of each stream)."""
 
     id: int
@@ -60,14 +67,6 @@ class ProcessInfo:
     timed_out: bool
     stdout_bytes: bytes
     stderr_bytes: bytes
-
-    @property
-    def stdout(self) -> str:
-        return self.stdout_bytes.decode("utf-8", errors="replace")
-
-    @property
-    def stderr(self) -> str:
-        return self.stderr_bytes.decode("utf-8", errors="replace")
 
     @classmethod
     def from_api(cls, v: Dict[str, Any]) -> "ProcessInfo":
