@@ -1,0 +1,29 @@
+/**
+ * forkd: microVM sandboxes forked from warm snapshots, from TypeScript.
+ *
+ * ```ts
+ * import { Sandbox } from "forkd";
+ * const sbx = await Sandbox.create("python");
+ * console.log((await sbx.commands.run("uname -r")).stdout);
+ * await sbx.kill();
+ * ```
+ */
+
+export { Connection, defaultSocket } from "./connection.js";
+export type { ConnectionOptions } from "./connection.js";
+export * from "./errors.js";
+export { CommandHandle, Commands, Files, Sandbox, Snapshot } from "./sandbox.js";
+export type {
+  CodeContext,
+  CommandResult,
+  CreateOptions,
+  EntryInfo,
+  Execution,
+  ExecutionError,
+  OutputHandler,
+  ProcessInfo,
+  Result,
+  RunCodeOptions,
+  RunOptions,
+  SandboxInfo,
+} from "./sandbox.js";

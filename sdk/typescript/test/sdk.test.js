@@ -1,0 +1,128 @@
+// The SDK against a real daemon: FORKD_URL names it and FORKD_TEST_SNAPSHOT a snapshot
+// of the python template on it (crates/forkd/tests/sdk_typescript.rs starts both).
+import assert from "node:assert/strict";
+import { createHash, randomBytes } from "node:crypto";
+import { Readable } from "node:stream";
+import { after, before, describe, test } from "node:test";
+
+import { BadRequestError, ConflictError, NotFoundError, Sandbox, Snapshot, TimeoutError } from "../dist/index.js";
+
+const snapshot = process.env.FORKD_TEST_SNAPSHOT;
+const skip = !snapshot || !process.env.FORKD_URL ? "FORKD_URL and FORKD_TEST_SNAPSHOT name no daemon" : false;
+
+describe("a sandbox", { skip }, () => {
+  let sbx;
+  before(async () => {
+    sbx = await Sandbox.create("python", { snapshot, labels: { suite: "ts" } });
+  });
+  after(async () => {
+    await sbx?.kill();
+  });
+
+  test("commands give output as bytes and text, and exit codes", async () => {
+    const r = await sbx.commands.run("echo out; echo err >&2; exit 3");
+    assert.deepEqual([r.exitCode, r.stdout, r.stderr], [3, "out\n", "err\n"]);
+    const b = await sbx.commands.run(["sh", "-c", "printf '\\377\\000'"]);
+    assert.deepEqual([...b.stdoutBytes], [0xff, 0]);
+    const e = await sbx.commands.run("echo $A; pwd; wc -c", { envs: { A: "b" }, cwd: "/tmp", stdin: "12345" });
+    assert.equal(e.stdout, "b\n/tmp\n5\n");
+    const t = await sbx.commands.run("sleep 30", { timeout: 0.5 });
+    assert.ok(t.timedOut);
+  });
+
+  test("streamed output arrives in pieces and whole", async () => {
+    const out = [];
+    const r = await sbx.commands.run("for i in 1 2 3; do echo l$i; sleep 0.2; done; printf '\\342\\202\\254'", {
+      onStdout: (t) => out.push(t),
+    });
+    assert.equal(out.join(""), "l1\nl2\nl3\n\u20ac");
+    assert.equal(r.stdout, out.join(""));
+    assert.ok(out.length > 1);
+  });
+
+  test("background commands wait, take signals and are killed", async () => {
+    const h = await sbx.commands.run("echo started; exec sleep 600", { background: true });
+    assert.ok((await sbx.commands.list()).some((p) => p.id === h.id && p.running));
+    await assert.rejects(h.wait(0.3), TimeoutError);
+    await h.sendSignal(15);
+    const ended = await h.wait();
+    assert.deepEqual([ended.running, ended.signal, ended.exitCode, ended.stdout], [false, 15, 143, "started\n"]);
+    const k = await sbx.commands.run(["sleep", "600"], { background: true });
+    assert.equal((await k.kill()).running, false);
+    await assert.rejects(k.info(), NotFoundError);
+  });
+
+  test("files go both ways as text, bytes and streams", async () => {
+    await sbx.files.write("/tmp/t.txt", "héllo\n");
+    assert.equal(await sbx.files.read("/tmp/t.txt"), "héllo\n");
+    const big = randomBytes(5 << 20);
+    const info = await sbx.files.write("/tmp/big", Readable.from([big.subarray(0, 1 << 20), big.subarray(1 << 20)]), {
+      mode: 0o600,
+    });
+    assert.equal(info.size, big.length);
+    assert.equal(info.mode & 0o777, 0o600);
+    const h = createHash("sha256");
+    for await (const c of await sbx.files.read("/tmp/big", { format: "stream" })) h.update(c);
+    assert.equal(h.digest("hex"), createHash("sha256").update(big).digest("hex"));
+    await sbx.files.makeDir("/tmp/d/e");
+    await sbx.files.rename("/tmp/t.txt", "/tmp/d/t.txt");
+    assert.deepEqual((await sbx.files.list("/tmp/d")).map((e) => e.name).sort(), ["e", "t.txt"]);
+    await sbx.files.remove("/tmp/d", { recursive: true });
+    assert.equal(await sbx.files.exists("/tmp/d"), false);
+    await assert.rejects(sbx.files.read("/nope/x"), NotFoundError);
+    await assert.rejects(sbx.files.write("relative", "x"), BadRequestError);
+  });
+
+  test("code cells keep state, give values, errors and rich results", async () => {
+    await sbx.runCode("x = 41");
+    const x = await sbx.runCode("print('hi'); x + 1");
+    assert.deepEqual([x.text, x.logs.stdout, x.error], ["42", ["hi\n"], null]);
+    const e = await sbx.runCode("1 / 0");
+    assert.equal(e.error?.name, "ZeroDivisionError");
+    const results = [];
+    const out = [];
+    const d = await sbx.runCode("import pandas as pd\nprint('a')\npd.DataFrame({'n': [1]})", {
+      onStdout: (t) => out.push(t),
+      onResult: (r) => results.push(r),
+    });
+    assert.equal(out.join(""), "a\n");
+    assert.match(results[0]?.html ?? "", /<table/);
+    assert.deepEqual(d.results, results);
+    const ctx = await sbx.createCodeContext({ cwd: "/tmp" });
+    assert.equal((await sbx.runCode("'x' in globals()", { context: ctx })).text, "False");
+    await sbx.resetCodeContext(ctx);
+    await sbx.removeCodeContext(ctx);
+    assert.ok((await sbx.listCodeContexts()).every((c) => c.id !== ctx.id));
+  });
+});
+
+describe("lifecycle", { skip }, () => {
+  test("create, list, connect, time out, branch, fork and remove", async () => {
+    const label = randomBytes(4).toString("hex");
+    const source = await Sandbox.create("python", { snapshot, labels: { run: label }, timeout: 600 });
+    try {
+      assert.deepEqual((await Sandbox.list({ labels: { run: label } })).map((s) => s.id), [source.id]);
+      const again = await Sandbox.connect(source.id);
+      assert.notEqual(again.info.timeoutAt, null);
+      await source.setTimeout(null);
+      assert.equal((await source.refresh()).timeoutAt, null);
+      await source.runCode("state = 'kept'");
+      const tag = "ts-" + label;
+      const snap = await source.branch({ tag });
+      assert.equal(snap.info.parent, snapshot);
+      await assert.rejects(source.branch({ tag }), ConflictError);
+      const [child] = await snap.fork(1);
+      assert.equal((await child.runCode("state")).text, "'kept'");
+      await child.kill();
+    } finally {
+      await source.kill();
+    }
+    assert.equal(await source.isRunning(), false);
+    await assert.rejects(source.kill(), NotFoundError);
+    const tag = "ts-" + label;
+    assert.ok((await Snapshot.list()).some((s) => s.tag === tag));
+    await (await Snapshot.get(tag)).delete();
+    await assert.rejects(Snapshot.get(tag), NotFoundError);
+    await assert.rejects(Sandbox.connect("sb-000000000000"), NotFoundError);
+  });
+});
