@@ -7,6 +7,7 @@ mod branch;
 mod daemon;
 mod doctor;
 mod image;
+mod mcp;
 mod quickstart;
 mod remote;
 mod run;
@@ -92,6 +93,10 @@ enum Command {
     /// The daemon's audit log.
     #[command(subcommand)]
     Audit(daemon::AuditCommand),
+    /// Serve MCP on stdin/stdout: tools for an MCP client's model to list snapshots,
+    /// create, branch and kill sandboxes, run commands and code, and read and write
+    /// files in them, through the daemon.
+    Mcp,
 }
 
 fn main() {
@@ -151,6 +156,7 @@ fn main() {
             Command::Quickstart(args) => quickstart::run(&home, args).await.map(|()| 0),
             Command::Daemon(args) => daemon::run(&home, args).await.map(|()| 0),
             Command::Audit(cmd) => daemon::audit(&home, cmd).map(|()| 0),
+            Command::Mcp => mcp::serve(remote::connect(&home)?).await.map(|()| 0),
         }
     });
     // Shut the runtime down before exiting so that sandboxes' teardown tasks finish.

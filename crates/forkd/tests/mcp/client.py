@@ -1,0 +1,73 @@
+"""Drives `forkd mcp` with the official MCP Python client over stdio, as an MCP host
+would: FORKD_BIN is the forkd binary, FORKD_URL its daemon, FORKD_TEST_SNAPSHOT a
+snapshot of the python template on it. Prints "ok" when every check passed."""
+
+import asyncio
+import os
+
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+
+
+def text(result) -> str:
+    return "".join(c.text for c in result.content if getattr(c, "type", "") == "text")
+
+
+async def main() -> None:
+    snap = os.environ["FORKD_TEST_SNAPSHOT"]
+    params = StdioServerParameters(
+        command=os.environ["FORKD_BIN"], args=["mcp"], env=dict(os.environ)
+    )
+    async with stdio_client(params) as (read, write):
+        async with ClientSession(read, write) as s:
+            await s.initialize()
+            tools = {t.name for t in (await s.list_tools()).tools}
+            want = {
+                "list_snapshots", "create_sandbox", "list_sandboxes", "kill_sandbox",
+                "run_command", "run_code", "read_file", "write_file", "list_files",
+                "branch_sandbox",
+            }
+            assert want <= tools, tools
+
+            assert snap in text(await s.call_tool("list_snapshots", {}))
+            r = await s.call_tool("create_sandbox", {"snapshot": snap})
+            assert not r.is_error, text(r)
+            sid = text(r).strip()
+            assert sid.startswith("sb-"), sid
+            assert sid in text(await s.call_tool("list_sandboxes", {}))
+
+            r = await s.call_tool("run_command", {"id": sid, "command": "echo hi; echo oops >&2; exit 3"})
+            out = text(r)
+            assert "exit code 3" in out and "hi" in out and "oops" in out, out
+
+            r = await s.call_tool("write_file", {"id": sid, "path": "/root/notes/a.txt", "content": "héllo"})
+            assert not r.is_error, text(r)
+            assert text(await s.call_tool("read_file", {"id": sid, "path": "/root/notes/a.txt"})) == "héllo"
+            assert "a.txt" in text(await s.call_tool("list_files", {"id": sid, "path": "/root/notes"}))
+
+            r = await s.call_tool("run_code", {"id": sid, "code": "x = 41\nprint('p')\nx + 1"})
+            assert "42" in text(r) and "p" in text(r) and not r.is_error, text(r)
+            r = await s.call_tool("run_code", {"id": sid, "code": "1 / 0"})
+            assert r.is_error and "ZeroDivisionError" in text(r), text(r)
+
+            # Branch, then fork the branch: the child has the source's Python state.
+            r = await s.call_tool("branch_sandbox", {"id": sid, "tag": "mcp-branch"})
+            assert text(r) == "mcp-branch", text(r)
+            child = text(await s.call_tool("create_sandbox", {"snapshot": "mcp-branch"})).strip()
+            assert "41" in text(await s.call_tool("run_code", {"id": child, "code": "x"}))
+
+            # Failures come back as tool errors the model can read.
+            r = await s.call_tool("run_command", {"id": "sb-000000000000", "command": "true"})
+            assert r.is_error and "sb-000000000000" in text(r), text(r)
+            r = await s.call_tool("read_file", {"id": sid, "path": "/nope"})
+            assert r.is_error, text(r)
+            r = await s.call_tool("create_sandbox", {"snapshot": "../x"})
+            assert r.is_error, text(r)
+
+            for i in (child, sid):
+                assert not (await s.call_tool("kill_sandbox", {"id": i})).is_error
+            assert "no sandboxes" in text(await s.call_tool("list_sandboxes", {}))
+    print("ok")
+
+
+asyncio.run(main())
