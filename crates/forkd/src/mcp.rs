@@ -290,22 +290,28 @@ impl ForkdMcp {
                         parts.push(format!("--- {label}\n{s}"));
                     }
                 }
+                // Figures go to the model as images (PNG, base64 as the API gives them).
+                let mut images = Vec::new();
                 for r in v["results"].as_array().into_iter().flatten() {
                     parts.push(format!("--- value\n{}", r["text"].as_str().unwrap_or("")));
+                    if let Some(png) = r["png"].as_str() {
+                        images.push(ContentBlock::image(png, "image/png"));
+                    }
                 }
-                if let Some(e) = v["error"].as_object() {
+                let raised = v["error"].as_object().map(|e| {
                     parts.push(format!(
                         "--- exception\n{}",
                         e.get("traceback").and_then(Value::as_str).unwrap_or("")
                     ));
-                    return Ok(CallToolResult::error(vec![ContentBlock::text(
-                        parts.join("\n"),
-                    )]));
+                });
+                if parts.is_empty() {
+                    parts.push("(no output)".to_owned());
                 }
-                text(if parts.is_empty() {
-                    "(no output)".to_owned()
-                } else {
-                    parts.join("\n")
+                let mut content = vec![ContentBlock::text(parts.join("\n"))];
+                content.extend(images);
+                Ok(match raised {
+                    Some(()) => CallToolResult::error(content),
+                    None => CallToolResult::success(content),
                 })
             }
             Err(e) => failed(e),

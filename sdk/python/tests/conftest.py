@@ -1,6 +1,6 @@
 """The tests run against a real daemon: ``FORKD_URL`` names it and
 ``FORKD_TEST_SNAPSHOT`` a snapshot of the ``python`` template on it (the Rust test
-``crates/forkd/tests/sdk_python.rs`` starts both and runs pytest)."""
+``crates/forkd/tests/clients.rs`` starts both and runs pytest)."""
 
 from __future__ import annotations
 

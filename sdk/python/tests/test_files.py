@@ -16,8 +16,8 @@ def test_text_bytes_and_streams_round_trip(sbx: Sandbox) -> None:
     assert sbx.files.read("/tmp/b.bin", format="bytes") == b"\x00\xff" * 10
     assert sbx.files.stat("/tmp/b.bin").mode & 0o777 == 0o600
 
-    # 6 MiB from a file object, sent as it is read, read back as a stream.
-    big = os.urandom(6 << 20)
+    # 20 MiB from a file object, sent as it is read, read back as a stream.
+    big = os.urandom(20 << 20)
     info = sbx.files.write("/tmp/big", io.BytesIO(big))
     assert info.size == len(big)
     h = hashlib.sha256()

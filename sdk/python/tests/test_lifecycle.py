@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
 
-from forkd import ConflictError, Connection, NotFoundError, Sandbox, Snapshot
+from forkd import ConflictError, Connection, NotFoundError, Sandbox, Snapshot, UnreachableError
 
 
 def test_create_list_connect_and_kill(snapshot: str, conn: Connection) -> None:
@@ -45,3 +46,21 @@ def test_branch_then_fork_the_branch(snapshot: str) -> None:
     Snapshot.get(tag).delete()
     with pytest.raises(NotFoundError):
         Snapshot.get(tag)
+
+
+def test_fork_three_and_the_errors_of_a_killed_one(snapshot: str) -> None:
+    kids = Sandbox.fork(snapshot, n=3)
+    assert len({k.id for k in kids}) == 3
+    for k in kids:
+        assert k.commands.run("hostname").exit_code == 0
+        k.kill()
+    with pytest.raises(NotFoundError) as e:
+        kids[0].commands.run("true")
+    assert kids[0].id in e.value.message
+
+
+def test_a_stopped_daemon_is_an_error_naming_the_url(tmp_path: Path) -> None:
+    url = f"unix:{tmp_path}/forkd.sock"
+    with pytest.raises(UnreachableError) as e:
+        Sandbox.list(connection=Connection(url=url))
+    assert url in str(e.value)

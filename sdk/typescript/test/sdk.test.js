@@ -1,5 +1,5 @@
 // The SDK against a real daemon: FORKD_URL names it and FORKD_TEST_SNAPSHOT a snapshot
-// of the python template on it (crates/forkd/tests/sdk_typescript.rs starts both).
+// of the python template on it (crates/forkd/tests/clients.rs starts both).
 import assert from "node:assert/strict";
 import { createHash, randomBytes } from "node:crypto";
 import { Readable } from "node:stream";

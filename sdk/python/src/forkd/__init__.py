@@ -30,6 +30,7 @@ from .errors import (
     StorageError,
     TimeoutError,
     TooLargeError,
+    UnreachableError,
 )
 from .models import (
     CodeContext,
@@ -77,4 +78,5 @@ __all__ = [
     "StorageError",
     "TimeoutError",
     "TooLargeError",
+    "UnreachableError",
 ]

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple
 
 import httpx
 
-from .errors import error_for
+from .errors import UnreachableError, error_for
 
 # Requests that run guest code may take as long as the code does: no read timeout.
 _TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=None, pool=None)
@@ -57,6 +57,10 @@ def _settings(
     else:
         raise ValueError(f"FORKD_URL must be unix:/path, http://HOST:PORT or https://HOST:PORT: {url!r}")
     return url, options
+
+
+def unreachable(url: str, e: Exception) -> UnreachableError:
+    return UnreachableError(f"no forkd daemon answers at {url}: {e}")
 
 
 def decode(r: httpx.Response) -> Any:
@@ -101,7 +105,10 @@ class Connection:
     ) -> Any:
         """Sends one request; returns the decoded JSON answer (None when empty) or raises
         the error the daemon answered with."""
-        r = self._http.request(method, path, json=json_body, params=params, content=content)
+        try:
+            r = self._http.request(method, path, json=json_body, params=params, content=content)
+        except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
+            raise unreachable(self.url, e) from e
         return decode(r)
 
     def stream_lines(self, method: str, path: str, json_body: Any) -> Iterator[Dict[str, Any]]:
@@ -149,7 +156,12 @@ class AsyncConnection:
         params: Any = None,
         content: Any = None,
     ) -> Any:
-        r = await self._http.request(method, path, json=json_body, params=params, content=content)
+        try:
+            r = await self._http.request(
+                method, path, json=json_body, params=params, content=content
+            )
+        except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
+            raise unreachable(self.url, e) from e
         return decode(r)
 
     async def stream_lines(

@@ -55,6 +55,10 @@ class SandboxFailedError(ForkdError):
     """The sandbox's VM died or broke."""
 
 
+class UnreachableError(ForkdError):
+    """No daemon answers at the URL tried (it is stopped, or the URL or socket is wrong)."""
+
+
 class TimeoutError(ForkdError):  # noqa: A001 - the SDK's own, distinct from builtins
     """The sandbox did not answer in time (its agent is unresponsive), or a wait ran out."""
 
