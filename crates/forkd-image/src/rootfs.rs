@@ -34,7 +34,8 @@ const MIB: u64 = 1 << 20;
 pub enum RootfsImage {
     /// Debian minbase and nothing else.
     Minimal,
-    /// minbase + Python 3 with pandas and numpy.
+    /// minbase + Python 3 with pandas, numpy, matplotlib (figures come back from code
+    /// cells as PNG) and pip.
     Python,
 }
 
@@ -52,7 +53,13 @@ impl RootfsImage {
     pub fn packages(&self) -> &[&str] {
         match self {
             RootfsImage::Minimal => &[],
-            RootfsImage::Python => &["python3", "python3-pandas", "python3-numpy"],
+            RootfsImage::Python => &[
+                "python3",
+                "python3-pandas",
+                "python3-numpy",
+                "python3-matplotlib",
+                "python3-pip",
+            ],
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The clients agents use, each against the same real daemon and `python` template
 //! (built once: a template build costs tens of seconds under TCG): the Python SDK's
 //! pytest suite, the TypeScript SDK's node:test suite after `npm ci && npm run build`,
-//! and `forkd mcp` driven by the official MCP Python client over stdio.
+//! `forkd mcp` driven by the official MCP Python client over stdio, and the README's
+//! Python example.
 
 mod common;
 
@@ -44,11 +45,12 @@ fn the_sdks_and_the_mcp_server_work_against_a_real_daemon() {
 
     let d = Daemon::start(&[]);
     runtime().block_on(async {
-        build_snapshot(&d.unix(), "python", "py").await;
+        // Tagged as `python` does it by default, so that the README's example runs as is.
+        build_snapshot(&d.unix(), "python", "python").await;
     });
     let env = [
         ("FORKD_URL", format!("unix:{}", d.socket().display())),
-        ("FORKD_TEST_SNAPSHOT", "py".to_owned()),
+        ("FORKD_TEST_SNAPSHOT", "python".to_owned()),
     ];
     let python = std::env::var("FORKD_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
 
@@ -67,6 +69,18 @@ fn the_sdks_and_the_mcp_server_work_against_a_real_daemon() {
         report.contains(" passed") && !report.contains("skipped"),
         "{report}"
     );
+
+    // The README's Python example, as a reader would run it.
+    let readme = std::fs::read_to_string(repo("README.md")).unwrap();
+    let example = readme
+        .split("```python\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("the README has a Python example");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("example.py"), example).unwrap();
+    let report = run(dir.path(), &python, &["example.py"], &py_env);
+    assert_eq!(report.lines().filter(|l| *l == "3").count(), 3, "{report}");
 
     // TypeScript.
     let report = run(&ts, "node", &["--test", "test/"], &env);

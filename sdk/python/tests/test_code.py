@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import base64
 from typing import List
 
 from forkd import Result, Sandbox
@@ -41,3 +42,12 @@ def test_contexts_are_separate_and_reset(sbx: Sandbox) -> None:
     assert any(c.id == ctx.id for c in sbx.list_code_contexts())
     sbx.remove_code_context(ctx)
     assert all(c.id != ctx.id for c in sbx.list_code_contexts())
+
+
+def test_a_figure_comes_back_as_png_and_pip_is_there(sbx: Sandbox) -> None:
+    x = sbx.run_code("import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nNone", timeout=300)
+    assert x.error is None, x.error
+    pngs = [r.png for r in x.results if r.png]
+    assert pngs, x.results
+    assert base64.b64decode(pngs[0]).startswith(b"\x89PNG\r\n\x1a\n")
+    assert sbx.commands.run("python3 -m pip --version").exit_code == 0

@@ -47,6 +47,13 @@ async def main() -> None:
 
             r = await s.call_tool("run_code", {"id": sid, "code": "x = 41\nprint('p')\nx + 1"})
             assert "42" in text(r) and "p" in text(r) and not r.is_error, text(r)
+            # A figure the cell leaves open reaches the model as an image.
+            r = await s.call_tool(
+                "run_code",
+                {"id": sid, "code": "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nNone"},
+            )
+            images = [c for c in r.content if getattr(c, "type", "") == "image"]
+            assert not r.is_error and images and images[0].mime_type == "image/png", r
             r = await s.call_tool("run_code", {"id": sid, "code": "1 / 0"})
             assert r.is_error and "ZeroDivisionError" in text(r), text(r)
 
