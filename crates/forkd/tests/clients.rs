@@ -85,7 +85,7 @@ fn the_sdks_and_the_mcp_server_work_against_a_real_daemon() {
     // TypeScript.
     let report = run(&ts, "node", &["--test", "test/"], &env);
     assert!(
-        report.contains("# pass 6") && report.contains("# skipped 0"),
+        report.contains("# pass 7") && report.contains("# skipped 0"),
         "{report}"
     );
 

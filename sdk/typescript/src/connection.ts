@@ -12,7 +12,7 @@ import { homedir } from "node:os";
 import { isAbsolute, join } from "node:path";
 import { Readable } from "node:stream";
 
-import { errorFor, ForkdError } from "./errors.js";
+import { errorFor, ForkdError, UnreachableError } from "./errors.js";
 
 export interface ConnectionOptions {
   /** Overrides `FORKD_URL`. */
@@ -100,7 +100,15 @@ export class Connection {
         };
     return new Promise((resolve, reject) => {
       const req = (secure ? https : http).request(requestOptions, resolve);
-      req.on("error", reject);
+      req.on("error", (e: NodeJS.ErrnoException) => {
+        // Nothing listening (or no socket file): say where we looked.
+        const refused = ["ECONNREFUSED", "ENOENT", "EHOSTUNREACH", "ECONNRESET"];
+        reject(
+          e.code && refused.includes(e.code)
+            ? new UnreachableError(`no forkd daemon answers at ${this.url}: ${e.message}`)
+            : e,
+        );
+      });
       if (payload === undefined) req.end();
       else if (payload instanceof Uint8Array) req.end(payload);
       else Readable.from(payload).on("error", reject).pipe(req);

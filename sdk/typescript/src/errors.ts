@@ -34,6 +34,8 @@ export class CapacityError extends ForkdError {}
 export class StorageError extends ForkdError {}
 /** The sandbox's VM died or broke. */
 export class SandboxFailedError extends ForkdError {}
+/** No daemon answers at the URL tried (it is stopped, or the URL or socket is wrong). */
+export class UnreachableError extends ForkdError {}
 /** The sandbox did not answer in time, or a wait ran out. */
 export class TimeoutError extends ForkdError {}
 

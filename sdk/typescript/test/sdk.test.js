@@ -5,7 +5,16 @@ import { createHash, randomBytes } from "node:crypto";
 import { Readable } from "node:stream";
 import { after, before, describe, test } from "node:test";
 
-import { BadRequestError, ConflictError, NotFoundError, Sandbox, Snapshot, TimeoutError } from "../dist/index.js";
+import {
+  BadRequestError,
+  ConflictError,
+  Connection,
+  NotFoundError,
+  Sandbox,
+  Snapshot,
+  TimeoutError,
+  UnreachableError,
+} from "../dist/index.js";
 
 const snapshot = process.env.FORKD_TEST_SNAPSHOT;
 const skip = !snapshot || !process.env.FORKD_URL ? "FORKD_URL and FORKD_TEST_SNAPSHOT name no daemon" : false;
@@ -124,5 +133,14 @@ describe("lifecycle", { skip }, () => {
     await (await Snapshot.get(tag)).delete();
     await assert.rejects(Snapshot.get(tag), NotFoundError);
     await assert.rejects(Sandbox.connect("sb-000000000000"), NotFoundError);
+  });
+});
+
+test("a stopped daemon is an error naming the URL", async () => {
+  const url = "unix:/nonexistent/forkd.sock";
+  await assert.rejects(Sandbox.list({ connection: new Connection({ url }) }), (e) => {
+    assert.ok(e instanceof UnreachableError, String(e));
+    assert.ok(e.message.includes(url), e.message);
+    return true;
   });
 });
