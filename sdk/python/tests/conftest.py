@@ -16,7 +16,11 @@ from forkd import Connection, Sandbox
 def snapshot() -> str:
     tag = os.environ.get("FORKD_TEST_SNAPSHOT")
     if not tag or not os.environ.get("FORKD_URL"):
-        pytest.skip("FORKD_URL and FORKD_TEST_SNAPSHOT name no daemon to test against")
+        # A suite that quietly skips proves nothing: without a daemon it fails.
+        pytest.fail(
+            "set FORKD_URL to a daemon and FORKD_TEST_SNAPSHOT to a python snapshot on it "
+            "(cargo test -p forkd --test clients does both)"
+        )
     return tag
 
 

@@ -61,6 +61,13 @@ def test_fork_three_and_the_errors_of_a_killed_one(snapshot: str) -> None:
 
 def test_a_stopped_daemon_is_an_error_naming_the_url(tmp_path: Path) -> None:
     url = f"unix:{tmp_path}/forkd.sock"
+    conn = Connection(url=url)
     with pytest.raises(UnreachableError) as e:
-        Sandbox.list(connection=Connection(url=url))
+        Sandbox.list(connection=conn)
     assert url in str(e.value)
+    # Streamed calls too (a file read, a command with output callbacks).
+    gone = Sandbox({"id": "sb-000000000000", "snapshot": "x", "status": "running"}, conn)
+    with pytest.raises(UnreachableError):
+        gone.files.read("/etc/hostname")
+    with pytest.raises(UnreachableError):
+        gone.commands.run("true", on_stdout=print)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import ssl
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple
 
 import httpx
@@ -59,8 +60,39 @@ def _settings(
     return url, options
 
 
+_DOWN = (httpx.ConnectError, httpx.RemoteProtocolError)
+
+
 def unreachable(url: str, e: Exception) -> UnreachableError:
     return UnreachableError(f"no forkd daemon answers at {url}: {e}")
+
+
+@contextmanager
+def _streaming(http: httpx.Client, url: str, method: str, path: str, **kw: Any) -> Iterator[httpx.Response]:
+    """``http.stream`` whose failure to connect is an :class:`UnreachableError`, and whose
+    error answer is raised as the daemon's error."""
+    try:
+        with http.stream(method, path, **kw) as r:
+            if r.status_code >= 400:
+                r.read()
+                decode(r)
+            yield r
+    except _DOWN as e:
+        raise unreachable(url, e) from e
+
+
+@asynccontextmanager
+async def _astreaming(
+    http: httpx.AsyncClient, url: str, method: str, path: str, **kw: Any
+) -> AsyncIterator[httpx.Response]:
+    try:
+        async with http.stream(method, path, **kw) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                decode(r)
+            yield r
+    except _DOWN as e:
+        raise unreachable(url, e) from e
 
 
 def decode(r: httpx.Response) -> Any:
@@ -107,26 +139,20 @@ class Connection:
         the error the daemon answered with."""
         try:
             r = self._http.request(method, path, json=json_body, params=params, content=content)
-        except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
+        except _DOWN as e:
             raise unreachable(self.url, e) from e
         return decode(r)
 
     def stream_lines(self, method: str, path: str, json_body: Any) -> Iterator[Dict[str, Any]]:
         """Sends one request whose answer is NDJSON and yields its lines as they come."""
-        with self._http.stream(method, path, json=json_body) as r:
-            if r.status_code >= 400:
-                r.read()
-                decode(r)
+        with _streaming(self._http, self.url, method, path, json=json_body) as r:
             for line in r.iter_lines():
                 if line.strip():
                     yield json.loads(line)
 
     def stream_bytes(self, method: str, path: str, params: Any) -> Iterator[bytes]:
         """Sends one request and yields the answer's body in chunks."""
-        with self._http.stream(method, path, params=params) as r:
-            if r.status_code >= 400:
-                r.read()
-                decode(r)
+        with _streaming(self._http, self.url, method, path, params=params) as r:
             yield from r.iter_bytes()
 
 
@@ -160,25 +186,19 @@ class AsyncConnection:
             r = await self._http.request(
                 method, path, json=json_body, params=params, content=content
             )
-        except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
+        except _DOWN as e:
             raise unreachable(self.url, e) from e
         return decode(r)
 
     async def stream_lines(
         self, method: str, path: str, json_body: Any
     ) -> AsyncIterator[Dict[str, Any]]:
-        async with self._http.stream(method, path, json=json_body) as r:
-            if r.status_code >= 400:
-                await r.aread()
-                decode(r)
+        async with _astreaming(self._http, self.url, method, path, json=json_body) as r:
             async for line in r.aiter_lines():
                 if line.strip():
                     yield json.loads(line)
 
     async def stream_bytes(self, method: str, path: str, params: Any) -> AsyncIterator[bytes]:
-        async with self._http.stream(method, path, params=params) as r:
-            if r.status_code >= 400:
-                await r.aread()
-                decode(r)
+        async with _astreaming(self._http, self.url, method, path, params=params) as r:
             async for chunk in r.aiter_bytes():
                 yield chunk
