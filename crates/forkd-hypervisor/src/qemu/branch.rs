@@ -10,7 +10,7 @@
 //! The branch instant is the migration's switch-over: QEMU stops the source's vCPUs for
 //! the last dirty pages and the device state. With `pause-before-switchover` QEMU waits
 //! there for us, vCPUs stopped and disks still active, so the disk is frozen at that same
-//! instant: `blockdev-snapshot-sync` moves the source onto a new empty layer and the
+//! instant: `blockdev-snapshot` moves the source onto a new empty layer and the
 //! layer below becomes the branch's disk. The source then resumes with `cont` from
 //! `postmigrate`, which also takes back its disks.
 
@@ -73,6 +73,27 @@ pub(super) fn live_copy_is_faithful(
             "a live branch under TCG needs QEMU {FAITHFUL_TCG_MIGRATION} or newer, and this QEMU did not say its version; use mode pause"
         )),
     }
+}
+
+/// The block node name of a disk layer added at a branch: from its file name, which is
+/// unique in the sandbox's directory (`root.3.qcow2` is `layer-root.3`). QEMU allows
+/// letters, digits, `-`, `.` and `_`, starting with a letter.
+fn layer_node_name(layer: &std::path::Path) -> String {
+    let stem = layer
+        .file_stem()
+        .map(|s| s.to_string_lossy())
+        .unwrap_or_default();
+    let clean: String = stem
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("layer-{clean}")
 }
 
 /// A migration that went through its switch-over.
@@ -207,19 +228,7 @@ impl QemuVm {
                 return Err(e);
             }
         };
-        let switched = self
-            .qmp
-            .execute(
-                "blockdev-snapshot-sync",
-                Some(json!({
-                    "device": "root",
-                    "snapshot-file": plan.next_layer.to_string_lossy(),
-                    "format": "qcow2",
-                    "mode": "existing",
-                })),
-            )
-            .await;
-        if let Err(e) = switched {
+        if let Err(e) = self.put_layer_on_top(&plan.next_layer).await {
             let _ = std::fs::remove_file(&plan.next_layer);
             let _ = self.qmp.execute("migrate_cancel", None).await;
             let _ = self.migration_end(self.qmp.events()).await;
@@ -254,6 +263,45 @@ impl QemuVm {
             transferred: info["ram"]["transferred"].as_u64().unwrap_or(0),
             completed_at,
         })
+    }
+
+    /// Moves the root disk onto `layer`, an empty qcow2 image whose header names the
+    /// current top as its backing file. Added as a node of its own rather than with
+    /// `blockdev-snapshot-sync`, so that its file keeps the page cache like every other
+    /// layer (see `cmdline::keep_page_cache`) and keeps the drive's `cache=unsafe`.
+    async fn put_layer_on_top(&self, layer: &std::path::Path) -> Result<(), HypervisorError> {
+        let node = layer_node_name(layer);
+        self.qmp
+            .execute(
+                "blockdev-add",
+                Some(json!({
+                    "driver": "qcow2",
+                    "node-name": node,
+                    "cache": { "no-flush": true },
+                    "file": {
+                        "driver": "file",
+                        "filename": layer.to_string_lossy(),
+                        "drop-cache": false,
+                    },
+                    // Attached below by blockdev-snapshot, to the node now on top.
+                    "backing": null,
+                })),
+            )
+            .await?;
+        let moved = self
+            .qmp
+            .execute(
+                "blockdev-snapshot",
+                Some(json!({ "node": "root", "overlay": node })),
+            )
+            .await;
+        if moved.is_err() {
+            let _ = self
+                .qmp
+                .execute("blockdev-del", Some(json!({ "node-name": node })))
+                .await;
+        }
+        moved.map(drop)
     }
 
     /// `cont` once the migration has let go of the VM. QEMU sends the `completed` event
@@ -337,6 +385,18 @@ mod tests {
         assert!(e.contains("QEMU 7.2.22") && e.contains("mode pause"), "{e}");
         assert!(live_copy_is_faithful(Accel::Tcg, None).is_err());
         assert!(live_copy_is_faithful(Accel::Kvm, Some(QemuVersion(7, 2, 0))).is_ok());
+    }
+
+    #[test]
+    fn layer_node_names_are_valid_and_unique_per_file() {
+        assert_eq!(
+            layer_node_name(std::path::Path::new("/a/root.3.qcow2")),
+            "layer-root.3"
+        );
+        assert_eq!(
+            layer_node_name(std::path::Path::new("/a/r t+1.qcow2")),
+            "layer-r_t_1"
+        );
     }
 
     #[test]

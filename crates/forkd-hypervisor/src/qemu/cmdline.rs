@@ -15,8 +15,9 @@ pub const SECCOMP: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,re
 /// Id of the guest-RAM memory backend object.
 pub const MEMORY_ID: &str = "mem";
 
-/// Builds the argument vector (without the program name).
-pub fn build(config: &VmConfig) -> Vec<OsString> {
+/// Builds the argument vector (without the program name). `backing_levels` is how many
+/// images lie below the root disk's top layer (see [`super::qcow2::backing_depth`]).
+pub fn build(config: &VmConfig, backing_levels: usize) -> Vec<OsString> {
     let mut args = Args::default();
     let mut machine = String::from("microvm,acpi=on,pit=on,pic=on,rtc=on");
     if !matches!(config.memory, MemoryBackend::Anonymous) {
@@ -77,6 +78,7 @@ pub fn build(config: &VmConfig) -> Vec<OsString> {
     // werror/rerror=report: a host disk that fills up (or fails) is an I/O error the
     // guest sees (ENOSPC, EIO), not a VM that QEMU pauses and nobody resumes.
     drive.push(escape(config.root_disk.as_os_str()));
+    drive.push(keep_page_cache(backing_levels));
     args.push("-drive").push(drive);
     args.push("-device").push("virtio-blk-device,drive=root");
 
@@ -104,8 +106,8 @@ pub fn build(config: &VmConfig) -> Vec<OsString> {
 /// `-incoming defer` and waits, paused, for `migrate-incoming` over QMP. (Giving the
 /// source on the command line does not work with `x-ignore-shared`: the capability must
 /// be set before the stream is read, and in QEMU 7.2 only QMP can set it in time.)
-pub fn build_restore(config: &VmConfig) -> Vec<OsString> {
-    let mut args = build(config);
+pub fn build_restore(config: &VmConfig, backing_levels: usize) -> Vec<OsString> {
+    let mut args = build(config, backing_levels);
     args.push("-incoming".into());
     args.push("defer".into());
     args
@@ -115,10 +117,26 @@ pub fn build_restore(config: &VmConfig) -> Vec<OsString> {
 /// and devices over a migration stream and never runs (`-S`: without it QEMU would start
 /// the vCPUs once the stream ends, since the source was running, and change the RAM it
 /// received).
-pub fn build_receiver(config: &VmConfig) -> Vec<OsString> {
-    let mut args = build_restore(config);
+pub fn build_receiver(config: &VmConfig, backing_levels: usize) -> Vec<OsString> {
+    let mut args = build_restore(config, backing_levels);
     args.push("-S".into());
     args
+}
+
+/// `drop-cache=off` for the file under every layer of the root disk, down its backing
+/// chain: `file.drop-cache=off,backing.file.drop-cache=off,backing.backing.file...`.
+///
+/// Why: a migration hands the disks over to its destination, and `cont` on the source
+/// takes them back; by default QEMU then drops the host's page cache of every image in
+/// the chain (`POSIX_FADV_DONTNEED`), in case the destination wrote them through shared
+/// storage. A branch's destination writes none of them, so that drop only made the
+/// source's resume read each layer's header from the disk again (measured here: 20-30 ms
+/// per evicted layer, most of a live branch's pause) and evicted the template's rootfs
+/// from the cache that all its children read through.
+pub fn keep_page_cache(backing_levels: usize) -> String {
+    (0..=backing_levels)
+        .map(|level| format!(",{}file.drop-cache=off", "backing.".repeat(level)))
+        .collect()
 }
 
 /// QEMU option values use `,` as a separator; a literal comma is written twice.
@@ -168,11 +186,28 @@ mod tests {
     }
 
     fn joined(c: &VmConfig) -> String {
-        build(c)
+        build(c, 0)
             .iter()
             .map(|a| a.to_string_lossy().into_owned())
             .collect::<Vec<_>>()
             .join(" ")
+    }
+
+    #[test]
+    fn every_layer_keeps_its_page_cache() {
+        assert_eq!(
+            keep_page_cache(2),
+            ",file.drop-cache=off,backing.file.drop-cache=off,backing.backing.file.drop-cache=off"
+        );
+        let s = build(&config(), 1)
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .find(|a| a.starts_with("id=root"))
+            .unwrap();
+        assert!(
+            s.ends_with("root.qcow2,file.drop-cache=off,backing.file.drop-cache=off"),
+            "{s}"
+        );
     }
 
     #[test]
@@ -194,7 +229,10 @@ mod tests {
             "{s}"
         );
         // Commas in paths are doubled so QEMU does not split on them.
-        assert!(s.contains("file=/run/x,,y/root.qcow2"), "{s}");
+        assert!(
+            s.contains("file=/run/x,,y/root.qcow2,file.drop-cache=off "),
+            "{s}"
+        );
         assert!(s.contains("werror=report,rerror=report"), "{s}");
         assert!(!s.contains("memory-backend"), "{s}");
         assert!(!s.contains("tsc_early_khz"), "{s}");

@@ -215,10 +215,20 @@ impl QemuVm {
         let log_path = config.hypervisor_log();
         let log = std::fs::File::create(&log_path)
             .map_err(|e| HypervisorError::io(format!("creating {}", log_path.display()), e))?;
+        let disk = config.root_disk.clone();
+        let levels = tokio::task::spawn_blocking(move || qcow2::backing_depth(&disk))
+            .await
+            .map_err(|e| HypervisorError::io("reading the disk chain", std::io::Error::other(e)))?
+            .map_err(|e| {
+                HypervisorError::io(
+                    format!("reading the disk chain of {}", config.root_disk.display()),
+                    e,
+                )
+            })?;
         let (args, incoming) = match start {
-            Start::Boot => (cmdline::build(config), None),
-            Start::Restore(file) => (cmdline::build_restore(config), Some(file)),
-            Start::Receive => (cmdline::build_receiver(config), None),
+            Start::Boot => (cmdline::build(config, levels), None),
+            Start::Restore(file) => (cmdline::build_restore(config, levels), Some(file)),
+            Start::Receive => (cmdline::build_receiver(config, levels), None),
         };
         let mut cmd = tokio::process::Command::new(binary);
         cmd.args(&args)

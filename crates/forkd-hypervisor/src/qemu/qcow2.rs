@@ -97,6 +97,47 @@ pub fn backing_name(image: &Path) -> std::io::Result<Option<String>> {
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
+/// The most layers a disk chain may have below its top: far beyond any chain forkd
+/// makes, and a bound on a loop of backing files.
+const MAX_CHAIN: usize = 256;
+
+/// How many images lie below `top` in its backing chain: each qcow2 image names the
+/// next; the walk ends at an image without a backing file or at one that is not qcow2
+/// (the raw rootfs at the bottom). Names are resolved as QEMU does: relative to the
+/// directory of the image that names them.
+pub fn backing_depth(top: &Path) -> std::io::Result<usize> {
+    let mut image = top.to_path_buf();
+    let mut depth = 0;
+    while is_qcow2(&image)? {
+        let Some(name) = backing_name(&image)? else {
+            break;
+        };
+        depth += 1;
+        if depth > MAX_CHAIN {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{}: more than {MAX_CHAIN} backing layers", top.display()),
+            ));
+        }
+        image = match image.parent() {
+            Some(dir) => dir.join(name),
+            None => name.into(),
+        };
+    }
+    Ok(depth)
+}
+
+/// Whether `image` starts with the qcow2 magic.
+fn is_qcow2(image: &Path) -> std::io::Result<bool> {
+    use std::os::unix::fs::FileExt;
+    let mut magic = [0u8; 4];
+    match std::fs::File::open(image)?.read_exact_at(&mut magic, 0) {
+        Ok(()) => Ok(u32::from_be_bytes(magic) == MAGIC),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// The bytes of an empty overlay of `size` bytes whose backing file is `backing_name`
 /// (as QEMU will open it: absolute, or relative to the overlay's directory).
 pub fn overlay_image(
@@ -266,6 +307,9 @@ mod tests {
         assert_eq!(backing_name(&top).unwrap().as_deref(), mid.to_str());
         assert_eq!(backing_name(&mid).unwrap().as_deref(), Some("base.raw"));
         assert!(backing_name(&raw).is_err(), "not a qcow2 image");
+        assert_eq!(backing_depth(&top).unwrap(), 2);
+        assert_eq!(backing_depth(&mid).unwrap(), 1);
+        assert_eq!(backing_depth(&raw).unwrap(), 0);
         let v: serde_json::Value = serde_json::from_str(&info).unwrap();
         assert_eq!(v["format"], "qcow2");
         assert_eq!(v["virtual-size"], 3 << 20);
