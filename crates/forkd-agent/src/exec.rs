@@ -215,7 +215,7 @@ async fn run(
     } else {
         Stdio::null()
     };
-    let mut sp = match spawn(&state.children, &state.env, &req, stdin) {
+    let mut sp = match spawn(&state.children, &state.env(), &req, stdin) {
         Ok(sp) => sp,
         Err(e) => {
             let _ = tx.send(event_frame(ExecEvent::Error(e.detail()))).await;

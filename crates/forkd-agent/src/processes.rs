@@ -13,20 +13,26 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use forkd_proto::exec::{
-    ExecRequest, ExitStatus, ProcessInfo, SignalRequest, WaitQuery, BACKGROUND_OUTPUT_LIMIT,
+    ExecRequest, ExitStatus, ProcessInfo, SignalRequest, StdinQuery, WaitQuery,
+    BACKGROUND_OUTPUT_LIMIT, STDIN_WRITE_LIMIT,
 };
+use forkd_proto::ErrorCode;
 use nix::sys::signal::Signal;
 use std::collections::{BTreeMap, VecDeque};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
 /// Once a process exited, how long its output pipes may stay open (held by a descendant
 /// that left its group) before its exit is published anyway.
 const PIPE_GRACE: Duration = Duration::from_millis(500);
+
+/// How long one write to a process's stdin may wait for the process to read (a full
+/// pipe holds 64 KiB).
+const STDIN_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The table of background processes.
 #[derive(Debug, Default)]
@@ -42,6 +48,10 @@ struct Proc {
     argv: Vec<String>,
     started_at_ms: u64,
     output: Mutex<Output>,
+    /// The write end of its stdin, while open (only for processes started with `stdin`).
+    stdin: tokio::sync::Mutex<Option<tokio::process::ChildStdin>>,
+    /// Mirrors whether `stdin` holds a pipe, for `info` without awaiting its lock.
+    stdin_open: std::sync::atomic::AtomicBool,
     /// `Some` once the process ended and its exit is final.
     exit: watch::Receiver<Option<ExitStatus>>,
 }
@@ -83,6 +93,7 @@ impl Proc {
             argv: self.argv.clone(),
             started_at_ms: self.started_at_ms,
             exit: *self.exit.borrow(),
+            stdin_open: self.stdin_open.load(Ordering::Relaxed) && self.running(),
             stdout: out.stdout.bytes(),
             stderr: out.stderr.bytes(),
         }
@@ -121,7 +132,12 @@ pub async fn start(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let mut sp = match exec::spawn(&state.children, &state.env, &req, Stdio::null()) {
+    let stdin = if req.stdin {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    };
+    let mut sp = match exec::spawn(&state.children, &state.env(), &req, stdin) {
         Ok(sp) => sp,
         Err(e) => return e.into_response(),
     };
@@ -136,6 +152,8 @@ pub async fn start(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
             .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
             .unwrap_or(0),
         output: Mutex::new(Output::default()),
+        stdin_open: std::sync::atomic::AtomicBool::new(sp.child.stdin.is_some()),
+        stdin: tokio::sync::Mutex::new(sp.child.stdin.take()),
         exit: exit_rx,
     });
     lock(&state.processes.table).insert(id, Arc::clone(&proc));
@@ -177,6 +195,8 @@ pub async fn start(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
         };
         let _ = exit_tx.send(Some(exit));
         drop(sp.tracked);
+        p.stdin_open.store(false, Ordering::Relaxed);
+        *p.stdin.lock().await = None;
         // Output of a descendant still holding the pipes keeps being captured.
         pumps.join().await;
     });
@@ -228,6 +248,71 @@ pub async fn wait(
     let q: WaitQuery = parse_query(query.as_deref())?;
     let p = state.processes.get(&id)?;
     p.wait(q.timeout_ms.map(Duration::from_millis)).await;
+    Ok(Json(p.info()))
+}
+
+/// `POST /v1/processes/{id}/stdin[?close=true]`: writes the body to the process's stdin,
+/// then closes it if asked. Writes of one process are applied in the order they arrive.
+pub async fn stdin(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    RawQuery(query): RawQuery,
+    body: Bytes,
+) -> Result<Json<ProcessInfo>, ApiError> {
+    let q: StdinQuery = parse_query(query.as_deref())?;
+    let p = state.processes.get(&id)?;
+    if body.len() > STDIN_WRITE_LIMIT {
+        return Err(ApiError::invalid(format!(
+            "{} bytes for stdin in one write; the limit is {STDIN_WRITE_LIMIT}",
+            body.len()
+        )));
+    }
+    let mut pipe = p.stdin.lock().await;
+    let Some(w) = pipe.as_mut() else {
+        return Err(ApiError::new(
+            ErrorCode::StdinClosed,
+            format!(
+                "the stdin of process {id} is closed (or was not kept open: start it with stdin: true)"
+            ),
+        ));
+    };
+    if !body.is_empty() {
+        let written = tokio::time::timeout(STDIN_WRITE_TIMEOUT, async {
+            w.write_all(&body).await?;
+            w.flush().await
+        })
+        .await;
+        let failed = match written {
+            Ok(Ok(())) => None,
+            // EPIPE: every reader is gone, the process ended or closed its stdin.
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => Some(ApiError::new(
+                ErrorCode::StdinClosed,
+                format!("process {id} no longer reads its stdin (it ended or closed it)"),
+            )),
+            Ok(Err(e)) => Some(ApiError::new(
+                ErrorCode::Io,
+                format!("writing to the stdin of process {id}: {e}"),
+            )),
+            Err(_) => Some(ApiError::new(
+                ErrorCode::Io,
+                format!(
+                    "process {id} did not read its stdin within {} s",
+                    STDIN_WRITE_TIMEOUT.as_secs()
+                ),
+            )),
+        };
+        if let Some(e) = failed {
+            // A pipe that failed is not written again: what it took is unknown.
+            *pipe = None;
+            p.stdin_open.store(false, Ordering::Relaxed);
+            return Err(e);
+        }
+    }
+    if q.close {
+        *pipe = None;
+        p.stdin_open.store(false, Ordering::Relaxed);
+    }
+    drop(pipe);
     Ok(Json(p.info()))
 }
 

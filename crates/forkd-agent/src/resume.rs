@@ -52,7 +52,17 @@ pub async fn resume(
             ApiError::new(ErrorCode::Io, format!("setting the hostname failed: {e}"))
         })?;
     }
-    let contexts_reseeded = state.contexts.reseed_all(RESEED_WAIT).await;
+    if req
+        .env
+        .keys()
+        .any(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
+    {
+        return Err(ApiError::invalid(
+            "env keys must be non-empty and hold no '=' or NUL",
+        ));
+    }
+    state.add_env(&req.env);
+    let contexts_reseeded = state.contexts.reseed_all(RESEED_WAIT, &req.env).await;
     Ok(Json(ResumeResponse {
         clock_step_ms,
         contexts_reseeded,

@@ -38,8 +38,9 @@ pub struct AppState {
     pub processes: Processes,
     /// Code contexts.
     pub contexts: Contexts,
-    /// The environment every command starts from.
-    pub env: BTreeMap<String, String>,
+    /// The environment every command starts from: [`default_env`], and what the host
+    /// adds at a child's resume (the sandbox's own variables).
+    env: std::sync::RwLock<BTreeMap<String, String>>,
 }
 
 impl AppState {
@@ -50,8 +51,21 @@ impl AppState {
             children,
             processes: Processes::default(),
             contexts: Contexts::default(),
-            env: default_env(),
+            env: std::sync::RwLock::new(default_env()),
         })
+    }
+
+    /// The environment a command starts from now.
+    pub fn env(&self) -> BTreeMap<String, String> {
+        self.env.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Adds `vars` to (or replaces them in) the environment commands start from.
+    pub fn add_env(&self, vars: &BTreeMap<String, String>) {
+        self.env
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(vars.iter().map(|(k, v)| (k.clone(), v.clone())));
     }
 }
 
@@ -87,6 +101,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/v1/processes/{id}/wait", post(processes::wait))
         .route("/v1/processes/{id}/signal", post(processes::signal))
+        .route("/v1/processes/{id}/stdin", post(processes::stdin))
         .route(routes::FILES, get(files::read).put(files::write))
         .route(routes::FILES_LIST, get(files::list))
         .route(routes::FILES_STAT, get(files::stat))

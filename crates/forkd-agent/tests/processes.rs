@@ -163,3 +163,70 @@ async fn output_keeps_the_tail_and_timeouts_apply() {
         .await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
 }
+
+#[tokio::test]
+async fn stdin_kept_open_is_written_in_order_and_closed() {
+    let agent = Agent::start().await;
+    let mut c = agent.connect().await;
+    let mut req = ExecRequest::new(Command::Shell(
+        "while read -r line; do echo \"got $line\"; done; echo eof".into(),
+    ));
+    req.stdin = true;
+    let (status, p): (_, ProcessInfo) = c
+        .json(
+            Method::POST,
+            "/v1/processes",
+            Some(serde_json::to_value(req).expect("json")),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(p.stdin_open);
+    let stdin = format!("/v1/processes/{}/stdin", p.id);
+
+    let (status, body) = c.call(Method::POST, &stdin, common::full("a\n")).await;
+    assert_eq!(status, StatusCode::OK, "{body:?}");
+    let (status, _) = c
+        .call(Method::POST, &stdin, common::full(&b"b\xff\n"[..]))
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    // The last write closes it: the loop sees end of file and the process ends.
+    let (status, body) = c
+        .call(
+            Method::POST,
+            &format!("{stdin}?close=true"),
+            common::full("c\n"),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let after: ProcessInfo = serde_json::from_slice(&body).expect("json");
+    assert!(!after.stdin_open);
+    let (_, done): (_, ProcessInfo) = c
+        .json(Method::POST, &format!("/v1/processes/{}/wait", p.id), None)
+        .await;
+    assert_eq!(done.exit.map(|e| e.code), Some(Some(0)));
+    assert_eq!(done.stdout, b"got a\ngot b\xff\ngot c\neof\n");
+
+    // Closed stays closed; a process started without stdin has none to write.
+    let (status, err): (_, ErrorBody) = c.json(Method::POST, &stdin, None).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(err.error.code, ErrorCode::StdinClosed);
+    let (_, plain): (_, ProcessInfo) = c
+        .json(Method::POST, "/v1/processes", Some(shell("sleep 30")))
+        .await;
+    assert!(!plain.stdin_open);
+    let (status, err): (_, ErrorBody) = c
+        .json(
+            Method::POST,
+            &format!("/v1/processes/{}/stdin", plain.id),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert!(
+        err.error.message.contains("stdin: true"),
+        "{}",
+        err.error.message
+    );
+    let (status, _): (_, ErrorBody) = c.json(Method::POST, "/v1/processes/999/stdin", None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}

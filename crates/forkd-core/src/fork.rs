@@ -13,6 +13,7 @@ use forkd_hypervisor::{
     VmConfig,
 };
 use forkd_image::Home;
+use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -40,6 +41,9 @@ pub struct ForkOptions {
     pub parallel: usize,
     /// Stops the fork: children not started yet are not, started ones are discarded.
     pub cancel: CancellationToken,
+    /// Variables every child's commands, background processes and code contexts get on
+    /// top of what the snapshot's guest had (set by the resume hook).
+    pub env: BTreeMap<String, String>,
 }
 
 /// Restores in flight at once by default: one per host CPU. Under TCG a restore and the
@@ -59,6 +63,7 @@ impl Default for ForkOptions {
             agent_timeout: Duration::from_secs(30),
             parallel: default_parallel(),
             cancel: CancellationToken::new(),
+            env: BTreeMap::new(),
         }
     }
 }
@@ -495,6 +500,7 @@ async fn launch_child(
         boot_timeout: opts.ready_timeout,
         agent_timeout: opts.agent_timeout,
         seccomp: opts.seccomp,
+        env: opts.env.clone(),
     };
     Sandbox::launch(hv, config, how, &sopts, guard).await
 }

@@ -32,6 +32,9 @@ pub struct SandboxOptions {
     pub agent_timeout: Duration,
     /// QEMU's seccomp filter.
     pub seccomp: bool,
+    /// For a restored child: variables its commands, background processes and code
+    /// contexts get on top of its snapshot's (given to the resume hook).
+    pub env: std::collections::BTreeMap<String, String>,
 }
 
 impl Default for SandboxOptions {
@@ -43,6 +46,7 @@ impl Default for SandboxOptions {
             boot_timeout: Duration::from_secs(120),
             agent_timeout: Duration::from_secs(30),
             seccomp: true,
+            env: Default::default(),
         }
     }
 }
@@ -198,7 +202,7 @@ impl Sandbox {
         let agent_socket = config.agent_socket();
         let restored = snapshot.is_some();
         let agent = tokio::select! {
-            res = connect_agent(&agent_socket, opts.boot_timeout, restored.then_some(id.as_str())) => match res {
+            res = connect_agent(&agent_socket, opts.boot_timeout, restored.then_some((id.as_str(), &opts.env))) => match res {
                 Ok(a) => a,
                 Err(AgentError::HandshakeTimeout { .. }) => {
                     vm.kill();
@@ -647,17 +651,17 @@ async fn watch(inner: std::sync::Weak<Inner>) {
 const QUIESCE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Connects to the agent and waits for its first answer: a ping, or for a restored
-/// child (`resume_as` its id) the resume hook, so that nothing reaches the child before
-/// its clock, RNG and hostname are its own.
+/// child (`resume_as` its id and its own variables) the resume hook, so that nothing
+/// reaches the child before its clock, RNG, hostname and environment are its own.
 async fn connect_agent(
     socket: &Path,
     timeout: Duration,
-    resume_as: Option<&str>,
+    resume_as: Option<(&str, &std::collections::BTreeMap<String, String>)>,
 ) -> Result<AgentClient, AgentError> {
     let t = Instant::now();
     let agent = AgentClient::connect(socket, timeout).await?;
     tracing::debug!("agent handshake in {:?}", t.elapsed());
-    if let Some(id) = resume_as {
+    if let Some((id, env)) = resume_as {
         let wall_clock_ns = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
@@ -667,6 +671,7 @@ async fn connect_agent(
                 wall_clock_ns,
                 entropy_hex: crate::ids::random_hex(64),
                 hostname: id.to_owned(),
+                env: env.clone(),
             })
             .await?;
         tracing::debug!("agent handshake and resume hook in {:?}", t.elapsed());

@@ -255,6 +255,7 @@ pub async fn build(
         boot_timeout: opts.boot_timeout,
         agent_timeout: Duration::from_secs(60),
         seccomp: opts.seccomp,
+        env: Default::default(),
     };
     progress(&format!(
         "booting the parent ({} vCPU, {} MiB, {accel})",

@@ -129,6 +129,8 @@ pub struct CreateSpec {
     pub count: usize,
     /// The caller's labels.
     pub labels: BTreeMap<String, String>,
+    /// Variables for the children's commands and contexts (see `ForkOptions::env`).
+    pub env: BTreeMap<String, String>,
     /// Unix time after which the daemon stops each child.
     pub timeout_at: Option<i64>,
     /// Keep the children that start when others fail (else all or nothing).
@@ -145,6 +147,7 @@ impl CreateSpec {
         CreateSpec {
             count,
             labels: BTreeMap::new(),
+            env: BTreeMap::new(),
             timeout_at: None,
             partial: false,
             op_id: new_operation_id(),
@@ -453,6 +456,7 @@ impl Registry {
             agent_timeout: self.agent_timeout,
             parallel: self.fork_parallel,
             cancel,
+            env: spec.env.clone(),
             ..ForkOptions::default()
         };
         let hv = self.hv.as_ref();
@@ -1158,6 +1162,24 @@ mod tests {
 
     fn db_state(w: &World, id: &str) -> Option<SandboxState> {
         w.state.sandbox(id).unwrap().map(|r| r.state)
+    }
+
+    #[tokio::test]
+    async fn children_get_the_env_they_were_created_with() {
+        let w = world();
+        let r = w.registry(2);
+        let spec = CreateSpec {
+            env: [("FORKD_T".to_owned(), "a b=c".to_owned())].into(),
+            ..spec(1)
+        };
+        let e = r.create(&w.snap, spec).await.unwrap().entries.remove(0);
+        let mut req = ExecRequest::new(Command::Shell("echo \"$FORKD_T|$HOME\"".into()));
+        let out = e.sandbox.exec(req.clone(), None).await.unwrap();
+        assert_eq!(out.stdout, b"a b=c|/root\n");
+        // A request's own env still wins.
+        req.env.insert("FORKD_T".into(), "mine".into());
+        let out = e.sandbox.exec(req, None).await.unwrap();
+        assert_eq!(out.stdout, b"mine|/root\n");
     }
 
     #[tokio::test]

@@ -179,6 +179,10 @@ pub struct ResumeRequest {
     pub entropy_hex: String,
     /// The child's hostname (its sandbox id).
     pub hostname: String,
+    /// Variables the child's commands, background processes and code contexts get on
+    /// top of the environment it inherited (its sandbox's own `env`).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
 }
 
 /// Answer to `POST /v1/resume`.

@@ -37,7 +37,8 @@ pub struct ExecRequest {
     /// Kill the command (its whole process group) after this many milliseconds.
     #[serde(default)]
     pub timeout_ms: Option<u64>,
-    /// Foreground only: the request body carries stdin. When false stdin is `/dev/null`.
+    /// Foreground: the request body carries stdin. Background: stdin is a pipe kept open
+    /// for [`crate::routes::process_stdin`]. When false stdin is `/dev/null`.
     #[serde(default)]
     pub stdin: bool,
 }
@@ -112,6 +113,9 @@ pub struct ProcessInfo {
     pub started_at_ms: u64,
     /// Set once it has ended.
     pub exit: Option<ExitStatus>,
+    /// Whether its stdin is a pipe still open for writes.
+    #[serde(default)]
+    pub stdin_open: bool,
     /// Output captured so far: the last [`BACKGROUND_OUTPUT_LIMIT`] bytes, exactly as
     /// written (base64 on the wire).
     #[serde(default, rename = "stdout_b64", with = "base64_bytes")]
@@ -146,6 +150,17 @@ pub struct SignalRequest {
     /// Signal number (e.g. 15 for SIGTERM), sent to the process group.
     pub signal: i32,
 }
+
+/// Query of `POST /v1/processes/{id}/stdin`.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct StdinQuery {
+    /// Close the process's stdin after writing the body (end of file for its reads).
+    #[serde(default)]
+    pub close: bool,
+}
+
+/// The most bytes one `POST /v1/processes/{id}/stdin` may carry.
+pub const STDIN_WRITE_LIMIT: usize = 1 << 20;
 
 /// Query of `POST /v1/processes/{id}/wait`.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]

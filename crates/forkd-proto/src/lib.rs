@@ -22,7 +22,7 @@ pub mod routes;
 use serde::{Deserialize, Serialize};
 
 /// Version of the agent protocol. Bump on any incompatible change to this crate.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Name of the virtio-serial port the agent listens on (`/sys/class/virtio-ports/*/name`).
 pub const AGENT_PORT_NAME: &str = "agent";
@@ -63,6 +63,8 @@ pub enum ErrorCode {
     InvalidArgument,
     /// The program to execute could not be started.
     SpawnFailed,
+    /// A background process's stdin is closed, or was not kept open.
+    StdinClosed,
     /// An I/O error in the guest.
     Io,
     /// A bug in the agent.
@@ -74,7 +76,7 @@ impl ErrorCode {
     pub fn http_status(self) -> u16 {
         match self {
             ErrorCode::NotFound => 404,
-            ErrorCode::AlreadyExists | ErrorCode::DirectoryNotEmpty => 409,
+            ErrorCode::AlreadyExists | ErrorCode::DirectoryNotEmpty | ErrorCode::StdinClosed => 409,
             ErrorCode::NotADirectory | ErrorCode::IsADirectory | ErrorCode::InvalidArgument => 400,
             ErrorCode::PermissionDenied => 403,
             ErrorCode::SpawnFailed => 422,

@@ -34,6 +34,13 @@ pub fn process_wait(id: u64) -> String {
     format!("{PROCESSES}/{id}/wait")
 }
 
+/// `POST /v1/processes/{id}/stdin[?close=true]` (body: raw bytes, at most
+/// [`crate::exec::STDIN_WRITE_LIMIT`]) writes to the stdin of a process started with
+/// `stdin: true`, then closes it if asked → `ProcessInfo`.
+pub fn process_stdin(id: u64) -> String {
+    format!("{PROCESSES}/{id}/stdin")
+}
+
 /// `POST /v1/processes/{id}/signal` with [`crate::exec::SignalRequest`] → `ProcessInfo`.
 pub fn process_signal(id: u64) -> String {
     format!("{PROCESSES}/{id}/signal")

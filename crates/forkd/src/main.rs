@@ -225,6 +225,7 @@ impl VmArgs {
             boot_timeout: std::time::Duration::from_secs(self.boot_timeout),
             agent_timeout: std::time::Duration::from_secs(self.agent_timeout.max(1)),
             seccomp: true,
+            env: Default::default(),
         }
     }
 }

@@ -1,8 +1,8 @@
 //! The clients agents use, each against the same real daemon and `python` template
 //! (built once: a template build costs tens of seconds under TCG): the Python SDK's
 //! pytest suite, the TypeScript SDK's node:test suite after `npm ci && npm run build`,
-//! `forkd mcp` driven by the official MCP Python client over stdio, and the README's
-//! Python example.
+//! `forkd mcp` driven by the official MCP Python client over stdio, and the examples
+//! of the README, the SDKs' READMEs and docs/mcp.md, run as a reader would.
 
 mod common;
 
@@ -32,6 +32,33 @@ fn repo(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../..")
         .join(path)
+}
+
+/// The fenced code blocks of the markdown file `doc` in language `lang`, in order.
+fn code_blocks(doc: &str, lang: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(repo(doc)).unwrap();
+    let fence = format!("```{lang}\n");
+    let blocks: Vec<String> = text
+        .split(&fence)
+        .skip(1)
+        .map(|rest| rest.split("```").next().unwrap().to_owned())
+        .collect();
+    assert!(!blocks.is_empty(), "{doc} has no {lang} example");
+    blocks
+}
+
+/// Runs each Python example of `doc`; returns their output.
+fn run_python_examples(doc: &str, python: &str, env: &[(&str, String)]) -> Vec<String> {
+    let dir = tempfile::tempdir().unwrap();
+    code_blocks(doc, "python")
+        .iter()
+        .enumerate()
+        .map(|(i, code)| {
+            let file = format!("example{i}.py");
+            std::fs::write(dir.path().join(&file), code).unwrap();
+            run(dir.path(), python, &[&file], env)
+        })
+        .collect()
 }
 
 #[test]
@@ -70,28 +97,76 @@ fn the_sdks_and_the_mcp_server_work_against_a_real_daemon() {
         "{report}"
     );
 
-    // The README's Python example, as a reader would run it.
-    let readme = std::fs::read_to_string(repo("README.md")).unwrap();
-    let example = readme
-        .split("```python\n")
-        .nth(1)
-        .and_then(|rest| rest.split("```").next())
-        .expect("the README has a Python example");
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("example.py"), example).unwrap();
-    let report = run(dir.path(), &python, &["example.py"], &py_env);
-    assert_eq!(report.lines().filter(|l| *l == "3").count(), 3, "{report}");
+    // The examples, as a reader would run them.
+    let readme = run_python_examples("README.md", &python, &py_env);
+    assert_eq!(
+        readme[0].lines().filter(|l| *l == "3").count(),
+        3,
+        "{readme:?}"
+    );
+    let sdk = run_python_examples("sdk/python/README.md", &python, &py_env);
+    assert!(sdk[0].contains("<table"), "{sdk:?}");
+    assert!(sdk[0].lines().filter(|l| *l == "2").count() == 3, "{sdk:?}");
+    // sum(range(i)) for the ten rollouts.
+    assert!(
+        sdk[1].contains("'0', '0', '1', '3'") && sdk[1].contains("'36']"),
+        "{sdk:?}"
+    );
+    assert_eq!(sdk[2], "hello ada\nhello alan\n", "{sdk:?}");
 
-    // TypeScript.
+    // TypeScript: the README's examples type-checked against the built package (which
+    // they import by its name) and run.
+    let examples = tempfile::Builder::new()
+        .prefix(".doc-examples")
+        .tempdir_in(&ts)
+        .unwrap();
+    let blocks = code_blocks("sdk/typescript/README.md", "ts");
+    for (i, code) in blocks.iter().enumerate() {
+        std::fs::write(examples.path().join(format!("example{i}.ts")), code).unwrap();
+    }
+    std::fs::write(
+        examples.path().join("tsconfig.json"),
+        r#"{"extends": "../tsconfig.json", "compilerOptions": {"rootDir": ".", "outDir": "out", "declaration": false}, "include": ["*.ts"]}"#,
+    )
+    .unwrap();
+    let tsc = ts.join("node_modules/typescript/bin/tsc");
+    run(
+        examples.path(),
+        "node",
+        &[tsc.to_str().unwrap(), "-p", "."],
+        &[],
+    );
+    for i in 0..blocks.len() {
+        let report = run(
+            examples.path(),
+            "node",
+            &[&format!("out/example{i}.js")],
+            &env,
+        );
+        assert!(report.contains("<table"), "{report}");
+    }
+
     let report = run(&ts, "node", &["--test", "test/"], &env);
     assert!(
-        report.contains("# pass 7") && report.contains("# skipped 0"),
+        report.contains("# pass 8") && report.contains("# skipped 0"),
         "{report}"
     );
 
-    // MCP: the official client starts `forkd mcp` itself.
+    // MCP: the official client starts `forkd mcp` itself, from the first configuration
+    // docs/mcp.md gives (`forkd` found on PATH). The second, for a daemon on TCP, needs
+    // a host and token of the reader's; it names the same server.
+    let configs = code_blocks("docs/mcp.md", "json");
+    let tcp: serde_json::Value = serde_json::from_str(&configs[1]).unwrap();
+    assert_eq!(tcp["mcpServers"]["forkd"]["args"][0], "mcp");
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_forkd")).parent().unwrap();
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
     let mut mcp_env = env.to_vec();
-    mcp_env.push(("FORKD_BIN", env!("CARGO_BIN_EXE_forkd").to_owned()));
+    mcp_env.push(("FORKD_MCP_CONFIG", configs[0].clone()));
+    mcp_env.push(("PATH", path));
     let dir = repo("crates/forkd/tests/clients");
     let report = run(&dir, &python, &["mcp_client.py"], &mcp_env);
     assert!(report.lines().any(|l| l == "ok"), "{report}\n{}", d.log());

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import hashlib
 from typing import List
 
 import pytest
 
-from forkd import BadRequestError, NotFoundError, Sandbox, TimeoutError
+from forkd import BadRequestError, ConflictError, NotFoundError, Sandbox, TimeoutError
 
 
 def test_a_command_gives_its_output_and_exit_code(sbx: Sandbox) -> None:
@@ -54,8 +55,33 @@ def test_background_commands_wait_signal_and_kill(sbx: Sandbox) -> None:
         h.info()
 
 
+def test_background_stdin_is_written_then_closed(sbx: Sandbox) -> None:
+    h = sbx.commands.run("cat; echo eof", background=True, stdin=True)
+    assert h.info().stdin_open
+    h.send_stdin("a\n")
+    # Bytes that are not UTF-8, and more than one request carries.
+    big = b"\xff" * 700_000 + b"\n"
+    h.send_stdin(big)
+    assert not h.close_stdin().stdin_open
+    ended = h.wait(timeout=60)
+    assert ended.exit_code == 0
+    assert ended.stdout_bytes == b"a\n" + big + b"eof\n"
+    with pytest.raises(ConflictError, match="closed"):
+        h.send_stdin("late")
+
+    # Data given at the start is written, then stdin is closed.
+    h = sbx.commands.run(["sha256sum"], background=True, stdin=b"\x00\x01")
+    done = h.wait(timeout=60)
+    assert done.stdout.split()[0] == hashlib.sha256(b"\x00\x01").hexdigest()
+    # Without stdin=True there is none to write.
+    h = sbx.commands.run("sleep 600", background=True)
+    with pytest.raises(ConflictError, match="stdin"):
+        h.send_stdin("x")
+    h.kill()
+
+
 def test_bad_commands_are_refused(sbx: Sandbox) -> None:
     with pytest.raises(BadRequestError):
         sbx.commands.run("true", cwd="relative")
     with pytest.raises(ValueError):
-        sbx.commands.run("cat", stdin="x", background=True)
+        sbx.commands.run("cat", stdin=True)

@@ -10,7 +10,11 @@ from forkd import ConflictError, Connection, NotFoundError, Sandbox, Snapshot, U
 
 def test_create_list_connect_and_kill(snapshot: str, conn: Connection) -> None:
     label = uuid.uuid4().hex[:8]
-    with Sandbox.create(snapshot=snapshot, labels={"run": label}, timeout=600) as s:
+    envs = {"FORKD_RUN": label}
+    with Sandbox.create(snapshot=snapshot, labels={"run": label}, timeout=600, envs=envs) as s:
+        # The sandbox's variables reach commands and the code contexts it inherited.
+        assert s.commands.run("echo $FORKD_RUN").stdout == label + "\n"
+        assert s.run_code("import os; os.environ['FORKD_RUN']").text == repr(label)
         assert [i.id for i in Sandbox.list(labels={"run": label})] == [s.id]
         again = Sandbox.connect(s.id)
         assert again.info.snapshot == snapshot and again.info.timeout_at is not None

@@ -14,6 +14,7 @@ export type { ConnectionOptions } from "./connection.js";
 export * from "./errors.js";
 export { CommandHandle, Commands, Files, Sandbox, Snapshot } from "./sandbox.js";
 export type {
+  BackgroundOptions,
   CodeContext,
   CommandResult,
   CreateOptions,

@@ -52,6 +52,8 @@ export interface ProcessInfo {
   stderr: string;
   stdoutBytes: Buffer;
   stderrBytes: Buffer;
+  /** Whether its stdin is open for `sendStdin` (started with `stdin: true`). */
+  stdinOpen: boolean;
 }
 
 function processInfo(v: Json): ProcessInfo {
@@ -66,6 +68,7 @@ function processInfo(v: Json): ProcessInfo {
     exitCode: (v.exit_code as number | null) ?? null,
     signal: (v.signal as number | null) ?? null,
     timedOut: Boolean(v.timed_out),
+    stdinOpen: Boolean(v.stdin_open),
     stdout: out.toString("utf8"),
     stderr: err.toString("utf8"),
     stdoutBytes: out,
@@ -179,12 +182,20 @@ export interface RunOptions {
   cwd?: string;
   /** Seconds. */
   timeout?: number;
+  /** Given to the command on stdin. */
   stdin?: string | Uint8Array;
   onStdout?: OutputHandler;
   onStderr?: OutputHandler;
 }
 
-function commandBody(cmd: string | string[], o: RunOptions): Json {
+/** A background command's options: `stdin: true` keeps its stdin open for
+ * `CommandHandle.sendStdin`; data is written to it, then it is closed. */
+export type BackgroundOptions = Omit<RunOptions, "stdin" | "onStdout" | "onStderr"> & {
+  background: true;
+  stdin?: string | Uint8Array | boolean;
+};
+
+function commandBody(cmd: string | string[], o: Pick<RunOptions, "envs" | "cwd" | "timeout">): Json {
   const body: Json = typeof cmd === "string" ? { shell: cmd } : { cmd };
   if (o.envs) body.env = o.envs;
   if (o.cwd) body.cwd = o.cwd;
@@ -235,6 +246,34 @@ export class CommandHandle {
   async kill(): Promise<ProcessInfo> {
     return processInfo(await this.sandbox.conn.request<Json>("DELETE", this.path()));
   }
+
+  /** Writes `data` to its stdin (it was started with `stdin: true`). */
+  async sendStdin(data: string | Uint8Array): Promise<ProcessInfo> {
+    return this.writeStdin(data, false);
+  }
+
+  /** Closes its stdin: its reads see end of file. */
+  async closeStdin(): Promise<ProcessInfo> {
+    return this.writeStdin(new Uint8Array(0), true);
+  }
+
+  /** @internal */
+  async writeStdin(data: string | Uint8Array, close: boolean): Promise<ProcessInfo> {
+    const raw = typeof data === "string" ? Buffer.from(data) : Buffer.from(data);
+    // A JSON body is at most 1 MiB and base64 takes 4 bytes for 3: pieces of 512 KiB.
+    const piece = 512 * 1024;
+    let v: Json = {};
+    let offset = 0;
+    do {
+      const part = raw.subarray(offset, offset + piece);
+      offset += piece;
+      const last = offset >= raw.length;
+      v = await this.sandbox.conn.request<Json>("POST", this.path("/stdin"), {
+        json: { data_b64: part.toString("base64"), close: close && last },
+      });
+    } while (offset < raw.length);
+    return processInfo(v);
+  }
 }
 
 /** Running commands in a sandbox: `sandbox.commands`. */
@@ -246,16 +285,20 @@ export class Commands {
    * output is handed over as it comes. */
   run(cmd: string | string[], options?: RunOptions & { background?: false }): Promise<CommandResult>;
   /** Starts `cmd` in the background and resolves with its handle at once. */
-  run(cmd: string | string[], options: Omit<RunOptions, "stdin"> & { background: true }): Promise<CommandHandle>;
+  run(cmd: string | string[], options: BackgroundOptions): Promise<CommandHandle>;
   async run(
     cmd: string | string[],
-    options: RunOptions & { background?: boolean } = {},
+    options: (RunOptions & { background?: false }) | BackgroundOptions = {},
   ): Promise<CommandResult | CommandHandle> {
     const body = commandBody(cmd, options);
     const path = `/v1/sandboxes/${this.sandbox.id}`;
     if (options.background) {
+      const stdin = options.stdin;
+      if (stdin) body.stdin = true;
       const v = await this.sandbox.conn.request<Json>("POST", path + "/processes", { json: body });
-      return new CommandHandle(this.sandbox, Number(v.id), Number(v.pid));
+      const handle = new CommandHandle(this.sandbox, Number(v.id), Number(v.pid));
+      if (stdin !== undefined && typeof stdin !== "boolean") await handle.writeStdin(stdin, true);
+      return handle;
     }
     if (options.stdin !== undefined) {
       const data = typeof options.stdin === "string" ? Buffer.from(options.stdin) : Buffer.from(options.stdin);
@@ -381,6 +424,8 @@ export interface CreateOptions extends ConnectionOptions {
   /** Lifetime in seconds. */
   timeout?: number;
   labels?: Record<string, string>;
+  /** Environment variables its commands and code contexts get. */
+  envs?: Record<string, string>;
   vcpus?: number;
   memoryMib?: number;
   /** Reuse a connection. */
@@ -391,6 +436,7 @@ function forkBody(snapshot: string, n: number, o: CreateOptions): Json {
   const body: Json = { snapshot, n };
   if (o.timeout !== undefined) body.timeout_s = o.timeout;
   if (o.labels) body.labels = o.labels;
+  if (o.envs) body.env = o.envs;
   if (o.vcpus !== undefined) body.vcpus = o.vcpus;
   if (o.memoryMib !== undefined) body.memory_mib = o.memoryMib;
   return body;

@@ -67,6 +67,21 @@ describe("a sandbox", () => {
     await assert.rejects(k.info(), NotFoundError);
   });
 
+  test("background stdin is written in pieces, then closed", async () => {
+    const h = await sbx.commands.run("cat; echo eof", { background: true, stdin: true });
+    assert.equal((await h.info()).stdinOpen, true);
+    const big = Buffer.alloc(700_000, 0xff);
+    await h.sendStdin("a\n");
+    await h.sendStdin(big);
+    assert.equal((await h.closeStdin()).stdinOpen, false);
+    const ended = await h.wait(60);
+    assert.deepEqual(ended.stdoutBytes, Buffer.concat([Buffer.from("a\n"), big, Buffer.from("eof\n")]));
+    await assert.rejects(h.sendStdin("late"), ConflictError);
+    const given = await sbx.commands.run(["sha256sum"], { background: true, stdin: "abc" });
+    const sum = createHash("sha256").update("abc").digest("hex");
+    assert.equal((await given.wait(60)).stdout.split(" ")[0], sum);
+  });
+
   test("files go both ways as text, bytes and streams", async () => {
     await sbx.files.write("/tmp/t.txt", "héllo\n");
     assert.equal(await sbx.files.read("/tmp/t.txt"), "héllo\n");
@@ -115,8 +130,14 @@ describe("lifecycle", () => {
   test("create, list, connect, time out, branch, fork and remove", async () => {
     noDaemon();
     const label = randomBytes(4).toString("hex");
-    const source = await Sandbox.create("python", { snapshot, labels: { run: label }, timeout: 600 });
+    const source = await Sandbox.create("python", {
+      snapshot,
+      labels: { run: label },
+      timeout: 600,
+      envs: { FORKD_RUN: label },
+    });
     try {
+      assert.equal((await source.commands.run("echo $FORKD_RUN")).stdout, `${label}\n`);
       assert.deepEqual((await Sandbox.list({ labels: { run: label } })).map((s) => s.id), [source.id]);
       const again = await Sandbox.connect(source.id);
       assert.notEqual(again.info.timeoutAt, null);

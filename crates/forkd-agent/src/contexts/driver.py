@@ -198,8 +198,12 @@ def _run(code):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _reseed():
+def _reseed(env):
     import random
+
+    # The child's own environment (given when it was created) joins the template's.
+    if isinstance(env, dict):
+        os.environ.update({str(k): str(v) for k, v in env.items()})
 
     random.seed()
     np = sys.modules.get("numpy")
@@ -219,7 +223,7 @@ def main():
         if op == "run":
             _run(req.get("code", ""))
         elif op == "reseed":
-            _reseed()
+            _reseed(req.get("env"))
         for cap in _captures:
             cap.sync()
         _emit({"type": "done", "execution_count": _count})

@@ -293,18 +293,20 @@ impl Contexts {
     /// queued. The reseeds run in the background: a restored child answers its host
     /// without waiting for its interpreters (whose first instructions, under TCG, are
     /// slow), and no code of the child's can run in a context before its reseed has.
-    pub async fn reseed_all(&self, wait: Duration) -> u32 {
+    /// `env` joins each interpreter's `os.environ` in the same step.
+    pub async fn reseed_all(&self, wait: Duration, env: &BTreeMap<String, String>) -> u32 {
         let mut n = 0;
         for ctx in self.all() {
             let Ok(slot) = tokio::time::timeout(wait, ctx.proc.clone().lock_owned()).await else {
                 continue;
             };
             n += 1;
+            let env = env.clone();
             tokio::spawn(async move {
                 let (tx, mut rx) = mpsc::channel(16);
                 let drain = tokio::spawn(async move { while rx.recv().await.is_some() {} });
-                ctx.run_locked(slot, serde_json::json!({ "op": "reseed" }), None, tx)
-                    .await;
+                let op = serde_json::json!({ "op": "reseed", "env": env });
+                ctx.run_locked(slot, op, None, tx).await;
                 let _ = drain.await;
             });
         }
@@ -326,7 +328,7 @@ pub async fn create(
     } else {
         parse_json(&body)?
     };
-    let interp = Interpreter::start(&state.children, &state.env, &spec).await?;
+    let interp = Interpreter::start(&state.children, &state.env(), &spec).await?;
     let n = state.contexts.next_id.fetch_add(1, Ordering::Relaxed) + 1;
     let ctx = Arc::new(Context {
         id: format!("ctx-{n}"),
@@ -378,7 +380,7 @@ pub async fn reset(
     if let Some(mut old) = slot.take() {
         old.kill().await;
     }
-    let interp = Interpreter::start(&state.children, &state.env, &ctx.spec).await?;
+    let interp = Interpreter::start(&state.children, &state.env(), &ctx.spec).await?;
     ctx.pid.store(interp.pid, Ordering::Relaxed);
     ctx.count.store(0, Ordering::Relaxed);
     *slot = Some(interp);

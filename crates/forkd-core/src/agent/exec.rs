@@ -3,7 +3,7 @@
 use super::{empty, with_query, AgentClient, AgentError, ReqBody};
 use bytes::Bytes;
 use forkd_proto::exec::{
-    ExecEvent, ExecRequest, ExitStatus, ProcessInfo, SignalRequest, WaitQuery,
+    ExecEvent, ExecRequest, ExitStatus, ProcessInfo, SignalRequest, StdinQuery, WaitQuery,
 };
 use forkd_proto::frame::{self, Decoder, Tag};
 use forkd_proto::routes;
@@ -144,7 +144,7 @@ impl AgentClient {
             ),
         })?;
         let body: ReqBody = match stdin {
-            None => json_frame_body(header),
+            None => full_body(header),
             Some(mut reader) => {
                 let (tx, rx) =
                     tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(4);
@@ -218,6 +218,19 @@ impl AgentClient {
         super::read_json(resp).await
     }
 
+    /// Writes `data` to the stdin of a background process started with `stdin`, then
+    /// closes it if `close`.
+    pub async fn write_process_stdin(
+        &self,
+        id: u64,
+        data: Bytes,
+        close: bool,
+    ) -> Result<ProcessInfo, AgentError> {
+        let path = with_query(&routes::process_stdin(id), &StdinQuery { close });
+        let resp = self.send(Method::POST, &path, full_body(data)).await?;
+        super::read_json(resp).await
+    }
+
     /// Sends `signal` to a background process's group.
     pub async fn signal_process(&self, id: u64, signal: i32) -> Result<ProcessInfo, AgentError> {
         self.post_json(&routes::process_signal(id), &SignalRequest { signal })
@@ -231,7 +244,7 @@ impl AgentClient {
     }
 }
 
-fn json_frame_body(header: Bytes) -> ReqBody {
+fn full_body(header: Bytes) -> ReqBody {
     http_body_util::Full::new(header)
         .map_err(|never| match never {})
         .boxed()

@@ -117,7 +117,7 @@ impl From<SandboxError> for ApiError {
                 use forkd_proto::ErrorCode as C;
                 match a.code() {
                     Some(C::NotFound) => ApiError::not_found(msg),
-                    Some(C::AlreadyExists | C::DirectoryNotEmpty | C::Io) => {
+                    Some(C::AlreadyExists | C::DirectoryNotEmpty | C::StdinClosed | C::Io) => {
                         ApiError::conflict(msg)
                     }
                     Some(

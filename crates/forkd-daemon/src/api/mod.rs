@@ -143,6 +143,10 @@ pub fn router(app: App) -> Router {
             post(processes::signal),
         )
         .route(
+            "/v1/sandboxes/{id}/processes/{process}/stdin",
+            post(processes::stdin),
+        )
+        .route(
             "/v1/sandboxes/{id}/contexts",
             get(run::list_contexts).post(run::create_context),
         )
@@ -203,6 +207,7 @@ pub fn router(app: App) -> Router {
         processes::get,
         processes::wait,
         processes::signal,
+        processes::stdin,
         processes::kill,
         files::read,
         files::write,

@@ -2,8 +2,8 @@
 //! through the guest agent, which keeps each one's exit and the tail of its output.
 
 use super::error::ErrorBody;
-use super::run::exec_request;
-use super::types::{ExecBody, ProcessBody, ProcessStartBody, SignalBody};
+use super::run::{exec_request, text_or_base64};
+use super::types::{ExecBody, ProcessBody, ProcessStartBody, SignalBody, StdinBody};
 use super::{ApiError, App, JsonBody, PathParams, QueryParams};
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -61,7 +61,7 @@ pub async fn start(
     JsonBody(b): JsonBody<ProcessStartBody>,
 ) -> Result<(StatusCode, Json<ProcessBody>), ApiError> {
     let sandbox = app.registry.get(&id)?.sandbox;
-    let req = exec_request(&ExecBody {
+    let mut req = exec_request(&ExecBody {
         cmd: b.cmd,
         shell: b.shell,
         env: b.env,
@@ -71,6 +71,7 @@ pub async fn start(
         stdin_b64: None,
         stream: false,
     })?;
+    req.stdin = b.stdin;
     let p = sandbox
         .call(|a| async move { a.spawn_process(&req).await })
         .await?;
@@ -129,6 +130,34 @@ pub async fn wait(
     let ms = (secs * 1000.0).ceil() as u64;
     on_process(&app, &id, &process, |a, n| async move {
         a.wait_process(n, Some(ms)).await
+    })
+    .await
+}
+
+/// Writes to the stdin of a background process started with `stdin: true`, in the order
+/// requests arrive; `close` ends it (the process reads end of file). 409 once it is
+/// closed or the process no longer reads it.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{process}/stdin",
+    params(("id" = String, Path), ("process" = u64, Path)), request_body = StdinBody,
+    responses((status = 200, body = ProcessBody), (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody),
+        (status = 413, body = ErrorBody), (status = 502, body = ErrorBody)))]
+pub async fn stdin(
+    State(app): State<App>,
+    PathParams((id, process)): PathParams<(String, String)>,
+    JsonBody(b): JsonBody<StdinBody>,
+) -> Result<Json<ProcessBody>, ApiError> {
+    let data = text_or_base64(b.data, b.data_b64, "data")?.unwrap_or_default();
+    if data.len() > forkd_proto::exec::STDIN_WRITE_LIMIT {
+        return Err(ApiError::too_large(format!(
+            "{} bytes for stdin in one request; the limit is {} (1 MiB): send it in parts",
+            data.len(),
+            forkd_proto::exec::STDIN_WRITE_LIMIT
+        )));
+    }
+    let data = bytes::Bytes::from(data);
+    on_process(&app, &id, &process, |a, n| async move {
+        a.write_process_stdin(n, data, b.close).await
     })
     .await
 }

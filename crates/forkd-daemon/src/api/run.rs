@@ -91,14 +91,24 @@ pub(super) fn exec_request(b: &ExecBody) -> Result<ExecRequest, ApiError> {
 
 /// The bytes for the command's stdin: `stdin` (UTF-8 text) or `stdin_b64` (any bytes).
 fn stdin_bytes(b: &mut ExecBody) -> Result<Option<Vec<u8>>, ApiError> {
-    match (b.stdin.take(), b.stdin_b64.take()) {
-        (Some(_), Some(_)) => Err(ApiError::bad_request(
-            "give stdin (UTF-8 text) or stdin_b64 (base64 of bytes), not both",
-        )),
+    text_or_base64(b.stdin.take(), b.stdin_b64.take(), "stdin")
+}
+
+/// Bytes given as `{field}` (UTF-8 text) or `{field}_b64` (base64 of any bytes), or
+/// neither; never both.
+pub(super) fn text_or_base64(
+    text: Option<String>,
+    b64: Option<String>,
+    field: &str,
+) -> Result<Option<Vec<u8>>, ApiError> {
+    match (text, b64) {
+        (Some(_), Some(_)) => Err(ApiError::bad_request(format!(
+            "give {field} (UTF-8 text) or {field}_b64 (base64 of bytes), not both"
+        ))),
         (Some(text), None) => Ok(Some(text.into_bytes())),
         (None, Some(b64)) => BASE64.decode(b64.as_bytes()).map(Some).map_err(|e| {
             ApiError::bad_request(format!(
-                "stdin_b64 is not base64 (RFC 4648 standard alphabet, with = padding): {e}"
+                "{field}_b64 is not base64 (RFC 4648 standard alphabet, with = padding): {e}"
             ))
         }),
         (None, None) => Ok(None),

@@ -16,6 +16,9 @@ use serde::Deserialize;
 /// Most labels on one sandbox, and the longest key or value.
 const MAX_LABELS: usize = 32;
 const MAX_LABEL_LEN: usize = 256;
+/// Most bytes a sandbox's `env` may take as JSON: it travels in the resume hook, one
+/// agent request.
+const MAX_ENV_BYTES: usize = 64 << 10;
 
 /// Longest timeout accepted: 30 days.
 const MAX_TIMEOUT_S: u64 = 30 * 24 * 3600;
@@ -105,6 +108,21 @@ pub async fn create(
             "labels: at most {MAX_LABELS}, keys of 1 to {MAX_LABEL_LEN} bytes, values of at most {MAX_LABEL_LEN}"
         )));
     }
+    if req
+        .env
+        .keys()
+        .any(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
+        || req.env.values().any(|v| v.contains('\0'))
+    {
+        return Err(ApiError::bad_request(
+            "env: keys must be non-empty and hold no '=' or NUL, values no NUL",
+        ));
+    }
+    if serde_json::to_vec(&req.env).map_or(0, |v| v.len()) > MAX_ENV_BYTES {
+        return Err(ApiError::bad_request(format!(
+            "env takes more than {MAX_ENV_BYTES} bytes as JSON"
+        )));
+    }
     let timeout_at = deadline(req.timeout_s)?;
     let tag = Tag::parse(&req.snapshot)?;
     let snap = app.registry.store().open(&tag)?;
@@ -126,6 +144,7 @@ pub async fn create(
     let t = std::time::Instant::now();
     let spec = CreateSpec {
         labels: req.labels,
+        env: req.env,
         timeout_at,
         partial: req.partial,
         ..CreateSpec::new(req.n as usize)

@@ -26,6 +26,11 @@ pub struct CreateSandboxes {
     /// Labels to find the sandboxes by.
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// Environment variables for each child: its commands, background processes and
+    /// code contexts get them on top of the snapshot's (a context running Python sees
+    /// them in `os.environ`). Children of a branch of this sandbox inherit them.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
     /// Seconds after which the daemon stops each child (none: it runs until deleted).
     #[serde(default)]
     #[schema(minimum = 1, maximum = 2592000)]
@@ -550,6 +555,29 @@ pub struct ProcessStartBody {
     #[serde(default)]
     #[schema(minimum = 0.001, maximum = 86400)]
     pub timeout_s: Option<f64>,
+    /// Keep its stdin open, a pipe written through
+    /// `POST /v1/sandboxes/{id}/processes/{process}/stdin`; otherwise it reads end of
+    /// file at once.
+    #[serde(default)]
+    pub stdin: bool,
+}
+
+/// Bytes for a background process's stdin, and whether to close it after them.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StdinBody {
+    /// UTF-8 text to write. For bytes that are not UTF-8 use `data_b64`; give one or
+    /// neither (to only close).
+    #[serde(default)]
+    pub data: Option<String>,
+    /// Bytes to write: base64 (RFC 4648 standard alphabet, with `=` padding). A JSON
+    /// body is at most 1 MiB, so about 768 KiB of bytes per request.
+    #[serde(default)]
+    #[schema(content_encoding = "base64")]
+    pub data_b64: Option<String>,
+    /// Close the stdin after writing: the process reads end of file.
+    #[serde(default)]
+    pub close: bool,
 }
 
 /// A background process: running, or how it ended, with the last 1 MiB of each output
@@ -566,6 +594,8 @@ pub struct ProcessBody {
     pub started_at_ms: u64,
     /// False once it has ended.
     pub running: bool,
+    /// Whether its stdin is open for writes (started with `stdin`, not closed, running).
+    pub stdin_open: bool,
     /// Once ended: the exit code a shell would report (128 + signal for a signal).
     pub exit_code: Option<i32>,
     /// Once ended by a signal: its number.
@@ -592,6 +622,7 @@ impl From<forkd_proto::exec::ProcessInfo> for ProcessBody {
             argv: p.argv,
             started_at_ms: p.started_at_ms,
             running: p.exit.is_none(),
+            stdin_open: p.stdin_open,
             exit_code: p.exit.map(|e| e.shell_code()),
             signal: p.exit.and_then(|e| e.signal),
             timed_out: p.exit.is_some_and(|e| e.timed_out),

@@ -1,8 +1,11 @@
 """Drives `forkd mcp` with the official MCP Python client over stdio, as an MCP host
-would: FORKD_BIN is the forkd binary, FORKD_URL its daemon, FORKD_TEST_SNAPSHOT a
-snapshot of the python template on it. Prints "ok" when every check passed."""
+would: FORKD_MCP_CONFIG is a client configuration as docs/mcp.md shows it (the server
+is started from its `mcpServers.forkd` entry, with `forkd` found on PATH), FORKD_URL the
+daemon, FORKD_TEST_SNAPSHOT a snapshot of the python template on it. Prints "ok" when
+every check passed."""
 
 import asyncio
+import json
 import os
 
 from mcp import ClientSession, StdioServerParameters
@@ -15,8 +18,11 @@ def text(result) -> str:
 
 async def main() -> None:
     snap = os.environ["FORKD_TEST_SNAPSHOT"]
+    server = json.loads(os.environ["FORKD_MCP_CONFIG"])["mcpServers"]["forkd"]
     params = StdioServerParameters(
-        command=os.environ["FORKD_BIN"], args=["mcp"], env=dict(os.environ)
+        command=server["command"],
+        args=server.get("args", []),
+        env={**os.environ, **server.get("env", {})},
     )
     async with stdio_client(params) as (read, write):
         async with ClientSession(read, write) as s:

@@ -39,6 +39,42 @@ def stdin_b64(stdin: Union[str, bytes]) -> str:
     return base64.b64encode(data).decode()
 
 
+# A stdin write goes in pieces of this size: a JSON body is at most 1 MiB, base64 takes
+# 4 bytes for 3.
+STDIN_PIECE = 512 << 10
+
+
+def stdin_pieces(data: Union[str, bytes], close: bool) -> List[Dict[str, Any]]:
+    """The bodies that write ``data`` to a background process's stdin, the last one
+    closing it if ``close``."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    bodies: List[Dict[str, Any]] = [
+        {"data_b64": base64.b64encode(raw[i : i + STDIN_PIECE]).decode()}
+        for i in range(0, len(raw), STDIN_PIECE)
+    ] or [{}]
+    bodies[-1]["close"] = close
+    return bodies
+
+
+def background_stdin(
+    stdin: Optional[Union[str, bytes, bool]],
+) -> Optional[Union[str, bytes]]:
+    """For a background command: the data to write once it started (None: none), after
+    checking ``stdin`` is True (keep it open), False/None, or data (written, then
+    closed)."""
+    if stdin is None or isinstance(stdin, bool):
+        return None
+    if isinstance(stdin, (str, bytes, bytearray)):
+        return bytes(stdin) if isinstance(stdin, bytearray) else stdin
+    raise TypeError(f"stdin must be str, bytes or bool, not {type(stdin).__name__}")
+
+
+def foreground_stdin(stdin: Optional[Union[str, bytes, bool]]) -> Optional[Union[str, bytes]]:
+    if isinstance(stdin, bool):
+        raise ValueError("stdin=True keeps stdin open, which only a background command has")
+    return stdin
+
+
 def fork_body(
     snapshot: str,
     n: int,
@@ -46,12 +82,15 @@ def fork_body(
     labels: Optional[Mapping[str, str]] = None,
     vcpus: Optional[int] = None,
     memory_mib: Optional[int] = None,
+    envs: Optional[Mapping[str, str]] = None,
 ) -> Dict[str, Any]:
     body: Dict[str, Any] = {"snapshot": snapshot, "n": n}
     if timeout is not None:
         body["timeout_s"] = timeout
     if labels:
         body["labels"] = dict(labels)
+    if envs:
+        body["env"] = dict(envs)
     if vcpus is not None:
         body["vcpus"] = vcpus
     if memory_mib is not None:

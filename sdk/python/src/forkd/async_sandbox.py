@@ -70,6 +70,20 @@ class AsyncCommandHandle:
     async def kill(self) -> ProcessInfo:
         return ProcessInfo.from_api(await self._sandbox._conn.request("DELETE", self._path()))
 
+    async def send_stdin(self, data: Union[str, bytes]) -> ProcessInfo:
+        """Writes ``data`` to the process's stdin (started with ``stdin=True``)."""
+        return await self._stdin(data, close=False)
+
+    async def close_stdin(self) -> ProcessInfo:
+        """Closes the process's stdin: its reads see end of file."""
+        return await self._stdin(b"", close=True)
+
+    async def _stdin(self, data: Union[str, bytes], close: bool) -> ProcessInfo:
+        v: Dict[str, Any] = {}
+        for body in _api.stdin_pieces(data, close):
+            v = await self._sandbox._conn.request("POST", self._path("/stdin"), body)
+        return ProcessInfo.from_api(v)
+
 
 class AsyncCommands:
     """``sandbox.commands`` on asyncio (see :class:`forkd.Commands`)."""
@@ -83,7 +97,7 @@ class AsyncCommands:
         envs: Optional[Mapping[str, str]] = None,
         cwd: Optional[str] = None,
         timeout: Optional[float] = None,
-        stdin: Optional[Union[str, bytes]] = None,
+        stdin: Optional[Union[str, bytes, bool]] = None,
         on_stdout: Optional[OutputHandler] = None,
         on_stderr: Optional[OutputHandler] = None,
         background: bool = False,
@@ -91,10 +105,15 @@ class AsyncCommands:
         body = _api.command_body(cmd, envs, cwd, timeout)
         path = f"/v1/sandboxes/{self._sandbox.id}"
         if background:
-            if stdin is not None:
-                raise ValueError("a background command takes no stdin")
+            data = _api.background_stdin(stdin)
+            if stdin:
+                body["stdin"] = True
             v = await self._sandbox._conn.request("POST", path + "/processes", body)
-            return AsyncCommandHandle(self._sandbox, int(v["id"]), int(v["pid"]))
+            handle = AsyncCommandHandle(self._sandbox, int(v["id"]), int(v["pid"]))
+            if data is not None:
+                await handle._stdin(data, close=True)
+            return handle
+        stdin = _api.foreground_stdin(stdin)
         if stdin is not None:
             body["stdin_b64"] = _api.stdin_b64(stdin)
         if on_stdout is None and on_stderr is None:
@@ -251,8 +270,12 @@ class AsyncSandbox:
         labels: Optional[Mapping[str, str]] = None,
         vcpus: Optional[int] = None,
         memory_mib: Optional[int] = None,
+        envs: Optional[Mapping[str, str]] = None,
+        env: Optional[Mapping[str, str]] = None,
     ) -> List["AsyncSandbox"]:
-        body = _api.fork_body(snapshot, n, timeout, labels, vcpus, memory_mib)
+        # ``envs`` as in E2B's SDK and ``commands.run``; ``env`` as the REST API names it.
+        merged = {**(env or {}), **(envs or {})}
+        body = _api.fork_body(snapshot, n, timeout, labels, vcpus, memory_mib, merged)
         v = await conn.request("POST", "/v1/sandboxes", body)
         return [cls(s, conn) for s in v["sandboxes"]]
 
@@ -263,11 +286,14 @@ class AsyncSandbox:
         snapshot: Optional[str] = None,
         timeout: Optional[int] = None,
         labels: Optional[Mapping[str, str]] = None,
+        envs: Optional[Mapping[str, str]] = None,
         connection: Optional[AsyncConnection] = None,
         **options: Any,
     ) -> "AsyncSandbox":
         conn = connection or AsyncConnection()
-        children = await cls._fork(conn, snapshot or template, 1, timeout, labels, **options)
+        children = await cls._fork(
+            conn, snapshot or template, 1, timeout, labels, envs=envs, **options
+        )
         return children[0]
 
     @classmethod

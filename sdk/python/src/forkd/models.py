@@ -67,6 +67,7 @@ class ProcessInfo(_Output):
     timed_out: bool
     stdout_bytes: bytes
     stderr_bytes: bytes
+    stdin_open: bool = False
 
     @classmethod
     def from_api(cls, v: Dict[str, Any]) -> "ProcessInfo":
@@ -81,6 +82,7 @@ class ProcessInfo(_Output):
             timed_out=bool(v.get("timed_out")),
             stdout_bytes=_b64(v.get("stdout_b64")),
             stderr_bytes=_b64(v.get("stderr_b64")),
+            stdin_open=bool(v.get("stdin_open")),
         )
 
 

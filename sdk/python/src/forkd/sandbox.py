@@ -60,6 +60,20 @@ class CommandHandle:
         """Kills the process's group and forgets it; returns how it ended."""
         return ProcessInfo.from_api(self._sandbox._conn.request("DELETE", self._path()))
 
+    def send_stdin(self, data: Union[str, bytes]) -> ProcessInfo:
+        """Writes ``data`` to the process's stdin (started with ``stdin=True``)."""
+        return self._stdin(data, close=False)
+
+    def close_stdin(self) -> ProcessInfo:
+        """Closes the process's stdin: its reads see end of file."""
+        return self._stdin(b"", close=True)
+
+    def _stdin(self, data: Union[str, bytes], close: bool) -> ProcessInfo:
+        v: Dict[str, Any] = {}
+        for body in _api.stdin_pieces(data, close):
+            v = self._sandbox._conn.request("POST", self._path("/stdin"), body)
+        return ProcessInfo.from_api(v)
+
 
 class Commands:
     """Running commands in a sandbox: ``sandbox.commands``."""
@@ -73,7 +87,7 @@ class Commands:
         envs: Optional[Mapping[str, str]] = None,
         cwd: Optional[str] = None,
         timeout: Optional[float] = None,
-        stdin: Optional[Union[str, bytes]] = None,
+        stdin: Optional[Union[str, bytes, bool]] = None,
         on_stdout: Optional[OutputHandler] = None,
         on_stderr: Optional[OutputHandler] = None,
         background: bool = False,
@@ -83,14 +97,21 @@ class Commands:
 
         With ``on_stdout``/``on_stderr`` the output is handed over as it comes (text,
         decoded as UTF-8 across the pieces). With ``background=True`` it returns a
-        :class:`CommandHandle` at once instead (stdin is not supported there)."""
+        :class:`CommandHandle` at once instead; there ``stdin=True`` keeps the process's
+        stdin open for :meth:`CommandHandle.send_stdin`, and data is written to it and
+        then closed."""
         body = _api.command_body(cmd, envs, cwd, timeout)
         path = f"/v1/sandboxes/{self._sandbox.id}"
         if background:
-            if stdin is not None:
-                raise ValueError("a background command takes no stdin")
+            data = _api.background_stdin(stdin)
+            if stdin:
+                body["stdin"] = True
             v = self._sandbox._conn.request("POST", path + "/processes", body)
-            return CommandHandle(self._sandbox, int(v["id"]), int(v["pid"]))
+            handle = CommandHandle(self._sandbox, int(v["id"]), int(v["pid"]))
+            if data is not None:
+                handle._stdin(data, close=True)
+            return handle
+        stdin = _api.foreground_stdin(stdin)
         if stdin is not None:
             body["stdin_b64"] = _api.stdin_b64(stdin)
         if on_stdout is None and on_stderr is None:
@@ -265,8 +286,12 @@ class Sandbox:
         labels: Optional[Mapping[str, str]] = None,
         vcpus: Optional[int] = None,
         memory_mib: Optional[int] = None,
+        envs: Optional[Mapping[str, str]] = None,
+        env: Optional[Mapping[str, str]] = None,
     ) -> List["Sandbox"]:
-        body = _api.fork_body(snapshot, n, timeout, labels, vcpus, memory_mib)
+        # ``envs`` as in E2B's SDK and ``commands.run``; ``env`` as the REST API names it.
+        merged = {**(env or {}), **(envs or {})}
+        body = _api.fork_body(snapshot, n, timeout, labels, vcpus, memory_mib, merged)
         v = conn.request("POST", "/v1/sandboxes", body)
         return [cls(s, conn) for s in v["sandboxes"]]
 
@@ -277,13 +302,15 @@ class Sandbox:
         snapshot: Optional[str] = None,
         timeout: Optional[int] = None,
         labels: Optional[Mapping[str, str]] = None,
+        envs: Optional[Mapping[str, str]] = None,
         connection: Optional[Connection] = None,
         **options: Any,
     ) -> "Sandbox":
         """A new sandbox forked from ``snapshot`` (or from the template's snapshot,
-        which has the template's name). ``timeout`` is its lifetime in seconds."""
+        which has the template's name). ``timeout`` is its lifetime in seconds; ``envs``
+        are environment variables its commands and code contexts get."""
         conn = connection or Connection()
-        return cls._fork(conn, snapshot or template, 1, timeout, labels, **options)[0]
+        return cls._fork(conn, snapshot or template, 1, timeout, labels, envs=envs, **options)[0]
 
     @classmethod
     def fork(
