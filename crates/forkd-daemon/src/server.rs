@@ -59,9 +59,11 @@ pub struct ErrorKind(pub &'static str);
 pub struct AuditIds(pub Vec<String>);
 
 /// Runs the daemon until `shutdown` resolves. `ready` is called once every listener is
-/// bound (with the TCP address actually bound, if any).
+/// bound (with the TCP address actually bound, if any). `extra` is served beside the
+/// API, behind the same authentication, audit and metrics (the MCP endpoint).
 pub async fn run(
     config: DaemonConfig,
+    extra: Router,
     shutdown: impl Future<Output = ()> + Send,
     ready: impl FnOnce(Option<std::net::SocketAddr>),
 ) -> Result<()> {
@@ -148,9 +150,12 @@ pub async fn run(
     // The audit and metrics layer is the outermost one, so that refused
     // authentications are recorded too.
     let observed = axum::middleware::from_fn_with_state((app.clone(), audit), observe);
-    let base = api::router(app.clone()).layer(observed.clone());
+    let base = api::router(app.clone())
+        .merge(extra.clone())
+        .layer(observed.clone());
     let token = config.token.clone().map(Arc::new);
     let tcp_router = api::router(app.clone())
+        .merge(extra)
         .layer(axum::middleware::from_fn_with_state(token, authenticate))
         .layer(observed);
 

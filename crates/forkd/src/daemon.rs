@@ -71,7 +71,15 @@ pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
         config.tls = Some(TlsFiles { cert, key });
     }
     let socket = config.socket.clone();
-    forkd_daemon::server::run(config, shutdown_signal(), |tcp| {
+    // The MCP tools call the REST API on the daemon's own socket.
+    let mcp = crate::mcp::http_router(
+        forkd_daemon::client::Client::new(
+            forkd_daemon::client::Endpoint::Unix(socket.clone()),
+            None,
+        ),
+        config.token.is_some(),
+    );
+    forkd_daemon::server::run(config, mcp, shutdown_signal(), |tcp| {
         eprintln!("forkd daemon: listening on {}", socket.display());
         if let Some(a) = tcp {
             eprintln!("forkd daemon: listening on tcp {a}");

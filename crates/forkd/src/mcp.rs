@@ -1,7 +1,8 @@
-//! `forkd mcp`: an MCP server on stdio, so that a model in an MCP client (Claude
-//! Desktop, Cursor, an agent framework) drives sandboxes itself. Each tool is one or two
-//! calls to the daemon's REST API; the answers are text for the model, and a failure
-//! the daemon reports is a tool error the model reads, not a protocol error.
+//! forkd as an MCP server, so that a model in an MCP client (Claude Desktop, Cursor, an
+//! agent framework) drives sandboxes itself: on stdio (`forkd mcp`), and over
+//! streamable HTTP at the daemon's `/mcp`. Each tool is one or two calls to the daemon's
+//! REST API; the answers are text for the model, and a failure the daemon reports is a
+//! tool error the model reads, not a protocol error.
 
 use anyhow::Result;
 use base64::engine::general_purpose::STANDARD as BASE64;
@@ -444,6 +445,28 @@ impl ServerHandler for ForkdMcp {
                  fork it again; kill_sandbox when done.",
             )
     }
+}
+
+/// MCP over streamable HTTP at `/mcp`, for the daemon to serve beside its REST API (and
+/// behind the same bearer token on TCP). Each MCP session is a server whose tools call
+/// the daemon through `client`. Without a token, only loopback `Host` names are
+/// accepted (a browser page on another site cannot reach it through DNS rebinding);
+/// with one, a request must carry the token, which such a page cannot.
+pub fn http_router(client: Client, token_required: bool) -> axum::Router {
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService,
+    };
+    let mut config = StreamableHttpServerConfig::default();
+    if token_required {
+        config = config.disable_allowed_hosts();
+    }
+    let service = StreamableHttpService::new(
+        move || Ok(ForkdMcp::new(client.clone())),
+        std::sync::Arc::new(LocalSessionManager::default()),
+        config,
+    );
+    axum::Router::new().nest_service("/mcp", service)
 }
 
 /// Serves MCP on stdin/stdout until the client closes them.

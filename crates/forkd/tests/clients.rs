@@ -70,7 +70,18 @@ fn the_sdks_and_the_mcp_server_work_against_a_real_daemon() {
     }
     run(&ts, "npm", &["run", "build"], &[]);
 
-    let d = Daemon::start(&[]);
+    // On TCP too, with a token, for MCP over streamable HTTP.
+    let token = "mcp-test-token-0123456789abcdef0123456789";
+    let token_dir = tempfile::tempdir().unwrap();
+    let token_file = token_dir.path().join("token");
+    std::fs::write(&token_file, token).unwrap();
+    let port = common::free_port();
+    let d = Daemon::start(&[
+        "--listen",
+        &port,
+        "--token-file",
+        token_file.to_str().unwrap(),
+    ]);
     runtime().block_on(async {
         // Tagged as `python` does it by default, so that the README's example runs as is.
         build_snapshot(&d.unix(), "python", "python").await;
@@ -167,6 +178,8 @@ fn the_sdks_and_the_mcp_server_work_against_a_real_daemon() {
     let mut mcp_env = env.to_vec();
     mcp_env.push(("FORKD_MCP_CONFIG", configs[0].clone()));
     mcp_env.push(("PATH", path));
+    mcp_env.push(("FORKD_MCP_HTTP_URL", format!("http://{port}/mcp")));
+    mcp_env.push(("FORKD_MCP_TOKEN", token.to_owned()));
     let dir = repo("crates/forkd/tests/clients");
     let report = run(&dir, &python, &["mcp_client.py"], &mcp_env);
     assert!(report.lines().any(|l| l == "ok"), "{report}\n{}", d.log());

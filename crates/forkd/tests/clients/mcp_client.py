@@ -1,15 +1,18 @@
 """Drives `forkd mcp` with the official MCP Python client over stdio, as an MCP host
 would: FORKD_MCP_CONFIG is a client configuration as docs/mcp.md shows it (the server
 is started from its `mcpServers.forkd` entry, with `forkd` found on PATH), FORKD_URL the
-daemon, FORKD_TEST_SNAPSHOT a snapshot of the python template on it. Prints "ok" when
-every check passed."""
+daemon, FORKD_TEST_SNAPSHOT a snapshot of the python template on it. Then the same
+server over streamable HTTP at FORKD_MCP_HTTP_URL (the daemon's /mcp on TCP), with the
+bearer token FORKD_MCP_TOKEN. Prints "ok" when every check passed."""
 
 import asyncio
 import json
 import os
 
+import httpx2
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
 
 
 def text(result) -> str:
@@ -80,6 +83,26 @@ async def main() -> None:
             for i in (child, sid):
                 assert not (await s.call_tool("kill_sandbox", {"id": i})).is_error
             assert "no sandboxes" in text(await s.call_tool("list_sandboxes", {}))
+
+    # Streamable HTTP on the daemon: refused without the token, served with it.
+    url = os.environ["FORKD_MCP_HTTP_URL"]
+    async with httpx2.AsyncClient() as anon:
+        r = await anon.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "ping"})
+        assert r.status_code == 401, r.status_code
+    auth = {"Authorization": "Bearer " + os.environ["FORKD_MCP_TOKEN"]}
+    async with create_mcp_http_client(headers=auth) as http:
+        async with streamable_http_client(url, http_client=http) as (read, write):
+            async with ClientSession(read, write) as s:
+                await s.initialize()
+                assert "run_code" in {t.name for t in (await s.list_tools()).tools}
+                r = await s.call_tool("create_sandbox", {"snapshot": snap})
+                assert not r.is_error, text(r)
+                sid = text(r).strip()
+                r = await s.call_tool("run_code", {"id": sid, "code": "6 * 7"})
+                assert "42" in text(r) and not r.is_error, text(r)
+                r = await s.call_tool("kill_sandbox", {"id": "sb-000000000000"})
+                assert r.is_error, text(r)
+                assert not (await s.call_tool("kill_sandbox", {"id": sid})).is_error
     print("ok")
 
 
