@@ -30,7 +30,13 @@ async def main() -> None:
     async with stdio_client(params) as (read, write):
         async with ClientSession(read, write) as s:
             await s.initialize()
-            tools = {t.name for t in (await s.list_tools()).tools}
+            listed = (await s.list_tools()).tools
+            # Every tool comes with a description and a JSON schema of its arguments.
+            for t in listed:
+                assert t.description and t.input_schema.get("type") == "object", t
+            run = next(t for t in listed if t.name == "run_command")
+            assert {"id", "command"} <= set(run.input_schema.get("required", [])), run
+            tools = {t.name for t in listed}
             want = {
                 "list_snapshots", "create_sandbox", "list_sandboxes", "kill_sandbox",
                 "run_command", "run_code", "read_file", "write_file", "list_files",
