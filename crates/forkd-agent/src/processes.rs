@@ -276,13 +276,15 @@ pub async fn stdin(
             ),
         ));
     };
-    if !body.is_empty() {
+    let failed = if body.is_empty() {
+        None
+    } else {
         let written = tokio::time::timeout(STDIN_WRITE_TIMEOUT, async {
             w.write_all(&body).await?;
             w.flush().await
         })
         .await;
-        let failed = match written {
+        match written {
             Ok(Ok(())) => None,
             // EPIPE: every reader is gone, the process ended or closed its stdin.
             Ok(Err(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => Some(ApiError::new(
@@ -300,20 +302,18 @@ pub async fn stdin(
                     STDIN_WRITE_TIMEOUT.as_secs()
                 ),
             )),
-        };
-        if let Some(e) = failed {
-            // A pipe that failed is not written again: what it took is unknown.
-            *pipe = None;
-            p.stdin_open.store(false, Ordering::Relaxed);
-            return Err(e);
         }
-    }
-    if q.close {
+    };
+    // A pipe that failed is not written again either: what it took is unknown.
+    if q.close || failed.is_some() {
         *pipe = None;
         p.stdin_open.store(false, Ordering::Relaxed);
     }
     drop(pipe);
-    Ok(Json(p.info()))
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(Json(p.info())),
+    }
 }
 
 /// `POST /v1/processes/{id}/signal`.

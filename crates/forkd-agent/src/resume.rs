@@ -52,14 +52,8 @@ pub async fn resume(
             ApiError::new(ErrorCode::Io, format!("setting the hostname failed: {e}"))
         })?;
     }
-    if req
-        .env
-        .keys()
-        .any(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
-    {
-        return Err(ApiError::invalid(
-            "env keys must be non-empty and hold no '=' or NUL",
-        ));
+    if let Some(problem) = forkd_proto::exec::env_problem(&req.env) {
+        return Err(ApiError::invalid(problem));
     }
     state.add_env(&req.env);
     let contexts_reseeded = state.contexts.reseed_all(RESEED_WAIT, &req.env).await;

@@ -56,6 +56,15 @@ impl ExecRequest {
     }
 }
 
+/// Why `env` cannot be a process environment (a name empty or holding `=` or NUL, a
+/// value holding NUL), or None if it can. Checked by the host on every request that
+/// carries variables, and by the agent on the resume hook, which keeps them.
+pub fn env_problem(env: &BTreeMap<String, String>) -> Option<&'static str> {
+    let bad_name = |k: &String| k.is_empty() || k.contains('=') || k.contains('\0');
+    (env.keys().any(bad_name) || env.values().any(|v| v.contains('\0')))
+        .then_some("env keys must be non-empty and hold no '=' or NUL, and values no NUL")
+}
+
 /// How a command ended.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ExitStatus {
@@ -183,6 +192,15 @@ mod tests {
         assert_eq!(serde_json::from_str::<ExecRequest>(&j).unwrap(), r);
         let minimal: ExecRequest = serde_json::from_str(r#"{"command":{"argv":["ls"]}}"#).unwrap();
         assert_eq!(minimal, ExecRequest::new(Command::Argv(vec!["ls".into()])));
+    }
+
+    #[test]
+    fn env_names_and_values_are_checked() {
+        let env = |k: &str, v: &str| BTreeMap::from([(k.to_owned(), v.to_owned())]);
+        assert!(env_problem(&env("A_1", "x=y z")).is_none());
+        for (k, v) in [("", "x"), ("A=B", "x"), ("A\0", "x"), ("A", "x\0")] {
+            assert!(env_problem(&env(k, v)).is_some(), "{k:?}={v:?}");
+        }
     }
 
     #[test]

@@ -77,6 +77,12 @@ def test_background_stdin_is_written_then_closed(sbx: Sandbox) -> None:
     h = sbx.commands.run("sleep 600", background=True)
     with pytest.raises(ConflictError, match="stdin"):
         h.send_stdin("x")
+    # Bad bodies are refused by the daemon with what is wrong.
+    path = f"/v1/sandboxes/{sbx.id}/processes/{h.id}/stdin"
+    with pytest.raises(BadRequestError, match="not both"):
+        sbx._conn.request("POST", path, {"data": "a", "data_b64": "YQ=="})
+    with pytest.raises(BadRequestError, match="not base64"):
+        sbx._conn.request("POST", path, {"data_b64": "%%%"})
     h.kill()
 
 

@@ -5,7 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from forkd import ConflictError, Connection, NotFoundError, Sandbox, Snapshot, UnreachableError
+from forkd import (
+    BadRequestError,
+    ConflictError,
+    Connection,
+    NotFoundError,
+    Sandbox,
+    Snapshot,
+    UnreachableError,
+)
 
 
 def test_create_list_connect_and_kill(snapshot: str, conn: Connection) -> None:
@@ -24,6 +32,8 @@ def test_create_list_connect_and_kill(snapshot: str, conn: Connection) -> None:
     assert not s.is_running()
     with pytest.raises(NotFoundError):
         s.kill()
+    with pytest.raises(BadRequestError, match="env keys"):
+        Sandbox.create(snapshot=snapshot, envs={"A=B": "x"})
     with pytest.raises(NotFoundError):
         Sandbox.connect("sb-000000000000")
 

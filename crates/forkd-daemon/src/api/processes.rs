@@ -147,15 +147,8 @@ pub async fn stdin(
     PathParams((id, process)): PathParams<(String, String)>,
     JsonBody(b): JsonBody<StdinBody>,
 ) -> Result<Json<ProcessBody>, ApiError> {
-    let data = text_or_base64(b.data, b.data_b64, "data")?.unwrap_or_default();
-    if data.len() > forkd_proto::exec::STDIN_WRITE_LIMIT {
-        return Err(ApiError::too_large(format!(
-            "{} bytes for stdin in one request; the limit is {} (1 MiB): send it in parts",
-            data.len(),
-            forkd_proto::exec::STDIN_WRITE_LIMIT
-        )));
-    }
-    let data = bytes::Bytes::from(data);
+    // The JSON body limit (1 MiB) keeps one write under the agent's STDIN_WRITE_LIMIT.
+    let data = bytes::Bytes::from(text_or_base64(b.data, b.data_b64, "data")?.unwrap_or_default());
     on_process(&app, &id, &process, |a, n| async move {
         a.write_process_stdin(n, data, b.close).await
     })

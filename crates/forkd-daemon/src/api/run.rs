@@ -62,13 +62,8 @@ pub(super) fn exec_request(b: &ExecBody) -> Result<ExecRequest, ApiError> {
     if let Some(cwd) = &b.cwd {
         super::guest_path(cwd)?;
     }
-    if b.env
-        .keys()
-        .any(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
-    {
-        return Err(ApiError::bad_request(
-            "env keys must be non-empty and hold no '=' or NUL",
-        ));
+    if let Some(problem) = forkd_proto::exec::env_problem(&b.env) {
+        return Err(ApiError::bad_request(problem));
     }
     let mut req = ExecRequest::new(command);
     req.env = b.env.clone();

@@ -108,15 +108,8 @@ pub async fn create(
             "labels: at most {MAX_LABELS}, keys of 1 to {MAX_LABEL_LEN} bytes, values of at most {MAX_LABEL_LEN}"
         )));
     }
-    if req
-        .env
-        .keys()
-        .any(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
-        || req.env.values().any(|v| v.contains('\0'))
-    {
-        return Err(ApiError::bad_request(
-            "env: keys must be non-empty and hold no '=' or NUL, values no NUL",
-        ));
+    if let Some(problem) = forkd_proto::exec::env_problem(&req.env) {
+        return Err(ApiError::bad_request(problem));
     }
     if serde_json::to_vec(&req.env).map_or(0, |v| v.len()) > MAX_ENV_BYTES {
         return Err(ApiError::bad_request(format!(
