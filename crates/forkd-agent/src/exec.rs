@@ -62,7 +62,15 @@ pub fn spawn(
     let Some(program) = argv.first() else {
         return Err(ApiError::invalid("the command's argv is empty"));
     };
-    let cwd = req.cwd.as_deref().unwrap_or("/");
+    let account = match &req.user {
+        None => None,
+        Some(name) => Some(account(name)?),
+    };
+    let cwd = req
+        .cwd
+        .as_deref()
+        .or(account.as_ref().map(|u| u.dir.as_str()))
+        .unwrap_or("/");
     // Checked beforehand because a failing chdir in the child surfaces as the same
     // ENOENT as a missing program, and the two need different answers.
     match std::fs::metadata(cwd) {
@@ -82,10 +90,16 @@ pub fn spawn(
         }
     }
     let mut cmd = Command::new(program);
-    cmd.args(&argv[1..])
-        .env_clear()
-        .envs(default_env)
-        .envs(&req.env)
+    cmd.args(&argv[1..]).env_clear().envs(default_env);
+    if let Some(u) = &account {
+        // std drops the supplementary groups when it changes the uid as root.
+        cmd.uid(u.uid)
+            .gid(u.gid)
+            .env("HOME", &u.dir)
+            .env("USER", &u.name)
+            .env("LOGNAME", &u.name);
+    }
+    cmd.envs(&req.env)
         .current_dir(cwd)
         .stdin(stdin)
         .stdout(Stdio::piped())
@@ -113,6 +127,47 @@ pub fn spawn(
         tracked,
         argv,
         started,
+    })
+}
+
+/// An account of the guest.
+pub(crate) struct Account {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub dir: String,
+}
+
+/// The guest's account `name`, read from `/etc/passwd` itself: the agent is linked
+/// statically, and glibc's getpwnam would load the guest's NSS modules into it.
+pub(crate) fn account(name: &str) -> Result<Account, ApiError> {
+    let passwd = std::fs::read_to_string("/etc/passwd")
+        .map_err(|e| ApiError::new(ErrorCode::Internal, format!("reading /etc/passwd: {e}")))?;
+    passwd_entry(&passwd, name).ok_or_else(|| {
+        ApiError::new(
+            ErrorCode::NotFound,
+            format!("there is no user {name:?} in the guest's /etc/passwd"),
+        )
+    })
+}
+
+/// The entry of `name` in the text of a passwd file.
+fn passwd_entry(passwd: &str, name: &str) -> Option<Account> {
+    passwd.lines().find_map(|line| {
+        let f: Vec<&str> = line.split(':').collect();
+        if f.len() < 7 || f[0] != name {
+            return None;
+        }
+        Some(Account {
+            name: f[0].to_owned(),
+            uid: f[2].parse().ok()?,
+            gid: f[3].parse().ok()?,
+            dir: if f[5].is_empty() {
+                "/".into()
+            } else {
+                f[5].to_owned()
+            },
+        })
     })
 }
 
@@ -408,5 +463,24 @@ async fn forward_stdin(mut body: Body, mut dec: Decoder, mut w: ChildStdin) {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::passwd_entry;
+
+    #[test]
+    fn passwd_entries_are_found_by_name() {
+        let passwd = "root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000::/home/user:/bin/bash\nbad:x:y:1::/:/bin/sh\nshort:x:1\n";
+        let u = passwd_entry(passwd, "user").unwrap();
+        assert_eq!(
+            (u.name.as_str(), u.uid, u.gid, u.dir.as_str()),
+            ("user", 1000, 1000, "/home/user")
+        );
+        assert_eq!(passwd_entry(passwd, "root").unwrap().uid, 0);
+        assert!(passwd_entry(passwd, "bad").is_none());
+        assert!(passwd_entry(passwd, "short").is_none());
+        assert!(passwd_entry(passwd, "nobody").is_none());
     }
 }

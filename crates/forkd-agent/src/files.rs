@@ -81,10 +81,9 @@ pub async fn write(RawQuery(query): RawQuery, req: Request) -> Result<Json<FileS
             format!("is a directory: {}", q.path),
         ));
     };
+    let owner = owner_ids(q.owner.as_deref())?;
     if q.parents {
-        tokio::fs::create_dir_all(dir)
-            .await
-            .map_err(|e| ApiError::io(&e, &dir.to_string_lossy()))?;
+        create_dirs(dir, owner).await?;
     }
     let tmp = dir.join(format!(
         ".{}.forkd-{}-{}.tmp",
@@ -93,7 +92,11 @@ pub async fn write(RawQuery(query): RawQuery, req: Request) -> Result<Json<FileS
         TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
     let mode = q.mode.unwrap_or(DEFAULT_MODE) & 0o7777;
-    let result = write_temp(&tmp, mode, req.into_body(), &q.path).await;
+    let mut result = write_temp(&tmp, mode, req.into_body(), &q.path).await;
+    if let (Ok(()), Some((uid, gid))) = (&result, owner) {
+        result = std::os::unix::fs::chown(&tmp, Some(uid), Some(gid))
+            .map_err(|e| ApiError::io(&e, &q.path));
+    }
     let result = match result {
         Ok(()) => tokio::fs::rename(&tmp, target)
             .await
@@ -197,13 +200,56 @@ pub async fn stat(RawQuery(query): RawQuery) -> Result<Json<FileStat>, ApiError>
     Ok(Json(lstat(absolute(&q.path)?).await?))
 }
 
+/// The uid and gid of the guest's user `owner`.
+fn owner_ids(owner: Option<&str>) -> Result<Option<(u32, u32)>, ApiError> {
+    owner
+        .map(|name| crate::exec::account(name).map(|a| (a.uid, a.gid)))
+        .transpose()
+}
+
+/// `mkdir -p`, giving what it creates to `owner`.
+async fn create_dirs(path: &Path, owner: Option<(u32, u32)>) -> Result<(), ApiError> {
+    let io = |e: std::io::Error, p: &Path| ApiError::io(&e, &p.to_string_lossy());
+    let Some((uid, gid)) = owner else {
+        return tokio::fs::create_dir_all(path)
+            .await
+            .map_err(|e| io(e, path));
+    };
+    // The missing ancestors, outermost first.
+    let mut missing = Vec::new();
+    let mut p = Some(path);
+    while let Some(dir) = p {
+        if tokio::fs::symlink_metadata(dir).await.is_ok() {
+            break;
+        }
+        missing.push(dir);
+        p = dir.parent();
+    }
+    for dir in missing.into_iter().rev() {
+        match tokio::fs::create_dir(dir).await {
+            Ok(()) => {
+                std::os::unix::fs::chown(dir, Some(uid), Some(gid)).map_err(|e| io(e, dir))?
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(io(e, dir)),
+        }
+    }
+    // What exists must be a directory, as create_dir_all would insist.
+    match tokio::fs::metadata(path).await {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(ApiError::new(
+            ErrorCode::AlreadyExists,
+            format!("{} exists and is not a directory", path.display()),
+        )),
+        Err(e) => Err(io(e, path)),
+    }
+}
+
 /// `POST /v1/files/mkdir`: `mkdir -p`.
 pub async fn mkdir(body: Bytes) -> Result<Json<FileStat>, ApiError> {
     let req: MkdirRequest = parse_json(&body)?;
     let path = absolute(&req.path)?;
-    tokio::fs::create_dir_all(path)
-        .await
-        .map_err(|e| ApiError::io(&e, &req.path))?;
+    create_dirs(path, owner_ids(req.owner.as_deref())?).await?;
     Ok(Json(lstat(path).await?))
 }
 

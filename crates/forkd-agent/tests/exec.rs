@@ -232,3 +232,45 @@ fn alive(pid: i32) -> bool {
         Err(_) => false,
     }
 }
+
+/// A command run as a user gets its uid, gid and environment; a user the system lacks
+/// is refused before anything runs. (The agent reads the host's /etc/passwd here, which
+/// has `nobody` everywhere.)
+#[tokio::test]
+async fn commands_run_as_the_user_asked() {
+    let agent = Agent::start().await;
+    let mut c = agent.connect().await;
+    let mut req = shell("echo $(id -u) $(id -G) $USER $LOGNAME $HOME; pwd");
+    req.user = Some("nobody".into());
+    req.cwd = Some("/".into());
+    let out = c.exec(&req, b"").await;
+    assert_eq!(
+        out.exit().code,
+        Some(0),
+        "{:?}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "65534 65534 nobody nobody /nonexistent\n/\n"
+    );
+
+    // Without a cwd, the home directory (which `nobody` lacks).
+    req.cwd = None;
+    match c.exec(&req, b"").await.last {
+        Some(ExecEvent::Error(d)) => {
+            assert_eq!(d.code, ErrorCode::NotFound);
+            assert!(d.message.contains("/nonexistent"), "{}", d.message);
+        }
+        other => panic!("expected an error event, got {other:?}"),
+    }
+
+    req.user = Some("no-such-user-here".into());
+    match c.exec(&req, b"").await.last {
+        Some(ExecEvent::Error(d)) => {
+            assert_eq!(d.code, ErrorCode::NotFound);
+            assert!(d.message.contains("no-such-user-here"), "{}", d.message);
+        }
+        other => panic!("expected an error event, got {other:?}"),
+    }
+}

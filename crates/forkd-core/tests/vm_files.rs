@@ -47,6 +47,7 @@ async fn files_stream_and_behave_as_documented() {
             WriteOptions {
                 mode: Some(0o600),
                 parents: false,
+                owner: None,
             },
         )
         .await
@@ -58,6 +59,7 @@ async fn files_stream_and_behave_as_documented() {
             WriteOptions {
                 mode: None,
                 parents: true,
+                owner: None,
             },
         )
         .await

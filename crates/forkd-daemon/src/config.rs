@@ -34,6 +34,8 @@ pub struct DaemonConfig {
     /// Forks are admitted while their children's estimated cost fits in the host's
     /// available memory times this.
     pub memory_overcommit: f64,
+    /// Also serve E2B's API (for E2B's SDKs) on a listener of its own.
+    pub e2b: Option<crate::e2b::E2bConfig>,
 }
 
 /// PEM files of the TCP listener's certificate chain and private key.
@@ -73,6 +75,15 @@ pub enum ConfigError {
     /// --max-sandboxes must be at least 1
     #[error("--max-sandboxes must be at least 1")]
     NoCapacity,
+    /// The E2B listener needs the token: it is the API key.
+    #[error("--e2b-listen needs --token-file: the token is the API key E2B's SDKs send")]
+    E2bNoToken,
+    /// Off loopback the E2B listener needs TLS.
+    #[error("refusing to serve E2B's API on {addr} without TLS: its API key and access tokens would cross the network in clear; pass --tls-cert and --tls-key (or listen on a loopback address)")]
+    E2bNoTls {
+        /// The address.
+        addr: SocketAddr,
+    },
     /// The overcommit must be a positive number.
     #[error("--memory-overcommit must be a number above 0 (1 admits what fits in the available memory), not {0}")]
     Overcommit(f64),
@@ -91,6 +102,7 @@ impl DaemonConfig {
             max_sandboxes: DEFAULT_MAX_SANDBOXES,
             fork_parallelism: forkd_core::fork::default_parallel(),
             memory_overcommit: 1.0,
+            e2b: None,
         }
     }
 
@@ -121,6 +133,14 @@ impl DaemonConfig {
         if let Some(addr) = self.listen {
             if !addr.ip().is_loopback() && self.token.is_none() {
                 return Err(ConfigError::NoToken { addr });
+            }
+        }
+        if let Some(e2b) = &self.e2b {
+            if self.token.is_none() {
+                return Err(ConfigError::E2bNoToken);
+            }
+            if !e2b.listen.ip().is_loopback() && self.tls.is_none() {
+                return Err(ConfigError::E2bNoTls { addr: e2b.listen });
             }
         }
         Ok(())

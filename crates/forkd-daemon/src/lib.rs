@@ -12,6 +12,7 @@
 //! - [`api`]: routes, errors, the OpenAPI document.
 //! - [`server`]: listeners, authentication, the audit and metrics middleware.
 //! - [`metrics`], [`audit`]: Prometheus metrics and the hash-chained audit log.
+//! - [`e2b`]: E2B's control plane, envd and code interpreter, for E2B's SDKs.
 //! - [`client`]: a small HTTP client over the unix socket or TCP (the CLI and the tests).
 
 pub mod admission;
@@ -20,6 +21,7 @@ pub mod audit;
 pub mod branch;
 pub mod client;
 pub mod config;
+pub mod e2b;
 pub mod metrics;
 pub mod owner;
 pub mod pool;

@@ -134,6 +134,14 @@ pub async fn run(
         ),
         None => None,
     };
+    let e2b_listener = match &config.e2b {
+        Some(e) => Some(
+            TcpListener::bind(e.listen)
+                .await
+                .with_context(|| format!("listening for E2B's SDKs on {}", e.listen))?,
+        ),
+        None => None,
+    };
     let tls = match &config.tls {
         Some(files) => Some(crate::server::tls::acceptor(files)?),
         None => None,
@@ -157,9 +165,20 @@ pub async fn run(
     let tcp_router = api::router(app.clone())
         .merge(extra)
         .layer(axum::middleware::from_fn_with_state(token, authenticate))
-        .layer(observed);
+        .layer(observed.clone());
 
+    // E2B's API authenticates by its own rules (see `e2b`); it shares the audit and
+    // metrics layer.
+    let e2b_router = config.e2b.clone().map(|e| {
+        let key = config.token.clone().unwrap_or_default();
+        crate::e2b::router(app.clone(), key, e).layer(observed.clone())
+    });
     tracing::info!(socket = %config.socket.display(), "listening");
+    if let Some(l) = &e2b_listener {
+        if let Ok(a) = l.local_addr() {
+            tracing::info!("serving E2B's API on {a}");
+        }
+    }
     if let Some(a) = tcp_addr {
         tracing::info!(
             "listening on {a}{}",
@@ -184,25 +203,13 @@ pub async fn run(
                 Err(e) => accept_failed("the unix socket", e).await,
             },
             conn = accept_tcp(tcp.as_ref()) => match conn {
-                Ok((stream, peer)) => {
-                    let router = tcp_router.clone();
-                    let who = Principal(format!("tcp:{peer}"));
-                    match &tls {
-                        None => serve(&graceful, stream, router, who),
-                        Some(acceptor) => {
-                            let acceptor = acceptor.clone();
-                            let watcher = graceful.watcher();
-                            tokio::spawn(async move {
-                                match tokio::time::timeout(HANDSHAKE, acceptor.accept(stream)).await {
-                                    Ok(Ok(s)) => serve_watched(watcher, s, router, who).await,
-                                    Ok(Err(e)) => tracing::debug!("TLS handshake with {peer}: {e}"),
-                                    Err(_) => tracing::debug!("TLS handshake with {peer} timed out"),
-                                }
-                            });
-                        }
-                    }
-                }
+                Ok((stream, peer)) => serve_tcp(&graceful, stream, peer, tcp_router.clone(), tls.clone()),
                 Err(e) => accept_failed("TCP", e).await,
+            },
+            conn = accept_tcp(e2b_listener.as_ref()) => match (conn, &e2b_router) {
+                (Ok((stream, peer)), Some(router)) => serve_tcp(&graceful, stream, peer, router.clone(), tls.clone()),
+                (Ok(_), None) => {}
+                (Err(e), _) => accept_failed("the E2B listener", e).await,
             },
         }
     }
@@ -219,6 +226,30 @@ pub async fn run(
     filler.abort();
     app.registry.drain_all_pools().await;
     Ok(())
+}
+
+/// Serves a TCP connection, through TLS when the daemon has it.
+fn serve_tcp(
+    graceful: &hyper_util::server::graceful::GracefulShutdown,
+    stream: tokio::net::TcpStream,
+    peer: std::net::SocketAddr,
+    router: Router,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) {
+    let who = Principal(format!("tcp:{peer}"));
+    match tls {
+        None => serve(graceful, stream, router, who),
+        Some(acceptor) => {
+            let watcher = graceful.watcher();
+            tokio::spawn(async move {
+                match tokio::time::timeout(HANDSHAKE, acceptor.accept(stream)).await {
+                    Ok(Ok(s)) => serve_watched(watcher, s, router, who).await,
+                    Ok(Err(e)) => tracing::debug!("TLS handshake with {peer}: {e}"),
+                    Err(_) => tracing::debug!("TLS handshake with {peer} timed out"),
+                }
+            });
+        }
+    }
 }
 
 async fn accept_tcp(

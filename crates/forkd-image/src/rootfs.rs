@@ -22,7 +22,7 @@ use crate::BuildOptions;
 /// debootstrap variant: essential packages and apt only.
 const VARIANT: &str = "minbase";
 /// Bump when [`customise`] changes what it writes.
-const CUSTOMISE_VERSION: &str = "1";
+const CUSTOMISE_VERSION: &str = "2";
 /// Free space a build needs: the tree, the image and debootstrap's downloads.
 const MIN_FREE_BYTES: u64 = 2 << 30;
 /// Room to write inside the guest, on top of the tree's own size.
@@ -199,7 +199,47 @@ fn customise(root: &Path) -> Result<()> {
     empty_dir_files(&root.join("var/lib/apt/lists"), |n| n != "lock")?;
     ensure_dir(&root.join("run"), 0o755)?;
     ensure_dir(&root.join("tmp"), 0o1777)?;
+    add_user(root)?;
     Ok(())
+}
+
+/// The unprivileged user commands may run as (E2B's SDKs run theirs as `user`).
+pub const GUEST_USER: &str = "user";
+const GUEST_UID: u32 = 1000;
+
+/// Adds [`GUEST_USER`] (uid and gid 1000, home `/home/user`, shell bash, no password)
+/// by editing the account files, as `useradd` would, without running anything of the
+/// tree on the host.
+fn add_user(root: &Path) -> Result<()> {
+    let (name, id) = (GUEST_USER, GUEST_UID);
+    let add = |file: &str, line: String| -> Result<()> {
+        let path = root.join("etc").join(file);
+        let text = fs::read_to_string(&path).map_err(|e| ImageError::io("read", &path, e))?;
+        if text.lines().any(|l| l.split(':').next() == Some(name)) {
+            return Ok(());
+        }
+        let mut text = text;
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(&line);
+        text.push('\n');
+        let mode = fs::metadata(&path)
+            .map_err(|e| ImageError::io("stat", &path, e))?
+            .permissions();
+        write_fresh(&path, text.as_bytes())?;
+        fs::set_permissions(&path, mode).map_err(|e| ImageError::io("set permissions of", &path, e))
+    };
+    add(
+        "passwd",
+        format!("{name}:x:{id}:{id}::/home/{name}:/bin/bash"),
+    )?;
+    add("group", format!("{name}:x:{id}:"))?;
+    add("shadow", format!("{name}:*:19000:0:99999:7:::"))?;
+    let home = root.join("home").join(name);
+    ensure_dir(&home, 0o750)?;
+    nix::unistd::chown(&home, Some(id.into()), Some(id.into()))
+        .map_err(|e| ImageError::io("chown", &home, e.into()))
 }
 
 /// Replaces `path` with a new regular file. An existing entry is removed first,
@@ -258,7 +298,7 @@ pub(crate) fn list(home: &Home) -> Vec<(String, Asset)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::symlink;
+    use std::os::unix::fs::{symlink, MetadataExt};
 
     #[test]
     fn names_round_trip() {
@@ -293,7 +333,17 @@ mod tests {
         fs::write(root.join("var/cache/apt/archives/a_1_amd64.deb"), b"x").unwrap();
         fs::write(root.join("var/cache/apt/pkgcache.bin"), b"x").unwrap();
         fs::write(root.join("var/lib/apt/lists/x_Packages"), b"x").unwrap();
+        fs::write(
+            root.join("etc/passwd"),
+            b"root:x:0:0:root:/root:/bin/bash\n",
+        )
+        .unwrap();
+        fs::write(root.join("etc/group"), b"root:x:0:\n").unwrap();
+        fs::write(root.join("etc/shadow"), b"root:*:19000:0:99999:7:::").unwrap();
+        fs::set_permissions(root.join("etc/shadow"), fs::Permissions::from_mode(0o640)).unwrap();
 
+        customise(&root).unwrap();
+        // Twice: the user is added once.
         customise(&root).unwrap();
 
         assert_eq!(fs::read(&outside).unwrap(), b"host file");
@@ -310,5 +360,19 @@ mod tests {
         let tmp_mode = fs::metadata(root.join("tmp")).unwrap().permissions().mode();
         assert_eq!(tmp_mode & 0o7777, 0o1777);
         assert!(root.join("run").is_dir());
+        let passwd = fs::read_to_string(root.join("etc/passwd")).unwrap();
+        assert_eq!(
+            passwd,
+            "root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000::/home/user:/bin/bash\n"
+        );
+        let shadow = fs::read_to_string(root.join("etc/shadow")).unwrap();
+        assert_eq!(shadow.lines().count(), 2);
+        let shadow_mode = fs::metadata(root.join("etc/shadow"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(shadow_mode & 0o777, 0o640);
+        let home = fs::metadata(root.join("home/user")).unwrap();
+        assert_eq!((home.uid(), home.gid()), (1000, 1000));
     }
 }

@@ -41,6 +41,10 @@ pub struct ExecRequest {
     /// for [`crate::routes::process_stdin`]. When false stdin is `/dev/null`.
     #[serde(default)]
     pub stdin: bool,
+    /// Run as this user of the guest (its uid, gid, `HOME`, `USER` and `LOGNAME`; its
+    /// home directory when no `cwd` is given) instead of root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 impl ExecRequest {
@@ -52,6 +56,7 @@ impl ExecRequest {
             cwd: None,
             timeout_ms: None,
             stdin: false,
+            user: None,
         }
     }
 }

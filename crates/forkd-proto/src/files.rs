@@ -52,6 +52,10 @@ pub struct WriteQuery {
     /// Create missing parent directories.
     #[serde(default)]
     pub parents: bool,
+    /// Give the new file (and the directories created for it) to this user of the guest
+    /// and its group; root's otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 /// Body of `POST /v1/files/mkdir`.
@@ -59,6 +63,9 @@ pub struct WriteQuery {
 pub struct MkdirRequest {
     /// Directory to create, with its missing parents; an existing directory is fine.
     pub path: String,
+    /// Give the directories created to this user of the guest and its group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 /// Body of `POST /v1/files/remove`.

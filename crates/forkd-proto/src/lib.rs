@@ -22,7 +22,7 @@ pub mod routes;
 use serde::{Deserialize, Serialize};
 
 /// Version of the agent protocol. Bump on any incompatible change to this crate.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Name of the virtio-serial port the agent listens on (`/sys/class/virtio-ports/*/name`).
 pub const AGENT_PORT_NAME: &str = "agent";

@@ -39,6 +39,25 @@ pub struct DaemonArgs {
     /// children of the snapshot) fits in the host's available memory times this.
     #[arg(long, default_value_t = 1.0)]
     memory_overcommit: f64,
+    /// Also serve E2B's API at ADDR:PORT, for E2B's SDKs (needs --token-file: the token
+    /// is their API key; off loopback also TLS). See docs/e2b.md.
+    #[arg(long)]
+    e2b_listen: Option<SocketAddr>,
+    /// An E2B template name and the snapshot it stands for, NAME=TAG (repeatable; `base`
+    /// and `code-interpreter-v1` stand for `python` unless given).
+    #[arg(long, value_parser = parse_alias, requires = "e2b_listen")]
+    e2b_alias: Vec<(String, String)>,
+    /// The domain E2B's SDKs reach sandboxes under, as `<port>-<id>.<domain>` (routing by
+    /// host name, for SDKs not given E2B_SANDBOX_URL; needs a wildcard certificate).
+    #[arg(long, requires = "e2b_listen")]
+    e2b_domain: Option<String>,
+}
+
+fn parse_alias(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((a, t)) if !a.is_empty() && !t.is_empty() => Ok((a.to_owned(), t.to_owned())),
+        _ => Err(format!("{s:?} is not NAME=TAG")),
+    }
 }
 
 /// `forkd audit ...`.
@@ -66,6 +85,12 @@ pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
     }
     if let Some(t) = &args.token_file {
         config.token = Some(DaemonConfig::read_token(t)?);
+    }
+    if let Some(addr) = args.e2b_listen {
+        let mut e2b = forkd_daemon::e2b::E2bConfig::new(addr);
+        e2b.aliases.extend(args.e2b_alias);
+        e2b.domain = args.e2b_domain;
+        config.e2b = Some(e2b);
     }
     if let (Some(cert), Some(key)) = (args.tls_cert, args.tls_key) {
         config.tls = Some(TlsFiles { cert, key });

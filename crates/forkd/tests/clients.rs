@@ -76,11 +76,14 @@ fn the_sdks_and_the_mcp_server_work_against_a_real_daemon() {
     let token_file = token_dir.path().join("token");
     std::fs::write(&token_file, token).unwrap();
     let port = common::free_port();
+    let e2b_port = common::free_port();
     let d = Daemon::start(&[
         "--listen",
         &port,
         "--token-file",
         token_file.to_str().unwrap(),
+        "--e2b-listen",
+        &e2b_port,
     ]);
     runtime().block_on(async {
         // Tagged as `python` does it by default, so that the README's example runs as is.
@@ -182,5 +185,15 @@ fn the_sdks_and_the_mcp_server_work_against_a_real_daemon() {
     mcp_env.push(("FORKD_MCP_TOKEN", token.to_owned()));
     let dir = repo("crates/forkd/tests/clients");
     let report = run(&dir, &python, &["mcp_client.py"], &mcp_env);
+    assert!(report.lines().any(|l| l == "ok"), "{report}\n{}", d.log());
+
+    // E2B's own SDKs, pointed at the daemon's E2B listener by their variables alone;
+    // the API key is the daemon's token.
+    let e2b_url = format!("http://{e2b_port}");
+    let mut e2b_env = env.to_vec();
+    e2b_env.push(("E2B_API_URL", e2b_url.clone()));
+    e2b_env.push(("E2B_SANDBOX_URL", e2b_url));
+    e2b_env.push(("E2B_API_KEY", token.to_owned()));
+    let report = run(&dir, &python, &["e2b_flow.py"], &e2b_env);
     assert!(report.lines().any(|l| l == "ok"), "{report}\n{}", d.log());
 }

@@ -14,12 +14,14 @@ use hyper::body::Incoming;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// How a file is written.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct WriteOptions {
     /// Permission bits (0o644 when unset).
     pub mode: Option<u32>,
     /// Create missing parent directories.
     pub parents: bool,
+    /// Give the file (and the directories created for it) to this user of the guest.
+    pub owner: Option<String>,
 }
 
 impl AgentClient {
@@ -57,6 +59,7 @@ impl AgentClient {
             path: path.to_owned(),
             mode: opts.mode,
             parents: opts.parents,
+            owner: opts.owner,
         };
         let resp = self
             .send(Method::PUT, &with_query(routes::FILES, &q), body)
@@ -146,10 +149,20 @@ impl AgentClient {
 
     /// `mkdir -p path`.
     pub async fn mkdir(&self, path: &str) -> Result<FileStat, AgentError> {
+        self.mkdir_owned(path, None).await
+    }
+
+    /// `mkdir -p path`, giving the directories it creates to the guest's user `owner`.
+    pub async fn mkdir_owned(
+        &self,
+        path: &str,
+        owner: Option<&str>,
+    ) -> Result<FileStat, AgentError> {
         self.post_json(
             routes::FILES_MKDIR,
             &MkdirRequest {
                 path: path.to_owned(),
+                owner: owner.map(str::to_owned),
             },
         )
         .await

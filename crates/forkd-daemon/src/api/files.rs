@@ -146,6 +146,7 @@ pub async fn write(
     let opts = WriteOptions {
         mode,
         parents: true,
+        owner: None,
     };
     let r = sandbox
         .call(|a| async move { a.write_file(&path, reader, opts).await })

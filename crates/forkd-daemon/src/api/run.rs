@@ -229,7 +229,7 @@ pub async fn exec(
 
 /// A context id given by a client: the agent's ids are short and plain, and anything
 /// else cannot name one (nor go into the agent's request line).
-fn context_id(c: &str) -> Result<&str, ApiError> {
+pub(crate) fn context_id(c: &str) -> Result<&str, ApiError> {
     if c.is_empty()
         || c.len() > 64
         || !c
@@ -245,7 +245,10 @@ fn context_id(c: &str) -> Result<&str, ApiError> {
 }
 
 /// The context a cell runs in: the one named, else the sandbox's first, else a new one.
-async fn pick_context(sandbox: &Sandbox, named: Option<String>) -> Result<String, ApiError> {
+pub(crate) async fn pick_context(
+    sandbox: &Sandbox,
+    named: Option<String>,
+) -> Result<String, ApiError> {
     if let Some(c) = named {
         return Ok(context_id(&c)?.to_owned());
     }

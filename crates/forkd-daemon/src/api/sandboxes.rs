@@ -3,7 +3,7 @@
 use super::error::ErrorBody;
 use super::types::{CreateSandboxes, CreatedSandboxes, SandboxInfo, SandboxList, SetTimeout};
 use super::{ApiError, App, JsonBody, PathParams, QueryParams};
-use crate::registry::{CreateSpec, Listed, RegistryError};
+use crate::registry::{CreateOutcome, CreateSpec, Listed, RegistryError};
 use crate::server::AuditIds;
 use crate::state::OperationRow;
 use axum::extract::State;
@@ -75,6 +75,64 @@ fn deadline(timeout_s: Option<u64>) -> Result<Option<i64>, ApiError> {
     }
 }
 
+/// Refuses labels and an environment a sandbox cannot take.
+pub(crate) fn check_labels_and_env(
+    labels: &std::collections::BTreeMap<String, String>,
+    env: &std::collections::BTreeMap<String, String>,
+) -> Result<(), ApiError> {
+    if labels.len() > MAX_LABELS
+        || labels
+            .iter()
+            .any(|(k, v)| k.is_empty() || k.len() > MAX_LABEL_LEN || v.len() > MAX_LABEL_LEN)
+    {
+        return Err(ApiError::bad_request(format!(
+            "labels: at most {MAX_LABELS}, keys of 1 to {MAX_LABEL_LEN} bytes, values of at most {MAX_LABEL_LEN}"
+        )));
+    }
+    if let Some(problem) = forkd_proto::exec::env_problem(env) {
+        return Err(ApiError::bad_request(problem));
+    }
+    if serde_json::to_vec(env).map_or(0, |v| v.len()) > MAX_ENV_BYTES {
+        return Err(ApiError::bad_request(format!(
+            "env takes more than {MAX_ENV_BYTES} bytes as JSON"
+        )));
+    }
+    Ok(())
+}
+
+/// Starts a fork in a task of its own: a client that hangs up mid-fork must not cancel
+/// it half way, leaving children that run with no record.
+pub(crate) fn spawn_fork(
+    app: &App,
+    snap: forkd_core::snapshot::Snapshot,
+    spec: CreateSpec,
+) -> tokio::task::JoinHandle<Result<CreateOutcome, RegistryError>> {
+    let app = app.clone();
+    let t = std::time::Instant::now();
+    tokio::spawn(async move {
+        let r = app.registry.create(&snap, spec).await;
+        if let Ok(o) = &r {
+            app.metrics.forks.inc_by(o.entries.len() as u64);
+            app.metrics.fork_seconds.observe(t.elapsed().as_secs_f64());
+        }
+        r
+    })
+}
+
+/// Waits for a fork [`spawn_fork`] started. A partial fork in which no child started
+/// fails with its first failure.
+pub(crate) async fn finish_fork(
+    task: tokio::task::JoinHandle<Result<CreateOutcome, RegistryError>>,
+) -> Result<CreateOutcome, ApiError> {
+    let mut outcome = task
+        .await
+        .map_err(|e| ApiError::internal(format!("the fork task failed: {e}")))??;
+    if outcome.entries.is_empty() && !outcome.failures.is_empty() {
+        return Err(outcome.failures.swap_remove(0).into());
+    }
+    Ok(outcome)
+}
+
 /// Forks `n` children of a snapshot, at most the daemon's fork parallelism restoring at
 /// once. All or nothing unless `partial`: then the children that started are kept and
 /// each failure is listed. With `wait: false` it answers 202 at once with the fork's
@@ -98,24 +156,7 @@ pub async fn create(
             req.n
         )));
     }
-    if req.labels.len() > MAX_LABELS
-        || req
-            .labels
-            .iter()
-            .any(|(k, v)| k.is_empty() || k.len() > MAX_LABEL_LEN || v.len() > MAX_LABEL_LEN)
-    {
-        return Err(ApiError::bad_request(format!(
-            "labels: at most {MAX_LABELS}, keys of 1 to {MAX_LABEL_LEN} bytes, values of at most {MAX_LABEL_LEN}"
-        )));
-    }
-    if let Some(problem) = forkd_proto::exec::env_problem(&req.env) {
-        return Err(ApiError::bad_request(problem));
-    }
-    if serde_json::to_vec(&req.env).map_or(0, |v| v.len()) > MAX_ENV_BYTES {
-        return Err(ApiError::bad_request(format!(
-            "env takes more than {MAX_ENV_BYTES} bytes as JSON"
-        )));
-    }
+    check_labels_and_env(&req.labels, &req.env)?;
     let timeout_at = deadline(req.timeout_s)?;
     let tag = Tag::parse(&req.snapshot)?;
     let snap = app.registry.store().open(&tag)?;
@@ -134,7 +175,6 @@ pub async fn create(
             }
         }
     }
-    let t = std::time::Instant::now();
     let spec = CreateSpec {
         labels: req.labels,
         env: req.env,
@@ -147,17 +187,7 @@ pub async fn create(
         // Refused now rather than in an operation nobody may look at.
         app.registry.admit(snap.tag.as_str(), spec.count)?;
     }
-    // In a task of its own: a client that hangs up mid-fork must not cancel it half
-    // way, leaving children that run with no record.
-    let app2 = app.clone();
-    let task = tokio::spawn(async move {
-        let r = app2.registry.create(&snap, spec).await;
-        if let Ok(o) = &r {
-            app2.metrics.forks.inc_by(o.entries.len() as u64);
-            app2.metrics.fork_seconds.observe(t.elapsed().as_secs_f64());
-        }
-        r
-    });
+    let task = spawn_fork(&app, snap, spec);
     if !req.wait {
         // The operation row is written as the fork starts: wait for it briefly so that
         // the answer is the row itself.
@@ -171,22 +201,12 @@ pub async fn create(
             }
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
-        let outcome = task
-            .await
-            .map_err(|e| ApiError::internal(format!("the fork task failed: {e}")))??;
-        drop(outcome);
+        finish_fork(task).await?;
         return Err(ApiError::internal(
             "the fork ended before its operation was recorded",
         ));
     }
-    let outcome = task
-        .await
-        .map_err(|e| ApiError::internal(format!("the fork task failed: {e}")))??;
-    let mut outcome = outcome;
-    if outcome.entries.is_empty() && !outcome.failures.is_empty() {
-        // A partial fork in which no child started: its first failure is the answer.
-        return Err(outcome.failures.swap_remove(0).into());
-    }
+    let outcome = finish_fork(task).await?;
     // The path names no id: the audit record gets the children's from here.
     let ids = AuditIds(outcome.entries.iter().map(|e| e.row.id.clone()).collect());
     let body = CreatedSandboxes {

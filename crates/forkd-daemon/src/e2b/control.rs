@@ -1,0 +1,429 @@
+//! E2B's control plane: create, connect, list, get, kill, set a timeout, fork. A
+//! sandbox's `templateID` names a forkd snapshot (or an alias of one); its metadata are
+//! forkd labels; its timeout is forkd's.
+
+use super::{Shared, ENVD_VERSION};
+use crate::api::ApiError;
+use crate::registry::{CreateSpec, Listed};
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use forkd_core::snapshot::Tag;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+
+/// What a sandbox lives for when the create call names no timeout (E2B's default).
+const DEFAULT_TIMEOUT_S: u64 = 300;
+/// The longest timeout (E2B's own ceiling for paying teams is 24 h; forkd allows 30 days).
+const MAX_TIMEOUT_S: u64 = 30 * 24 * 3600;
+/// Most sandboxes one list page holds.
+const MAX_PAGE: usize = 100;
+
+pub(super) fn routes() -> Router<Shared> {
+    Router::new()
+        .route("/v2/sandboxes", get(list).post(create))
+        .route("/sandboxes", get(list).post(create))
+        .route("/sandboxes/{id}", get(detail).delete(kill))
+        .route("/v2/sandboxes/{id}/connect", post(connect))
+        .route("/sandboxes/{id}/connect", post(connect))
+        .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/sandboxes/{id}/fork", post(fork))
+        .route("/sandboxes/{id}/pause", post(pause))
+        .route("/sandboxes/{id}/resume", post(pause))
+}
+
+/// An error as E2B's API answers it: `{"code": <status>, "message"}`. Capacity errors
+/// may be retried (the SDKs do, for 503); nothing else will go better on a retry.
+pub(super) fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    let mut r = (
+        status,
+        Json(json!({"code": status.as_u16(), "message": message.into()})),
+    )
+        .into_response();
+    if status != StatusCode::SERVICE_UNAVAILABLE {
+        r.headers_mut()
+            .insert("should-retry", HeaderValue::from_static("false"));
+    }
+    r
+}
+
+/// forkd's errors, in E2B's shape.
+pub(super) struct E2bError(pub(super) ApiError);
+
+/// An error of `status`, in E2B's shape.
+pub(super) fn fail(status: StatusCode, message: impl Into<String>) -> E2bError {
+    E2bError(ApiError::new(status, "e2b", message))
+}
+
+impl<E: Into<ApiError>> From<E> for E2bError {
+    fn from(e: E) -> E2bError {
+        E2bError(e.into())
+    }
+}
+
+impl IntoResponse for E2bError {
+    fn into_response(self) -> Response {
+        error(self.0.status, self.0.message)
+    }
+}
+
+fn bad(message: impl Into<String>) -> E2bError {
+    E2bError(ApiError::bad_request(message))
+}
+
+/// The create call's body (E2B's `NewSandbox`; what forkd does not do is refused, not
+/// ignored, where ignoring it would surprise).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    timeout: Option<u64>,
+    #[serde(default)]
+    metadata: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    env_vars: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    auto_pause: Option<bool>,
+}
+
+fn timeout_at(t: Option<u64>) -> Result<i64, E2bError> {
+    let t = t.unwrap_or(DEFAULT_TIMEOUT_S);
+    if !(1..=MAX_TIMEOUT_S).contains(&t) {
+        return Err(bad(format!(
+            "timeout = {t} is outside 1..={MAX_TIMEOUT_S} seconds"
+        )));
+    }
+    Ok(crate::unix_now() + t as i64)
+}
+
+fn body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, E2bError> {
+    serde_json::from_slice(if bytes.is_empty() { b"{}" } else { bytes })
+        .map_err(|e| bad(format!("the request body is not valid: {e}")))
+}
+
+/// The snapshot an E2B template name stands for: an alias, else a snapshot's tag.
+fn snapshot_of(e2b: &Shared, template: &str) -> Result<forkd_core::snapshot::Snapshot, E2bError> {
+    let name = e2b
+        .config
+        .aliases
+        .get(template)
+        .map_or(template, String::as_str);
+    let tag = Tag::parse(name)?;
+    Ok(e2b.app.registry.store().open(&tag)?)
+}
+
+/// A sandbox as create, connect and fork answer it.
+fn created(e2b: &Shared, id: &str, template: &str) -> Value {
+    let token = e2b.access_token(id);
+    json!({
+        "templateID": template,
+        "sandboxID": id,
+        "clientID": "forkd",
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": token,
+        "trafficAccessToken": token,
+        "domain": e2b.config.domain,
+    })
+}
+
+fn rfc3339(unix: i64) -> String {
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(unix.max(0) as u64);
+    forkd_image::timestamp::rfc3339_utc(t)
+}
+
+/// A sandbox as list and get answer it.
+fn listed(e: &Listed) -> Value {
+    let r = &e.row;
+    let disk_mb = forkd_hypervisor::qemu::qcow2::virtual_size(
+        &r.config.root_disk,
+        forkd_hypervisor::qemu::qcow2::BaseFormat::Qcow2,
+    )
+    .map_or(0, |b| b >> 20);
+    let started = r.created_at.clone();
+    json!({
+        "templateID": r.snapshot,
+        "sandboxID": r.id,
+        "clientID": "forkd",
+        "startedAt": started,
+        "endAt": r.timeout_at.map_or(started.clone(), rfc3339),
+        "cpuCount": r.config.vcpus,
+        "memoryMB": r.config.memory_mib,
+        "diskSizeMB": disk_mb,
+        "state": "running",
+        "envdVersion": ENVD_VERSION,
+        "metadata": r.labels,
+    })
+}
+
+async fn create(State(e2b): State<Shared>, bytes: axum::body::Bytes) -> Result<Response, E2bError> {
+    let req: NewSandbox = body(&bytes)?;
+    if req.auto_pause == Some(true) {
+        return Err(bad(
+            "autoPause is not supported: forkd does not pause sandboxes",
+        ));
+    }
+    let snap = snapshot_of(&e2b, &req.template_id)?;
+    let labels = req.metadata.unwrap_or_default();
+    let env = req.env_vars.unwrap_or_default();
+    crate::api::sandboxes::check_labels_and_env(&labels, &env)?;
+    let spec = CreateSpec {
+        labels,
+        env,
+        timeout_at: Some(timeout_at(req.timeout)?),
+        ..CreateSpec::new(1)
+    };
+    let mut outcome =
+        crate::api::sandboxes::finish_fork(crate::api::sandboxes::spawn_fork(&e2b.app, snap, spec))
+            .await?;
+    let Some(child) = outcome.entries.pop() else {
+        return Err(E2bError(ApiError::internal("the fork made no sandbox")));
+    };
+    let body = created(&e2b, &child.row.id, &req.template_id);
+    Ok((StatusCode::CREATED, Json(body)).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+struct TimeoutBody {
+    timeout: Option<u64>,
+}
+
+/// Connecting to a running sandbox: it is there, and lives at least `timeout` more.
+async fn connect(
+    State(e2b): State<Shared>,
+    Path(id): Path<String>,
+    bytes: axum::body::Bytes,
+) -> Result<Response, E2bError> {
+    let req: TimeoutBody = body(&bytes)?;
+    let e = e2b.app.registry.describe(&id)?;
+    if let Some(t) = req.timeout {
+        let at = timeout_at(Some(t))?;
+        if e.row.timeout_at.is_some_and(|cur| cur < at) {
+            e2b.app.registry.set_timeout(&id, Some(at))?;
+        }
+    }
+    Ok(Json(created(&e2b, &id, &e.row.snapshot)).into_response())
+}
+
+async fn detail(State(e2b): State<Shared>, Path(id): Path<String>) -> Result<Response, E2bError> {
+    let e = e2b.app.registry.describe(&id)?;
+    let mut v = listed(&e);
+    v["envdAccessToken"] = json!(e2b.access_token(&id));
+    v["domain"] = json!(e2b.config.domain);
+    Ok(Json(v).into_response())
+}
+
+async fn kill(State(e2b): State<Shared>, Path(id): Path<String>) -> Result<StatusCode, E2bError> {
+    e2b.app.registry.delete(&id).await?;
+    e2b.processes.forget_sandbox(&id);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn set_timeout(
+    State(e2b): State<Shared>,
+    Path(id): Path<String>,
+    bytes: axum::body::Bytes,
+) -> Result<StatusCode, E2bError> {
+    let req: TimeoutBody = body(&bytes)?;
+    let t = req.timeout.ok_or_else(|| bad("give timeout, in seconds"))?;
+    e2b.app
+        .registry
+        .set_timeout(&id, Some(timeout_at(Some(t))?))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// E2B's pause keeps a sandbox's memory for later; forkd's nearest facility is BRANCH,
+/// which the answer points to.
+async fn pause(Path(id): Path<String>) -> Response {
+    error(
+        StatusCode::NOT_IMPLEMENTED,
+        format!(
+            "forkd does not pause or resume sandboxes; to keep {id}'s state, fork it (sandbox.fork) \
+             or branch it through forkd's API"
+        ),
+    )
+}
+
+/// `GET /v2/sandboxes`: filters `metadata` (`k=v&...`, each part percent-encoded, as the
+/// SDKs send it) and `state`; pages by `limit` and `nextToken` (an offset).
+async fn list(State(e2b): State<Shared>, RawQuery(q): RawQuery) -> Result<Response, E2bError> {
+    let mut metadata = Vec::new();
+    let mut states: Option<Vec<String>> = None;
+    let (mut limit, mut offset) = (MAX_PAGE, 0usize);
+    for (k, v) in form_pairs(q.as_deref().unwrap_or("")) {
+        match k.as_str() {
+            "metadata" => metadata = metadata_filter(&v),
+            "state" => states = Some(v.split(',').map(str::to_owned).collect()),
+            "limit" => {
+                limit = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=MAX_PAGE).contains(n))
+                    .ok_or_else(|| bad(format!("limit {v:?} is outside 1..={MAX_PAGE}")))?
+            }
+            "nextToken" => {
+                offset = v
+                    .parse()
+                    .map_err(|_| bad(format!("nextToken {v:?} is not one this API gave")))?
+            }
+            _ => {}
+        }
+    }
+    // forkd's sandboxes run until they are removed: none is ever paused.
+    if states
+        .as_ref()
+        .is_some_and(|s| !s.iter().any(|s| s == "running"))
+    {
+        return Ok(Json(json!([])).into_response());
+    }
+    let matching: Vec<Value> = e2b
+        .app
+        .registry
+        .list()
+        .iter()
+        .filter(|e| {
+            metadata
+                .iter()
+                .all(|(k, v)| e.row.labels.get(k).is_some_and(|have| have == v))
+        })
+        .map(listed)
+        .collect();
+    let page: Vec<Value> = matching.iter().skip(offset).take(limit).cloned().collect();
+    let mut r = Json(Value::Array(page)).into_response();
+    if offset + limit < matching.len() {
+        if let Ok(v) = HeaderValue::from_str(&(offset + limit).to_string()) {
+            r.headers_mut().insert("x-next-token", v);
+        }
+    }
+    Ok(r)
+}
+
+/// `application/x-www-form-urlencoded` pairs, decoded.
+fn form_pairs(s: &str) -> Vec<(String, String)> {
+    s.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let escaped = (b[i] == b'%')
+            .then(|| s.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (b[i], escaped) {
+            (_, Some(v)) => {
+                out.push(v);
+                i += 3;
+            }
+            (b'+', None) => {
+                out.push(b' ');
+                i += 1;
+            }
+            (c, None) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The metadata filter: the SDKs quote each key and value, join them as a query string
+/// and send that as one query value, so each part is decoded once more here.
+fn metadata_filter(v: &str) -> Vec<(String, String)> {
+    form_pairs(v)
+        .into_iter()
+        .map(|(k, v)| (percent_decode(&k), percent_decode(&v)))
+        .collect()
+}
+
+#[derive(Debug, Deserialize)]
+struct ForkBody {
+    timeout: Option<u64>,
+    count: Option<u32>,
+}
+
+/// Most children one fork call makes.
+const MAX_FORK: u32 = 64;
+
+/// `POST /sandboxes/{id}/fork`: a live BRANCH of the sandbox, then `count` children of
+/// it. Answers one item per child: `{"sandbox"}` or `{"error"}`. The branch's snapshot
+/// stays (forkd's snapshots outlive their children); `forkd rm` removes it once unused.
+async fn fork(
+    State(e2b): State<Shared>,
+    Path(id): Path<String>,
+    bytes: axum::body::Bytes,
+) -> Result<Response, E2bError> {
+    let req: ForkBody = body(&bytes)?;
+    let count = req.count.unwrap_or(1);
+    if !(1..=MAX_FORK).contains(&count) {
+        return Err(bad(format!("count = {count} is outside 1..={MAX_FORK}")));
+    }
+    let at = timeout_at(req.timeout)?;
+    let source = e2b.app.registry.describe(&id)?;
+    let tag = Tag::parse(&format!("br-{}", forkd_core::ids::random_hex(4)))?;
+    let accepted = e2b.app.registry.accept_branch(&id, tag.clone(), None)?;
+    let app = e2b.app.clone();
+    let branched = tokio::spawn(async move { app.registry.run_branch(accepted).await })
+        .await
+        .map_err(|e| E2bError(ApiError::internal(format!("the branch task failed: {e}"))))??;
+    e2b.app.metrics.branched(&branched);
+    let snap = e2b.app.registry.store().open(&tag)?;
+    let spec = CreateSpec {
+        labels: source.row.labels.clone(),
+        timeout_at: Some(at),
+        partial: true,
+        ..CreateSpec::new(count as usize)
+    };
+    let outcome =
+        crate::api::sandboxes::finish_fork(crate::api::sandboxes::spawn_fork(&e2b.app, snap, spec))
+            .await?;
+    let mut items: Vec<Value> = outcome
+        .entries
+        .iter()
+        .map(|c| json!({"sandbox": created(&e2b, &c.row.id, tag.as_str())}))
+        .collect();
+    items.extend(outcome.failures.into_iter().map(|f| {
+        let a = ApiError::from(f);
+        json!({"error": {"code": a.status.as_u16(), "message": a.message}})
+    }));
+    Ok((StatusCode::CREATED, Json(Value::Array(items))).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_filters_decode_as_the_sdks_encode_them() {
+        // {"a b": "c&d", "k": "v"}: each part quoted, joined as a query, then the whole
+        // sent as one query value.
+        let q = "metadata=a%252520b%3Dc%252526d%26k%3Dv&limit=5";
+        let outer = form_pairs(q);
+        assert_eq!(outer[0].0, "metadata");
+        let inner = metadata_filter(&outer[0].1);
+        assert_eq!(
+            inner,
+            vec![("a b".into(), "c&d".into()), ("k".into(), "v".into())]
+        );
+        assert_eq!(outer[1], ("limit".into(), "5".into()));
+    }
+
+    #[test]
+    fn bad_escapes_stay_as_they_are() {
+        assert_eq!(percent_decode("100%"), "100%");
+        assert_eq!(percent_decode("%zz"), "%zz");
+        assert_eq!(percent_decode("%41+b"), "A b");
+    }
+}

@@ -1,0 +1,201 @@
+//! envd's plain HTTP routes: `GET /files` (a file's bytes), `POST /files` (upload, as
+//! multipart parts named `file` whose file names are the destinations, or one raw
+//! `application/octet-stream` body for `?path=`), and `GET /health`. Errors answer
+//! `{"code": <status>, "message"}` as envd does.
+
+use super::control::{fail, E2bError};
+use super::process::user_of;
+use super::{resolve, Shared, Target};
+use axum::body::{Body, Bytes};
+use axum::extract::{FromRequest, Multipart, Query, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Extension, Json, Router};
+use forkd_core::agent::WriteOptions;
+use forkd_core::Sandbox;
+use futures::{Stream, StreamExt};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+/// Largest file one upload writes.
+const MAX_UPLOAD: u64 = 1 << 30;
+
+pub(super) fn routes() -> Router<Shared> {
+    Router::new()
+        .route("/files", get(read).post(write))
+        .route("/health", get(health))
+}
+
+#[derive(Debug, Deserialize)]
+struct FileQuery {
+    path: Option<String>,
+    username: Option<String>,
+}
+
+impl FileQuery {
+    /// The user: `?username=`, else the Basic auth header's, else `user`.
+    fn user(&self, headers: &HeaderMap) -> Result<String, E2bError> {
+        match &self.username {
+            Some(u) if !u.is_empty() => Ok(u.clone()),
+            _ => user_of(headers).map_err(|e| fail(StatusCode::BAD_REQUEST, e.message)),
+        }
+    }
+}
+
+async fn health() -> StatusCode {
+    StatusCode::NO_CONTENT
+}
+
+async fn read(
+    State(e2b): State<Shared>,
+    Extension(t): Extension<Target>,
+    headers: HeaderMap,
+    Query(q): Query<FileQuery>,
+) -> Response {
+    let go = async {
+        let user = q.user(&headers)?;
+        let path = resolve(&user, q.path.as_deref().unwrap_or(""))
+            .map_err(|e| fail(StatusCode::BAD_REQUEST, e.message))?;
+        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let body = sandbox
+            .call(|a| async move { a.open_file(&path).await })
+            .await?;
+        Ok::<_, E2bError>(
+            (
+                [(header::CONTENT_TYPE, "application/octet-stream")],
+                Body::new(body),
+            )
+                .into_response(),
+        )
+    };
+    go.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn write(
+    State(e2b): State<Shared>,
+    Extension(t): Extension<Target>,
+    Query(q): Query<FileQuery>,
+    req: Request,
+) -> Response {
+    let go = async {
+        let user = q.user(req.headers())?;
+        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let multipart = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("multipart/form-data"));
+        let mut written = Vec::new();
+        if !multipart {
+            let path = q
+                .path
+                .as_deref()
+                .ok_or_else(|| fail(StatusCode::BAD_REQUEST, "a raw upload needs ?path="))?;
+            let path =
+                resolve(&user, path).map_err(|e| fail(StatusCode::BAD_REQUEST, e.message))?;
+            let body = req
+                .into_body()
+                .into_data_stream()
+                .map(|r| r.map_err(std::io::Error::other));
+            written.push(upload(&sandbox, &path, &user, body).await?);
+            return Ok(Json(written).into_response());
+        }
+        let mut parts = Multipart::from_request(req, &())
+            .await
+            .map_err(|e| fail(StatusCode::BAD_REQUEST, e.body_text()))?;
+        let mut count = 0;
+        while let Some(field) = parts
+            .next_field()
+            .await
+            .map_err(|e| fail(StatusCode::BAD_REQUEST, e.body_text()))?
+        {
+            if field.name() != Some("file") {
+                continue;
+            }
+            count += 1;
+            // One file may be named by ?path=; otherwise each part's file name is its
+            // destination.
+            let dest = match (&q.path, field.file_name()) {
+                (Some(p), _) if count == 1 => p.clone(),
+                (_, Some(name)) => name.to_owned(),
+                _ => {
+                    return Err(fail(
+                        StatusCode::BAD_REQUEST,
+                        "a part named file has no file name to write it to",
+                    ))
+                }
+            };
+            let path =
+                resolve(&user, &dest).map_err(|e| fail(StatusCode::BAD_REQUEST, e.message))?;
+            let body = field.map(|r| r.map_err(std::io::Error::other));
+            written.push(upload(&sandbox, &path, &user, body).await?);
+        }
+        if written.is_empty() {
+            return Err(fail(
+                StatusCode::BAD_REQUEST,
+                "the upload has no part named file",
+            ));
+        }
+        Ok(Json(written).into_response())
+    };
+    go.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Streams `body` into the guest's file `path`, owned by `user`, and answers envd's
+/// `{name, path, type}` of it.
+async fn upload(
+    sandbox: &Arc<Sandbox>,
+    path: &str,
+    user: &str,
+    body: impl Stream<Item = std::io::Result<Bytes>> + Send,
+) -> Result<Value, E2bError> {
+    let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(4);
+    let reader = tokio_util::io::StreamReader::new(Box::pin(futures::stream::unfold(
+        rx,
+        |mut rx| async move { rx.recv().await.map(|c| (c, rx)) },
+    )));
+    let opts = WriteOptions {
+        mode: None,
+        parents: true,
+        owner: Some(user.to_owned()),
+    };
+    let p = path.to_owned();
+    let write = sandbox.call(|a| async move { a.write_file(&p, reader, opts).await });
+    // The body is read here, in this task (a multipart part borrows the request), and
+    // handed to the write through the channel; a body over the limit fails the write.
+    let pump = async move {
+        let mut body = std::pin::pin!(body);
+        let mut total = 0u64;
+        while let Some(chunk) = body.next().await {
+            let chunk = match chunk {
+                Ok(c) => c,
+                Err(e) => {
+                    let _ = tx.send(Err(e)).await;
+                    return false;
+                }
+            };
+            total += chunk.len() as u64;
+            if total > MAX_UPLOAD {
+                let _ = tx
+                    .send(Err(std::io::Error::other("upload too large")))
+                    .await;
+                return true;
+            }
+            if tx.send(Ok(chunk)).await.is_err() {
+                return false;
+            }
+        }
+        false
+    };
+    let (written, too_large) = tokio::join!(write, pump);
+    if too_large {
+        return Err(fail(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("a file of more than {MAX_UPLOAD} bytes"),
+        ));
+    }
+    let f = written?;
+    Ok(json!({"name": f.name, "path": f.path, "type": "file"}))
+}

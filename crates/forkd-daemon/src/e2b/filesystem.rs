@@ -1,0 +1,229 @@
+//! envd's `filesystem.Filesystem` service (unary calls): stat, list, make a directory,
+//! move, remove, on forkd's agent. Watching directories is not offered.
+
+use super::connect::{self, Code, RpcError};
+use super::process::{unary, user_of};
+use super::{resolve, Shared, Target};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Extension, Router};
+use forkd_proto::files::{FileKind, FileStat};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+/// Most entries one ListDir answers.
+const MAX_ENTRIES: usize = 100_000;
+
+pub(super) fn routes() -> Router<Shared> {
+    Router::new()
+        .route("/filesystem.Filesystem/Stat", post(stat))
+        .route("/filesystem.Filesystem/ListDir", post(list_dir))
+        .route("/filesystem.Filesystem/MakeDir", post(make_dir))
+        .route("/filesystem.Filesystem/Move", post(move_entry))
+        .route("/filesystem.Filesystem/Remove", post(remove))
+        .route("/filesystem.Filesystem/WatchDir", post(no_watch))
+        .route("/filesystem.Filesystem/CreateWatcher", post(no_watch))
+        .route("/filesystem.Filesystem/GetWatcherEvents", post(no_watch))
+        .route("/filesystem.Filesystem/RemoveWatcher", post(no_watch))
+}
+
+/// `ls -l`'s rendering of a mode.
+fn permissions(kind: FileKind, mode: u32) -> String {
+    let mut s = String::with_capacity(10);
+    s.push(match kind {
+        FileKind::Dir => 'd',
+        FileKind::Symlink => 'l',
+        _ => '-',
+    });
+    for shift in [6, 3, 0] {
+        let bits = (mode >> shift) & 7;
+        s.push(if bits & 4 != 0 { 'r' } else { '-' });
+        s.push(if bits & 2 != 0 { 'w' } else { '-' });
+        s.push(if bits & 1 != 0 { 'x' } else { '-' });
+    }
+    s
+}
+
+/// A file as envd's `EntryInfo` (proto3 JSON: int64 as a string).
+pub(super) fn entry(f: &FileStat) -> Value {
+    let kind = match f.kind {
+        FileKind::File => "FILE_TYPE_FILE",
+        FileKind::Dir => "FILE_TYPE_DIRECTORY",
+        FileKind::Symlink => "FILE_TYPE_SYMLINK",
+        FileKind::Other => "FILE_TYPE_UNSPECIFIED",
+    };
+    let mtime = std::time::UNIX_EPOCH + std::time::Duration::from_millis(f.mtime_ms.max(0) as u64);
+    json!({
+        "name": f.name,
+        "type": kind,
+        "path": f.path,
+        "size": f.size.to_string(),
+        "mode": f.mode & 0o7777,
+        "permissions": permissions(f.kind, f.mode),
+        "modifiedTime": forkd_image::timestamp::rfc3339_utc(mtime),
+    })
+}
+
+#[derive(Debug, Deserialize)]
+struct PathRequest {
+    path: String,
+    #[serde(default)]
+    depth: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+struct MoveRequest {
+    source: String,
+    destination: String,
+}
+
+async fn stat(
+    State(e2b): State<Shared>,
+    Extension(t): Extension<Target>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    unary(async {
+        let req: PathRequest = connect::unary_request(&body)?;
+        let path = resolve(&user_of(&headers)?, &req.path)?;
+        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let f = sandbox.call(|a| async move { a.stat(&path).await }).await?;
+        Ok(json!({ "entry": entry(&f) }))
+    })
+    .await
+}
+
+/// `ListDir`: the entries under a directory, `depth` levels down (1: its own).
+async fn list_dir(
+    State(e2b): State<Shared>,
+    Extension(t): Extension<Target>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    unary(async {
+        let req: PathRequest = connect::unary_request(&body)?;
+        let root = resolve(&user_of(&headers)?, &req.path)?;
+        let depth = req.depth.unwrap_or(1).max(1);
+        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let mut entries = Vec::new();
+        let mut level = vec![root];
+        for _ in 0..depth {
+            let mut next = Vec::new();
+            for dir in level {
+                let listed = sandbox
+                    .call(|a| async move { a.list_dir(&dir).await })
+                    .await?;
+                for f in listed {
+                    if f.kind == FileKind::Dir {
+                        next.push(f.path.clone());
+                    }
+                    entries.push(entry(&f));
+                }
+                if entries.len() > MAX_ENTRIES {
+                    return Err(RpcError::new(
+                        Code::ResourceExhausted,
+                        format!("more than {MAX_ENTRIES} entries: list less deep"),
+                    ));
+                }
+            }
+            level = next;
+        }
+        Ok(json!({ "entries": entries }))
+    })
+    .await
+}
+
+/// `MakeDir`: creates the directory and its parents (the caller's); one that exists is
+/// `already_exists`, as envd answers.
+async fn make_dir(
+    State(e2b): State<Shared>,
+    Extension(t): Extension<Target>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    unary(async {
+        let req: PathRequest = connect::unary_request(&body)?;
+        let user = user_of(&headers)?;
+        let path = resolve(&user, &req.path)?;
+        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let p = path.clone();
+        if sandbox
+            .call(|a| async move { a.stat(&p).await })
+            .await
+            .is_ok()
+        {
+            return Err(RpcError::new(
+                Code::AlreadyExists,
+                format!("{path} already exists"),
+            ));
+        }
+        let f = sandbox
+            .call(|a| async move { a.mkdir_owned(&path, Some(&user)).await })
+            .await?;
+        Ok(json!({ "entry": entry(&f) }))
+    })
+    .await
+}
+
+async fn move_entry(
+    State(e2b): State<Shared>,
+    Extension(t): Extension<Target>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    unary(async {
+        let req: MoveRequest = connect::unary_request(&body)?;
+        let user = user_of(&headers)?;
+        let (from, to) = (
+            resolve(&user, &req.source)?,
+            resolve(&user, &req.destination)?,
+        );
+        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let f = sandbox
+            .call(|a| async move { a.rename(&from, &to).await })
+            .await?;
+        Ok(json!({ "entry": entry(&f) }))
+    })
+    .await
+}
+
+async fn remove(
+    State(e2b): State<Shared>,
+    Extension(t): Extension<Target>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    unary(async {
+        let req: PathRequest = connect::unary_request(&body)?;
+        let path = resolve(&user_of(&headers)?, &req.path)?;
+        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        sandbox
+            .call(|a| async move { a.remove(&path, true).await })
+            .await?;
+        Ok(json!({}))
+    })
+    .await
+}
+
+async fn no_watch() -> Response {
+    RpcError::new(
+        Code::Unimplemented,
+        "watching directories is not supported by forkd",
+    )
+    .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permissions_read_like_ls() {
+        assert_eq!(permissions(FileKind::File, 0o644), "-rw-r--r--");
+        assert_eq!(permissions(FileKind::Dir, 0o755), "drwxr-xr-x");
+        assert_eq!(permissions(FileKind::Symlink, 0o777), "lrwxrwxrwx");
+    }
+}

@@ -1,0 +1,275 @@
+//! E2B compatibility: a listener of its own on which E2B's unmodified SDKs drive forkd.
+//!
+//! One listener serves three things, told apart per request:
+//! - the control plane (`/v2/sandboxes`, `/sandboxes/{id}/...`: [`control`]), authenticated
+//!   by `X-API-KEY`, which must be the daemon's token;
+//! - "envd", E2B's in-sandbox daemon (port 49983): Connect RPCs for processes
+//!   ([`process`]) and the filesystem ([`filesystem`]), and `/files` ([`files`]);
+//! - the code interpreter (port 49999: [`interpreter`]).
+//!
+//! In-sandbox requests name their sandbox and port in the `E2b-Sandbox-Id` and
+//! `E2b-Sandbox-Port` headers (what the SDKs send when `E2B_SANDBOX_URL` is set), or in
+//! the host name, `<port>-<id>.<domain>` (what they do otherwise, over TLS with a
+//! wildcard certificate). They carry the sandbox's access token, which the control
+//! plane hands out with the sandbox: an HMAC of the sandbox's id under the daemon's
+//! token, so nothing needs storing and no token opens another sandbox.
+//!
+//! Everything is translated onto forkd's agent; nothing of E2B runs in the guest.
+
+pub mod connect;
+mod control;
+mod files;
+mod filesystem;
+mod interpreter;
+mod process;
+
+use crate::api::App;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, StatusCode, Uri};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use subtle::ConstantTimeEq;
+
+/// The port of E2B's in-sandbox daemon.
+pub const ENVD_PORT: u16 = 49983;
+/// The port of E2B's code interpreter.
+pub const INTERPRETER_PORT: u16 = 49999;
+/// The envd version reported to the SDKs. They gate features on it; 0.6.4 unlocks every
+/// feature of the current SDKs that forkd serves (see docs/e2b.md for what it does not).
+pub const ENVD_VERSION: &str = "0.6.4";
+
+/// The user commands and file calls run as when the SDK names none (E2B's default; the
+/// guest images have it, see docs/e2b.md).
+pub const DEFAULT_USER: &str = "user";
+
+/// Longest path accepted.
+const MAX_PATH: usize = 4096;
+
+/// A guest path as E2B gives it: absolute, or relative to `user`'s home directory
+/// (`/root` for root, `/home/<user>` for others); empty means the home itself.
+pub(crate) fn resolve(user: &str, path: &str) -> Result<String, connect::RpcError> {
+    if path.contains('\0') || path.len() > MAX_PATH {
+        return Err(connect::RpcError::new(
+            connect::Code::InvalidArgument,
+            format!(
+                "{:?} is not a usable path",
+                path.chars().take(80).collect::<String>()
+            ),
+        ));
+    }
+    if path.starts_with('/') {
+        return Ok(path.to_owned());
+    }
+    let home = if user == "root" {
+        "/root".to_owned()
+    } else {
+        format!("/home/{user}")
+    };
+    Ok(if path.is_empty() {
+        home
+    } else {
+        format!("{home}/{path}")
+    })
+}
+
+/// How the E2B listener runs.
+#[derive(Debug, Clone)]
+pub struct E2bConfig {
+    /// Where it listens.
+    pub listen: std::net::SocketAddr,
+    /// E2B template names and the forkd snapshots they stand for (`base` and
+    /// `code-interpreter-v1` are the SDKs' defaults).
+    pub aliases: BTreeMap<String, String>,
+    /// The domain handed to SDKs, for routing by host name (`<port>-<id>.<domain>`).
+    pub domain: Option<String>,
+}
+
+impl E2bConfig {
+    /// Listening on `listen`, the SDKs' default templates standing for `python`.
+    pub fn new(listen: std::net::SocketAddr) -> E2bConfig {
+        let aliases = [("base", "python"), ("code-interpreter-v1", "python")]
+            .into_iter()
+            .map(|(a, b)| (a.to_owned(), b.to_owned()))
+            .collect();
+        E2bConfig {
+            listen,
+            aliases,
+            domain: None,
+        }
+    }
+}
+
+/// What the E2B handlers share.
+pub struct E2b {
+    app: App,
+    key: String,
+    config: E2bConfig,
+    processes: process::Table,
+}
+
+type Shared = Arc<E2b>;
+
+impl E2b {
+    /// The access token of sandbox `id`.
+    fn access_token(&self, id: &str) -> String {
+        // HMAC accepts keys of any length: this cannot fail.
+        let mut mac = Hmac::<Sha256>::new_from_slice(self.key.as_bytes()).expect("any key");
+        mac.update(b"forkd e2b access token\0");
+        mac.update(id.as_bytes());
+        hex::encode(mac.finalize().into_bytes())
+    }
+}
+
+/// The sandbox an in-sandbox request is for.
+#[derive(Debug, Clone)]
+pub(crate) struct Target {
+    /// The sandbox's id.
+    pub id: String,
+    /// The port asked for.
+    pub port: u16,
+}
+
+/// The E2B listener's routes. `key` is the API key SDKs must send (the daemon's token).
+pub fn router(app: App, key: String, config: E2bConfig) -> Router {
+    let shared = Arc::new(E2b {
+        app,
+        key,
+        config,
+        processes: process::Table::default(),
+    });
+    let routes = Router::new()
+        .merge(control::routes())
+        .nest(
+            "/_envd",
+            process::routes()
+                .merge(filesystem::routes())
+                .merge(files::routes()),
+        )
+        .nest("/_interpreter", interpreter::routes())
+        .fallback(not_found)
+        .with_state(shared.clone());
+    // The middleware rewrites in-sandbox paths, so it runs before the routes do: the
+    // routes are the service of an outer router's fallback, under its layer.
+    Router::new()
+        .fallback_service(routes)
+        .layer(axum::middleware::from_fn_with_state(shared, route))
+        .layer(axum::extract::DefaultBodyLimit::disable())
+}
+
+async fn not_found(uri: Uri) -> Response {
+    control::error(
+        StatusCode::NOT_FOUND,
+        format!("{} is not a route of forkd's E2B API", uri.path()),
+    )
+}
+
+/// Tells control-plane requests from in-sandbox ones, checks their credentials and
+/// sends in-sandbox requests to their port's routes.
+async fn route(State(e2b): State<Shared>, mut req: Request, next: Next) -> Response {
+    let target = match target_of(req.headers(), e2b.config.domain.as_deref()) {
+        Ok(t) => t,
+        Err(m) => return control::error(StatusCode::BAD_REQUEST, m),
+    };
+    let Some(target) = target else {
+        if req.uri().path().starts_with("/_") {
+            return not_found(req.uri().clone()).await;
+        }
+        return match api_key_ok(&e2b, req.headers()) {
+            Ok(()) => next.run(req).await,
+            Err(m) => control::error(StatusCode::UNAUTHORIZED, m),
+        };
+    };
+    let prefix = match target.port {
+        ENVD_PORT => "/_envd",
+        INTERPRETER_PORT => "/_interpreter",
+        p => {
+            return (
+                StatusCode::BAD_GATEWAY,
+                format!("port {p} of sandbox {} is not open: forkd serves E2B's ports {ENVD_PORT} and {INTERPRETER_PORT}", target.id),
+            )
+                .into_response()
+        }
+    };
+    if let Err(m) = access_ok(&e2b, &target, req.headers()) {
+        return (StatusCode::UNAUTHORIZED, m).into_response();
+    }
+    let path_and_query = req
+        .uri()
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_owned();
+    let Ok(uri) = format!("{prefix}{path_and_query}").parse::<Uri>() else {
+        return (StatusCode::BAD_REQUEST, "a bad request path").into_response();
+    };
+    *req.uri_mut() = uri;
+    req.extensions_mut().insert(target);
+    next.run(req).await
+}
+
+/// The sandbox and port an in-sandbox request names: by header, else by host name under
+/// the configured domain. None for a control-plane request.
+fn target_of(h: &HeaderMap, domain: Option<&str>) -> Result<Option<Target>, String> {
+    let text = |name: &str| h.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
+    if let Some(id) = text("e2b-sandbox-id") {
+        let port = match text("e2b-sandbox-port") {
+            Some(p) => p
+                .parse()
+                .map_err(|_| format!("E2b-Sandbox-Port {p:?} is not a port"))?,
+            None => ENVD_PORT,
+        };
+        return Ok(Some(Target {
+            id: id.to_owned(),
+            port,
+        }));
+    }
+    let (Some(domain), Some(host)) = (domain, text(header::HOST.as_str())) else {
+        return Ok(None);
+    };
+    let host = host.split(':').next().unwrap_or(host);
+    let Some(label) = host.strip_suffix(domain).and_then(|l| l.strip_suffix('.')) else {
+        return Ok(None);
+    };
+    let Some((port, id)) = label.split_once('-') else {
+        return Ok(None);
+    };
+    let Ok(port) = port.parse() else {
+        return Ok(None);
+    };
+    Ok(Some(Target {
+        id: id.to_owned(),
+        port,
+    }))
+}
+
+fn api_key_ok(e2b: &E2b, h: &HeaderMap) -> Result<(), String> {
+    let given = h.get("x-api-key").and_then(|v| v.to_str().ok());
+    match given {
+        Some(k) if bool::from(k.trim().as_bytes().ct_eq(e2b.key.as_bytes())) => Ok(()),
+        Some(_) => Err("the API key is not valid (it is the forkd daemon's token)".into()),
+        None => Err("send the API key (the forkd daemon's token) in X-API-KEY".into()),
+    }
+}
+
+/// In-sandbox requests carry the sandbox's access token: envd's as `X-Access-Token`; the
+/// code interpreter's SDK sends that header only on `/execute`, and its traffic token
+/// (`E2B-Traffic-Access-Token`, the same value) on every call.
+fn access_ok(e2b: &E2b, t: &Target, h: &HeaderMap) -> Result<(), String> {
+    let want = e2b.access_token(&t.id);
+    let matches = |name: &str| {
+        h.get(name)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| bool::from(v.trim().as_bytes().ct_eq(want.as_bytes())))
+    };
+    if matches("x-access-token") || matches("e2b-traffic-access-token") {
+        return Ok(());
+    }
+    Err(format!(
+        "requests to sandbox {} need its access token (X-Access-Token), which the create call returned",
+        t.id
+    ))
+}

@@ -1,0 +1,129 @@
+"""E2B's own SDKs (`e2b`, `e2b-code-interpreter` from PyPI, unmodified) against forkd's
+E2B listener. Only E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY point them at it; the
+template is the forkd snapshot FORKD_TEST_SNAPSHOT. Prints `ok` when every step held."""
+
+import hashlib
+import os
+
+from e2b import (
+    AuthenticationException,
+    CommandExitException,
+    FileNotFoundException,
+    Sandbox,
+    SandboxQuery,
+)
+from e2b_code_interpreter import Sandbox as CodeInterpreter
+
+template = os.environ["FORKD_TEST_SNAPSHOT"]
+run = f"e2b flow {os.getpid()}"
+
+sbx = Sandbox.create(
+    template, timeout=600, metadata={"suite": run, "n": "1"}, envs={"GREETING": "hi"}
+)
+
+# Commands: streamed output, the default user, its home and the sandbox's env.
+seen: list[str] = []
+r = sbx.commands.run(
+    "for i in 1 2 3; do echo line$i; sleep 0.2; done; echo oops >&2", on_stdout=seen.append
+)
+assert r.exit_code == 0 and r.stdout == "line1\nline2\nline3\n", r
+assert r.stderr == "oops\n", r
+assert "".join(seen) == r.stdout and len(seen) >= 2, seen
+r = sbx.commands.run('echo "$GREETING $(whoami) $(pwd) $HOME"')
+assert r.stdout == "hi user /home/user /home/user\n", r
+assert sbx.commands.run("whoami", user="root").stdout == "root\n"
+assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+
+# A failing command raises with its exit code and output.
+try:
+    sbx.commands.run("echo partial; exit 3")
+    raise AssertionError("exit 3 did not raise")
+except CommandExitException as e:
+    assert e.exit_code == 3 and e.stdout == "partial\n", e
+
+# A background command, listed, then killed.
+h = sbx.commands.run("sleep 600", background=True)
+assert any(p.pid == h.pid and p.args[-1] == "sleep 600" for p in sbx.commands.list())
+assert h.kill()
+try:
+    h.wait()
+    raise AssertionError("a killed command did not raise")
+except CommandExitException as e:
+    assert e.exit_code != 0, e
+assert all(p.pid != h.pid for p in sbx.commands.list())
+assert not sbx.commands.kill(h.pid)
+
+# stdin of a background command.
+h = sbx.commands.run("cat", background=True, stdin=True)
+sbx.commands.send_stdin(h.pid, "first\n")
+sbx.commands.send_stdin(h.pid, "second\n")
+sbx.commands.close_stdin(h.pid)
+assert h.wait().stdout == "first\nsecond\n"
+
+# Files: text, relative to the home directory, and owned by the user.
+sbx.files.write("notes/a.txt", "hello")
+assert sbx.files.read("/home/user/notes/a.txt") == "hello"
+owners = sbx.commands.run("stat -c %U /home/user/notes /home/user/notes/a.txt").stdout
+assert owners == "user\nuser\n", owners
+# 10 MB of binary, byte for byte.
+blob = os.urandom(10 * 1024 * 1024)
+sbx.files.write("/tmp/blob.bin", blob)
+got = sbx.files.read("/tmp/blob.bin", format="bytes")
+assert hashlib.sha256(got).hexdigest() == hashlib.sha256(blob).hexdigest()
+sha = sbx.commands.run("sha256sum /tmp/blob.bin").stdout.split()[0]
+assert sha == hashlib.sha256(blob).hexdigest()
+# list, exists, make_dir, rename, remove.
+entries = sbx.files.list("notes")
+assert [(e.name, e.type.value, e.size) for e in entries] == [("a.txt", "file", 5)], entries
+assert sbx.files.exists("notes/a.txt") and not sbx.files.exists("notes/none")
+assert sbx.files.make_dir("d1/d2") is True
+assert sbx.files.make_dir("d1/d2") is False
+assert sbx.files.get_info("d1/d2").type.value == "dir"
+moved = sbx.files.rename("notes/a.txt", "notes/b.txt")
+assert moved.name == "b.txt" and moved.path == "/home/user/notes/b.txt", moved
+sbx.files.remove("notes/b.txt")
+assert not sbx.files.exists("notes/b.txt")
+try:
+    sbx.files.read("notes/b.txt")
+    raise AssertionError("reading a removed file did not raise")
+except FileNotFoundException:
+    pass
+
+# Timeout, list by metadata, info.
+sbx.set_timeout(900)
+listed = Sandbox.list(query=SandboxQuery(metadata={"suite": run})).next_items()
+assert [s.sandbox_id for s in listed] == [sbx.sandbox_id], listed
+assert listed[0].metadata == {"suite": run, "n": "1"}, listed[0]
+assert Sandbox.list(query=SandboxQuery(metadata={"suite": "other"})).next_items() == []
+assert sbx.get_info().template_id == template
+
+# A wrong API key is refused.
+try:
+    Sandbox.list(api_key="e2b_" + "0" * 40).next_items()
+    raise AssertionError("a wrong API key was accepted")
+except AuthenticationException:
+    pass
+
+sbx.kill()
+assert Sandbox.kill(sbx.sandbox_id) is False
+
+# The code interpreter: state between cells, a DataFrame, a figure, an error.
+with CodeInterpreter.create(template) as ci:
+    ci.run_code("x = 41")
+    assert ci.run_code("x + 1").text == "42"
+    ex = ci.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2]})")
+    assert "<table" in (ex.results[0].html or ""), ex
+    ex = ci.run_code("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()")
+    assert any(r.png for r in ex.results), ex
+    out: list[str] = []
+    ex = ci.run_code("print('from a cell')", on_stdout=lambda m: out.append(m.line))
+    assert "".join(ex.logs.stdout) == "from a cell\n" == "".join(out), (ex, out)
+    ex = ci.run_code("1 / 0")
+    assert ex.error is not None and ex.error.name == "ZeroDivisionError", ex
+    assert "line 1" in ex.error.traceback, ex.error.traceback
+    ctx = ci.create_code_context()
+    ci.run_code("y = 1", context=ctx)
+    assert ci.run_code("'y' in dir()").text == "False"
+    assert ci.run_code("y", context=ctx).text == "1"
+
+print("ok")
