@@ -196,4 +196,9 @@ fn the_sdks_and_the_mcp_server_work_against_a_real_daemon() {
     e2b_env.push(("E2B_API_KEY", token.to_owned()));
     let report = run(&dir, &python, &["e2b_flow.py"], &e2b_env);
     assert!(report.lines().any(|l| l == "ok"), "{report}\n{}", d.log());
+    // The JavaScript SDKs honour the same variables.
+    let js = dir.join("e2b-js");
+    run(&js, "npm", &["ci", "--no-audit", "--no-fund"], &[]);
+    let report = run(&js, "node", &["flow.mjs"], &e2b_env);
+    assert!(report.lines().any(|l| l == "ok"), "{report}\n{}", d.log());
 }

@@ -104,6 +104,19 @@ try:
 except AuthenticationException:
     pass
 
+# Fork: the sandbox is branched live and goes on; each child has its files and its
+# environment as they were at that instant.
+sbx.files.write("state.txt", "before the fork")
+forks = sbx.fork(count=2, timeout=300)
+assert len(forks) == 2 and all(isinstance(f, Sandbox) for f in forks), forks
+sbx.files.write("state.txt", "after the fork")
+for f in forks:
+    assert f.sandbox_id != sbx.sandbox_id
+    assert f.files.read("state.txt") == "before the fork"
+    assert f.commands.run("echo $GREETING").stdout == "hi\n"
+    f.kill()
+assert sbx.files.read("state.txt") == "after the fork"
+
 sbx.kill()
 assert Sandbox.kill(sbx.sandbox_id) is False
 

@@ -114,6 +114,21 @@ impl Daemon {
         )
     }
 
+    /// Stops the daemon (SIGTERM: its sandboxes keep running) and starts it again on the
+    /// same data directory with `extra` as its arguments.
+    pub fn restart(&mut self, extra: &[&str]) {
+        let c = self.child.as_ref().expect("the daemon runs");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(c.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        assert!(self.wait_exit(30).success(), "{}", self.log());
+        self.args = extra.iter().map(|s| s.to_string()).collect();
+        self.tcp = None;
+        self.spawn();
+    }
+
     pub fn kill9(&mut self) {
         let mut c = self.child.take().unwrap();
         c.kill().unwrap();
