@@ -1,8 +1,10 @@
 //! The clients agents use, each against the same real daemon and `python` template
 //! (built once: a template build costs tens of seconds under TCG): the Python SDK's
 //! pytest suite, the TypeScript SDK's node:test suite after `npm ci && npm run build`,
-//! `forkd mcp` driven by the official MCP Python client over stdio, and the examples
-//! of the README, the SDKs' READMEs and docs/mcp.md, run as a reader would.
+//! `forkd mcp` driven by the official MCP Python client over stdio, the examples of the
+//! README, the SDKs' READMEs and docs/mcp.md, run as a reader would, and E2B's own
+//! SDKs (Python and JavaScript) against the daemon's E2B listener, by URL and by host
+//! name over TLS.
 
 mod common;
 
@@ -77,7 +79,7 @@ fn the_sdks_and_the_mcp_server_work_against_a_real_daemon() {
     std::fs::write(&token_file, token).unwrap();
     let port = common::free_port();
     let e2b_port = common::free_port();
-    let d = Daemon::start(&[
+    let mut d = Daemon::start(&[
         "--listen",
         &port,
         "--token-file",
@@ -200,5 +202,59 @@ fn the_sdks_and_the_mcp_server_work_against_a_real_daemon() {
     let js = dir.join("e2b-js");
     run(&js, "npm", &["ci", "--no-audit", "--no-fund"], &[]);
     let report = run(&js, "node", &["flow.mjs"], &e2b_env);
+    assert!(report.lines().any(|l| l == "ok"), "{report}\n{}", d.log());
+
+    // Without E2B_SANDBOX_URL the SDKs reach https://<port>-<id>.<domain>: the daemon
+    // restarted with a wildcard certificate and a domain, its E2B listener on port 443
+    // of a loopback address of its own. The names resolve through a hosts file that the
+    // flow extends as sandboxes are made, bind-mounted over /etc/hosts in a mount
+    // namespace of the flow's own.
+    let tls = tempfile::tempdir().unwrap();
+    let (domain, addr) = ("e2b.test", "127.0.0.2");
+    let certified =
+        rcgen::generate_simple_self_signed(vec![domain.to_owned(), format!("*.{domain}")]).unwrap();
+    let (cert, key, hosts) = (
+        tls.path().join("cert.pem"),
+        tls.path().join("key.pem"),
+        tls.path().join("hosts"),
+    );
+    std::fs::write(&cert, certified.cert.pem()).unwrap();
+    std::fs::write(&key, certified.signing_key.serialize_pem()).unwrap();
+    std::fs::write(&hosts, format!("127.0.0.1 localhost\n{addr} {domain}\n")).unwrap();
+    let listen = format!("{addr}:443");
+    d.restart(&[
+        "--token-file",
+        token_file.to_str().unwrap(),
+        "--tls-cert",
+        cert.to_str().unwrap(),
+        "--tls-key",
+        key.to_str().unwrap(),
+        "--e2b-listen",
+        &listen,
+        "--e2b-domain",
+        domain,
+    ]);
+    let tls_env = [
+        ("E2B_API_URL", format!("https://{domain}")),
+        ("E2B_API_KEY", token.to_owned()),
+        ("NODE_EXTRA_CA_CERTS", cert.display().to_string()),
+        ("FORKD_HOSTS", hosts.display().to_string()),
+        ("FORKD_E2B_ADDR", addr.to_owned()),
+        ("FORKD_E2B_DOMAIN", domain.to_owned()),
+        ("FORKD_TEST_SNAPSHOT", "python".to_owned()),
+    ];
+    let report = run(
+        &js,
+        "unshare",
+        &[
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            r#"mount --bind "$FORKD_HOSTS" /etc/hosts && exec node flow_tls.mjs"#,
+        ],
+        &tls_env,
+    );
     assert!(report.lines().any(|l| l == "ok"), "{report}\n{}", d.log());
 }

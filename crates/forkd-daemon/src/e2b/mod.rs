@@ -273,3 +273,170 @@ fn access_ok(e2b: &E2b, t: &Target, h: &HeaderMap) -> Result<(), String> {
         t.id
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    //! Who gets through the E2B listener, and where requests go. No sandbox runs: these
+    //! are the checks made before one is reached.
+
+    use super::*;
+    use crate::api::AppState;
+    use crate::registry::Registry;
+    use crate::state::State as Db;
+    use axum::body::Body;
+    use forkd_core::snapshot::Store;
+    use forkd_image::Home;
+    use tower::ServiceExt;
+
+    const KEY: &str = "e2b-unit-test-key-0123456789abcdef0123";
+
+    fn listener(dir: &std::path::Path) -> (Router, Arc<E2b>) {
+        let home = Home::new(dir);
+        let state = Arc::new(Db::open(&dir.join("forkd.db")).unwrap());
+        let registry = Registry::new(
+            Arc::new(forkd_hypervisor::fake::AgentProcesses::new("/nonexistent")),
+            home.clone(),
+            Store::of_home(&home),
+            state,
+            4,
+        );
+        let app = Arc::new(AppState {
+            registry,
+            config: crate::DaemonConfig::new(home),
+            metrics: crate::metrics::Metrics::new(),
+        });
+        let mut config = E2bConfig::new("127.0.0.1:0".parse().unwrap());
+        config.domain = Some("e2b.test".into());
+        let shared = Arc::new(E2b {
+            app: app.clone(),
+            key: KEY.into(),
+            config: config.clone(),
+            processes: process::Table::default(),
+        });
+        (router(app, KEY.into(), config), shared)
+    }
+
+    async fn send(r: &Router, req: axum::http::Request<Body>) -> (StatusCode, serde_json::Value) {
+        let resp = r.clone().oneshot(req).await.unwrap();
+        let status = resp.status();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        let v = serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| serde_json::Value::String(String::from_utf8_lossy(&bytes).into()));
+        (status, v)
+    }
+
+    fn get(path: &str) -> axum::http::request::Builder {
+        axum::http::Request::get(path)
+    }
+
+    #[tokio::test]
+    async fn the_control_plane_needs_the_api_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let (r, _) = listener(dir.path());
+        let (s, v) = send(&r, get("/v2/sandboxes").body(Body::empty()).unwrap()).await;
+        assert_eq!(
+            (s, v["code"].as_u64()),
+            (StatusCode::UNAUTHORIZED, Some(401)),
+            "{v}"
+        );
+        let req = get("/v2/sandboxes")
+            .header("x-api-key", "e2b_wrong")
+            .body(Body::empty());
+        let (s, v) = send(&r, req.unwrap()).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED);
+        assert!(v["message"].as_str().unwrap().contains("not valid"), "{v}");
+        let req = get("/v2/sandboxes")
+            .header("x-api-key", KEY)
+            .body(Body::empty());
+        assert_eq!(
+            send(&r, req.unwrap()).await,
+            (StatusCode::OK, serde_json::json!([]))
+        );
+        // A template that names no snapshot.
+        let req = axum::http::Request::post("/v2/sandboxes")
+            .header("x-api-key", KEY)
+            .header("content-type", "application/json")
+            .body(Body::from(r#"{"templateID": "nothing-here"}"#));
+        let (s, v) = send(&r, req.unwrap()).await;
+        assert_eq!(
+            (s, v["code"].as_u64()),
+            (StatusCode::NOT_FOUND, Some(404)),
+            "{v}"
+        );
+        // The in-sandbox routes are not reachable as control-plane paths.
+        let req = get("/_envd/health")
+            .header("x-api-key", KEY)
+            .body(Body::empty());
+        assert_eq!(send(&r, req.unwrap()).await.0, StatusCode::NOT_FOUND);
+    }
+
+    #[tokio::test]
+    async fn sandbox_requests_need_that_sandbox_s_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let (r, e2b) = listener(dir.path());
+        let stat = |token: Option<String>, id: &str, port: &str| {
+            let mut b = axum::http::Request::post("/filesystem.Filesystem/Stat")
+                .header("e2b-sandbox-id", id)
+                .header("e2b-sandbox-port", port)
+                .header("content-type", "application/json");
+            if let Some(t) = token {
+                b = b.header("x-access-token", t);
+            }
+            b.body(Body::from(r#"{"path": "/"}"#)).unwrap()
+        };
+        let (s, _) = send(&r, stat(None, "sb-000000000001", "49983")).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED);
+        // Another sandbox's token opens nothing here.
+        let other = e2b.access_token("sb-000000000002");
+        let (s, _) = send(&r, stat(Some(other), "sb-000000000001", "49983")).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED);
+        // The right token gets through, to a sandbox that does not exist: Connect's
+        // not_found, as the SDK reads it.
+        let token = e2b.access_token("sb-000000000001");
+        let (s, v) = send(&r, stat(Some(token.clone()), "sb-000000000001", "49983")).await;
+        assert_eq!(
+            (s, v["code"].as_str()),
+            (StatusCode::NOT_FOUND, Some("not_found")),
+            "{v}"
+        );
+        // A port forkd does not serve.
+        let (s, _) = send(&r, stat(Some(token), "sb-000000000001", "8080")).await;
+        assert_eq!(s, StatusCode::BAD_GATEWAY);
+    }
+
+    #[test]
+    fn targets_come_from_headers_or_host_names() {
+        let mut h = HeaderMap::new();
+        assert!(target_of(&h, Some("e2b.test")).unwrap().is_none());
+        h.insert(
+            header::HOST,
+            "49999-sb-0123456789ab.e2b.test".parse().unwrap(),
+        );
+        let t = target_of(&h, Some("e2b.test")).unwrap().unwrap();
+        assert_eq!(
+            (t.id.as_str(), t.port),
+            ("sb-0123456789ab", INTERPRETER_PORT)
+        );
+        // Another domain, or none configured: the control plane.
+        assert!(target_of(&h, Some("other.test")).unwrap().is_none());
+        assert!(target_of(&h, None).unwrap().is_none());
+        h.insert(header::HOST, "e2b.test:443".parse().unwrap());
+        assert!(target_of(&h, Some("e2b.test")).unwrap().is_none());
+        // Headers win, and a bad port is refused.
+        h.insert("e2b-sandbox-id", "sb-1".parse().unwrap());
+        assert_eq!(target_of(&h, None).unwrap().unwrap().port, ENVD_PORT);
+        h.insert("e2b-sandbox-port", "nope".parse().unwrap());
+        assert!(target_of(&h, None).is_err());
+    }
+
+    #[test]
+    fn relative_paths_are_in_the_user_s_home() {
+        assert_eq!(resolve("user", "").unwrap(), "/home/user");
+        assert_eq!(resolve("user", "a/b").unwrap(), "/home/user/a/b");
+        assert_eq!(resolve("root", "x").unwrap(), "/root/x");
+        assert_eq!(resolve("user", "/etc/hosts").unwrap(), "/etc/hosts");
+        assert!(resolve("user", "a\0b").is_err());
+    }
+}
