@@ -82,6 +82,10 @@ pub async fn write(RawQuery(query): RawQuery, req: Request) -> Result<Json<FileS
         ));
     };
     let owner = owner_ids(q.owner.as_deref())?;
+    if let Some(ids) = owner {
+        // The agent writes as root: what the user could not write is refused here.
+        may_write(target, ids, &q.path)?;
+    }
     if q.parents {
         create_dirs(dir, owner).await?;
     }
@@ -207,6 +211,41 @@ fn owner_ids(owner: Option<&str>) -> Result<Option<(u32, u32)>, ApiError> {
         .transpose()
 }
 
+/// Whether the user `(uid, gid)` may write `target`: an existing file must be writable
+/// by it, a new one's nearest existing directory too (by the owner, group or other
+/// bits that apply to it; root may write anything).
+fn may_write(target: &Path, (uid, gid): (u32, u32), shown: &str) -> Result<(), ApiError> {
+    use std::os::unix::fs::MetadataExt;
+    if uid == 0 {
+        return Ok(());
+    }
+    let writable = |m: &Metadata| {
+        let bits = if m.uid() == uid {
+            0o200
+        } else if m.gid() == gid {
+            0o020
+        } else {
+            0o002
+        };
+        m.mode() & bits != 0
+    };
+    let mut at = Some(target);
+    while let Some(p) = at {
+        if let Ok(m) = std::fs::metadata(p) {
+            return if writable(&m) {
+                Ok(())
+            } else {
+                Err(ApiError::new(
+                    ErrorCode::PermissionDenied,
+                    format!("permission denied: the user cannot write {shown}"),
+                ))
+            };
+        }
+        at = p.parent();
+    }
+    Ok(())
+}
+
 /// `mkdir -p`, giving what it creates to `owner`.
 async fn create_dirs(path: &Path, owner: Option<(u32, u32)>) -> Result<(), ApiError> {
     let io = |e: std::io::Error, p: &Path| ApiError::io(&e, &p.to_string_lossy());
@@ -249,7 +288,11 @@ async fn create_dirs(path: &Path, owner: Option<(u32, u32)>) -> Result<(), ApiEr
 pub async fn mkdir(body: Bytes) -> Result<Json<FileStat>, ApiError> {
     let req: MkdirRequest = parse_json(&body)?;
     let path = absolute(&req.path)?;
-    create_dirs(path, owner_ids(req.owner.as_deref())?).await?;
+    let owner = owner_ids(req.owner.as_deref())?;
+    if let Some(ids) = owner {
+        may_write(path, ids, &req.path)?;
+    }
+    create_dirs(path, owner).await?;
     Ok(Json(lstat(path).await?))
 }
 
@@ -284,4 +327,32 @@ pub async fn rename(body: Bytes) -> Result<Json<FileStat>, ApiError> {
         ApiError::new(err.code, format!("{} -> {}", err.message, req.to))
     })?;
     Ok(Json(lstat(to).await?))
+}
+
+#[cfg(test)]
+mod write_permission_tests {
+    use super::may_write;
+    use std::fs;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A user who owns nothing here: only the "other" bits apply to it.
+    const STRANGER: (u32, u32) = (12345, 12345);
+
+    #[test]
+    fn a_user_writes_only_what_its_bits_allow() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("f");
+        fs::write(&file, b"x").unwrap();
+        fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(may_write(&file, STRANGER, "f").is_err());
+        assert!(may_write(&file, (0, 0), "f").is_ok());
+        fs::set_permissions(&file, fs::Permissions::from_mode(0o646)).unwrap();
+        assert!(may_write(&file, STRANGER, "f").is_ok());
+        // A new file, two directories down: the nearest existing directory decides.
+        let new = dir.path().join("a/b/new");
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(may_write(&new, STRANGER, "new").is_err());
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(may_write(&new, STRANGER, "new").is_ok());
+    }
 }

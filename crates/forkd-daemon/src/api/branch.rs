@@ -37,6 +37,22 @@ fn yes() -> bool {
     true
 }
 
+/// Runs an accepted branch in a task of its own: a client that hangs up must not cut
+/// it short.
+pub(crate) fn spawn_branch(
+    app: &App,
+    accepted: crate::branch::Accepted,
+) -> tokio::task::JoinHandle<Result<BranchOutcome, crate::registry::RegistryError>> {
+    let app = app.clone();
+    tokio::spawn(async move {
+        let r = app.registry.run_branch(accepted).await;
+        if let Ok(o) = &r {
+            app.metrics.branched(o);
+        }
+        r
+    })
+}
+
 /// Branches a running sandbox: its memory, devices, disk and code contexts are captured
 /// at one instant into a new snapshot (a diff on the snapshot the sandbox builds on),
 /// and the sandbox runs on. Children of the snapshot start with everything the sandbox
@@ -58,15 +74,7 @@ pub async fn branch(
     };
     let accepted = app.registry.accept_branch(&id, tag, b.mode)?;
     let op = accepted.op.clone();
-    // In a task of its own: a client that hangs up must not cut the branch short.
-    let app2 = app.clone();
-    let task = tokio::spawn(async move {
-        let r = app2.registry.run_branch(accepted).await;
-        if let Ok(o) = &r {
-            app2.metrics.branched(o);
-        }
-        r
-    });
+    let task = spawn_branch(&app, accepted);
     if !b.wait {
         return Ok((StatusCode::ACCEPTED, Json(op)).into_response());
     }

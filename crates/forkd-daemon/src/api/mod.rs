@@ -1,7 +1,7 @@
 //! The REST API, v1: routes, the extractors that turn every bad request into a JSON
 //! error, and the OpenAPI document generated from the handlers' annotations.
 
-mod branch;
+pub(crate) mod branch;
 pub mod error;
 mod files;
 mod processes;

@@ -111,7 +111,7 @@ pub(super) fn text_or_base64(
 }
 
 /// An NDJSON response whose lines come from `lines`.
-fn ndjson(lines: impl futures::Stream<Item = Bytes> + Send + 'static) -> Response {
+pub(crate) fn ndjson(lines: impl futures::Stream<Item = Bytes> + Send + 'static) -> Response {
     use futures::StreamExt;
     (
         [(header::CONTENT_TYPE, "application/x-ndjson")],
@@ -120,7 +120,8 @@ fn ndjson(lines: impl futures::Stream<Item = Bytes> + Send + 'static) -> Respons
         .into_response()
 }
 
-fn line<T: serde::Serialize>(v: &T) -> Bytes {
+/// `v` as one NDJSON line.
+pub(crate) fn line<T: serde::Serialize>(v: &T) -> Bytes {
     let mut b = serde_json::to_vec(v).unwrap_or_default();
     b.push(b'\n');
     Bytes::from(b)

@@ -84,11 +84,13 @@ impl Code {
     /// The HTTP status a unary error of this code answers with (Connect's table).
     pub fn http_status(self) -> StatusCode {
         match self {
-            Code::Canceled => StatusCode::REQUEST_TIMEOUT,
+            // 499: the client closed the request (nginx's, as Connect uses it).
+            Code::Canceled => StatusCode::from_u16(499).unwrap_or(StatusCode::REQUEST_TIMEOUT),
             Code::Unknown | Code::Internal => StatusCode::INTERNAL_SERVER_ERROR,
             Code::InvalidArgument | Code::FailedPrecondition => StatusCode::BAD_REQUEST,
-            Code::DeadlineExceeded => StatusCode::REQUEST_TIMEOUT,
-            Code::NotFound | Code::Unimplemented => StatusCode::NOT_FOUND,
+            Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+            Code::NotFound => StatusCode::NOT_FOUND,
+            Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
             Code::AlreadyExists => StatusCode::CONFLICT,
             Code::PermissionDenied => StatusCode::FORBIDDEN,
             Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
@@ -139,20 +141,43 @@ impl RpcError {
 
 impl From<crate::api::ApiError> for RpcError {
     fn from(e: crate::api::ApiError) -> RpcError {
-        // forkd's refusals of a path keep their own code where Connect has one.
-        let code = match e.code {
-            "not_found" => Code::NotFound,
-            "conflict" if e.message.contains("exists") => Code::AlreadyExists,
-            "conflict" => Code::FailedPrecondition,
-            _ => Code::of_status(e.status),
-        };
-        RpcError::new(code, e.message)
+        RpcError::new(Code::of_status(e.status), e.message)
     }
 }
 
 impl From<forkd_core::SandboxError> for RpcError {
     fn from(e: forkd_core::SandboxError) -> RpcError {
-        crate::api::ApiError::from(e).into()
+        use forkd_proto::ErrorCode as A;
+        // The guest's own answer, where it gave one, says exactly what went wrong.
+        let code = match &e {
+            forkd_core::SandboxError::Agent(a) => match a.code() {
+                Some(A::NotFound) => Some(Code::NotFound),
+                Some(A::AlreadyExists) => Some(Code::AlreadyExists),
+                Some(A::PermissionDenied) => Some(Code::PermissionDenied),
+                Some(A::NotADirectory | A::IsADirectory | A::InvalidArgument | A::SpawnFailed) => {
+                    Some(Code::InvalidArgument)
+                }
+                Some(A::DirectoryNotEmpty | A::StdinClosed) => Some(Code::FailedPrecondition),
+                _ => None,
+            },
+            _ => None,
+        };
+        match code {
+            Some(c) => RpcError::new(c, e.to_string()),
+            None => crate::api::ApiError::from(e).into(),
+        }
+    }
+}
+
+/// For E2B's plain HTTP routes (`/files`, the interpreter): the status of the code, and
+/// 502 for a sandbox that is not there, as envd's proxy answers.
+impl From<RpcError> for crate::api::ApiError {
+    fn from(e: RpcError) -> crate::api::ApiError {
+        let status = match e.code {
+            Code::Unavailable => StatusCode::BAD_GATEWAY,
+            c => c.http_status(),
+        };
+        crate::api::ApiError::new(status, e.code.as_str(), e.message)
     }
 }
 

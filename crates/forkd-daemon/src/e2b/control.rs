@@ -279,22 +279,27 @@ async fn list(State(e2b): State<Shared>, RawQuery(q): RawQuery) -> Result<Respon
     {
         return Ok(Json(json!([])).into_response());
     }
-    let matching: Vec<Value> = e2b
+    let matching: Vec<Listed> = e2b
         .app
         .registry
         .list()
-        .iter()
+        .into_iter()
         .filter(|e| {
             metadata
                 .iter()
                 .all(|(k, v)| e.row.labels.get(k).is_some_and(|have| have == v))
         })
-        .map(listed)
         .collect();
-    let page: Vec<Value> = matching.iter().skip(offset).take(limit).cloned().collect();
+    let total = matching.len();
+    let page: Vec<Listed> = matching.into_iter().skip(offset).take(limit).collect();
+    // Each item reads its disk's size from its layer's header: off the runtime.
+    let page = tokio::task::spawn_blocking(move || page.iter().map(listed).collect::<Vec<_>>())
+        .await
+        .map_err(|e| E2bError(ApiError::internal(format!("listing sandboxes: {e}"))))?;
     let mut r = Json(Value::Array(page)).into_response();
-    if offset + limit < matching.len() {
-        if let Ok(v) = HeaderValue::from_str(&(offset + limit).to_string()) {
+    let next = offset.saturating_add(limit);
+    if next < total {
+        if let Ok(v) = HeaderValue::from_str(&next.to_string()) {
             r.headers_mut().insert("x-next-token", v);
         }
     }
@@ -374,11 +379,9 @@ async fn fork(
     let source = e2b.app.registry.describe(&id)?;
     let tag = Tag::parse(&format!("br-{}", forkd_core::ids::random_hex(4)))?;
     let accepted = e2b.app.registry.accept_branch(&id, tag.clone(), None)?;
-    let app = e2b.app.clone();
-    let branched = tokio::spawn(async move { app.registry.run_branch(accepted).await })
+    crate::api::branch::spawn_branch(&e2b.app, accepted)
         .await
         .map_err(|e| E2bError(ApiError::internal(format!("the branch task failed: {e}"))))??;
-    e2b.app.metrics.branched(&branched);
     let snap = e2b.app.registry.store().open(&tag)?;
     let spec = CreateSpec {
         labels: source.row.labels.clone(),

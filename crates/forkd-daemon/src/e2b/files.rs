@@ -39,7 +39,7 @@ impl FileQuery {
     fn user(&self, headers: &HeaderMap) -> Result<String, E2bError> {
         match &self.username {
             Some(u) if !u.is_empty() => Ok(u.clone()),
-            _ => user_of(headers).map_err(|e| fail(StatusCode::BAD_REQUEST, e.message)),
+            _ => Ok(user_of(headers)?),
         }
     }
 }
@@ -56,9 +56,8 @@ async fn read(
 ) -> Response {
     let go = async {
         let user = q.user(&headers)?;
-        let path = resolve(&user, q.path.as_deref().unwrap_or(""))
-            .map_err(|e| fail(StatusCode::BAD_REQUEST, e.message))?;
-        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let path = resolve(&user, q.path.as_deref().unwrap_or(""))?;
+        let sandbox = e2b.sandbox(&t.id)?;
         let body = sandbox
             .call(|a| async move { a.open_file(&path).await })
             .await?;
@@ -81,7 +80,20 @@ async fn write(
 ) -> Response {
     let go = async {
         let user = q.user(req.headers())?;
-        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        // The SDKs' gzip uploads (`gzip=True`): not decoded here, so refused rather
+        // than written compressed.
+        if let Some(enc) = req.headers().get(header::CONTENT_ENCODING) {
+            if enc.as_bytes() != b"identity" {
+                return Err(fail(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    format!(
+                        "uploads with Content-Encoding {:?} are not supported: send them uncompressed",
+                        String::from_utf8_lossy(enc.as_bytes())
+                    ),
+                ));
+            }
+        }
+        let sandbox = e2b.sandbox(&t.id)?;
         let multipart = req
             .headers()
             .get(header::CONTENT_TYPE)
@@ -93,8 +105,7 @@ async fn write(
                 .path
                 .as_deref()
                 .ok_or_else(|| fail(StatusCode::BAD_REQUEST, "a raw upload needs ?path="))?;
-            let path =
-                resolve(&user, path).map_err(|e| fail(StatusCode::BAD_REQUEST, e.message))?;
+            let path = resolve(&user, path)?;
             let body = req
                 .into_body()
                 .into_data_stream()
@@ -127,8 +138,7 @@ async fn write(
                     ))
                 }
             };
-            let path =
-                resolve(&user, &dest).map_err(|e| fail(StatusCode::BAD_REQUEST, e.message))?;
+            let path = resolve(&user, &dest)?;
             let body = field.map(|r| r.map_err(std::io::Error::other));
             written.push(upload(&sandbox, &path, &user, body).await?);
         }

@@ -14,6 +14,8 @@ use forkd_proto::files::{FileKind, FileStat};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+/// Deepest listing (deeper asks get this).
+const MAX_DEPTH: u32 = 64;
 /// Most entries one ListDir answers.
 const MAX_ENTRIES: usize = 100_000;
 
@@ -89,7 +91,7 @@ async fn stat(
     unary(async {
         let req: PathRequest = connect::unary_request(&body)?;
         let path = resolve(&user_of(&headers)?, &req.path)?;
-        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let sandbox = e2b.sandbox(&t.id)?;
         let f = sandbox.call(|a| async move { a.stat(&path).await }).await?;
         Ok(json!({ "entry": entry(&f) }))
     })
@@ -106,11 +108,14 @@ async fn list_dir(
     unary(async {
         let req: PathRequest = connect::unary_request(&body)?;
         let root = resolve(&user_of(&headers)?, &req.path)?;
-        let depth = req.depth.unwrap_or(1).max(1);
-        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let depth = req.depth.unwrap_or(1).clamp(1, MAX_DEPTH);
+        let sandbox = e2b.sandbox(&t.id)?;
         let mut entries = Vec::new();
         let mut level = vec![root];
         for _ in 0..depth {
+            if level.is_empty() {
+                break;
+            }
             let mut next = Vec::new();
             for dir in level {
                 let listed = sandbox
@@ -148,7 +153,7 @@ async fn make_dir(
         let req: PathRequest = connect::unary_request(&body)?;
         let user = user_of(&headers)?;
         let path = resolve(&user, &req.path)?;
-        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let sandbox = e2b.sandbox(&t.id)?;
         let p = path.clone();
         if sandbox
             .call(|a| async move { a.stat(&p).await })
@@ -181,7 +186,7 @@ async fn move_entry(
             resolve(&user, &req.source)?,
             resolve(&user, &req.destination)?,
         );
-        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let sandbox = e2b.sandbox(&t.id)?;
         let f = sandbox
             .call(|a| async move { a.rename(&from, &to).await })
             .await?;
@@ -199,7 +204,7 @@ async fn remove(
     unary(async {
         let req: PathRequest = connect::unary_request(&body)?;
         let path = resolve(&user_of(&headers)?, &req.path)?;
-        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let sandbox = e2b.sandbox(&t.id)?;
         sandbox
             .call(|a| async move { a.remove(&path, true).await })
             .await?;

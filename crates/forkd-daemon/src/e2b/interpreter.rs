@@ -4,9 +4,10 @@
 
 use super::control::{fail, E2bError};
 use super::{Shared, Target};
-use axum::body::{Body, Bytes};
+use crate::api::run::line;
+use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Extension, Json, Router};
@@ -50,12 +51,6 @@ struct ExecuteRequest {
     context_id: Option<String>,
     language: Option<String>,
     env_vars: Option<BTreeMap<String, String>>,
-}
-
-fn line(v: &Value) -> Bytes {
-    let mut b = serde_json::to_vec(v).unwrap_or_default();
-    b.push(b'\n');
-    Bytes::from(b)
 }
 
 fn now_ns() -> u128 {
@@ -112,7 +107,7 @@ async fn execute(
                  sandbox, or os.environ in the code",
             ));
         }
-        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let sandbox = e2b.sandbox(&t.id)?;
         let context = crate::api::run::pick_context(&sandbox, req.context_id).await?;
         let run = RunCodeRequest {
             code: req.code,
@@ -144,14 +139,7 @@ async fn execute(
         let bytes: Vec<u8> = lines.iter().flat_map(|v| line(v).to_vec()).collect();
         Some((Bytes::from(bytes), Some((stream, ticker))))
     });
-    (
-        [(header::CONTENT_TYPE, "application/x-ndjson")],
-        Body::from_stream(futures::StreamExt::map(
-            lines,
-            Ok::<_, std::convert::Infallible>,
-        )),
-    )
-        .into_response()
+    crate::api::run::ndjson(lines)
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -177,7 +165,7 @@ async fn create(
                 .map_err(|e| fail(StatusCode::BAD_REQUEST, format!("the request body: {e}")))?
         };
         check_language(req.language.as_deref())?;
-        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let sandbox = e2b.sandbox(&t.id)?;
         let spec = CreateContextRequest {
             language: Language::Python,
             cwd: req.cwd.clone(),
@@ -194,7 +182,7 @@ async fn create(
 
 async fn list(State(e2b): State<Shared>, Extension(t): Extension<Target>) -> Response {
     let go = async {
-        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let sandbox = e2b.sandbox(&t.id)?;
         let list = sandbox
             .call(|a| async move { a.list_contexts().await })
             .await?;
@@ -214,7 +202,7 @@ async fn restart(
 ) -> Response {
     let go = async {
         let context = crate::api::run::context_id(&context)?.to_owned();
-        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let sandbox = e2b.sandbox(&t.id)?;
         sandbox
             .call(|a| async move { a.reset_context(&context).await })
             .await?;
@@ -230,7 +218,7 @@ async fn remove(
 ) -> Response {
     let go = async {
         let context = crate::api::run::context_id(&context)?.to_owned();
-        let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+        let sandbox = e2b.sandbox(&t.id)?;
         sandbox
             .call(|a| async move { a.delete_context(&context).await })
             .await?;

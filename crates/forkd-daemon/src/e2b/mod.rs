@@ -47,34 +47,25 @@ pub const ENVD_VERSION: &str = "0.6.4";
 /// guest images have it, see docs/e2b.md).
 pub const DEFAULT_USER: &str = "user";
 
-/// Longest path accepted.
-const MAX_PATH: usize = 4096;
-
 /// A guest path as E2B gives it: absolute, or relative to `user`'s home directory
 /// (`/root` for root, `/home/<user>` for others); empty means the home itself.
 pub(crate) fn resolve(user: &str, path: &str) -> Result<String, connect::RpcError> {
-    if path.contains('\0') || path.len() > MAX_PATH {
-        return Err(connect::RpcError::new(
-            connect::Code::InvalidArgument,
-            format!(
-                "{:?} is not a usable path",
-                path.chars().take(80).collect::<String>()
-            ),
-        ));
-    }
-    if path.starts_with('/') {
-        return Ok(path.to_owned());
-    }
-    let home = if user == "root" {
-        "/root".to_owned()
+    let full = if path.starts_with('/') {
+        path.to_owned()
     } else {
-        format!("/home/{user}")
+        let home = if user == "root" {
+            "/root".to_owned()
+        } else {
+            format!("/home/{user}")
+        };
+        if path.is_empty() {
+            home
+        } else {
+            format!("{home}/{path}")
+        }
     };
-    Ok(if path.is_empty() {
-        home
-    } else {
-        format!("{home}/{path}")
-    })
+    crate::api::guest_path(&full)?;
+    Ok(full)
 }
 
 /// How the E2B listener runs.
@@ -115,6 +106,23 @@ pub struct E2b {
 type Shared = Arc<E2b>;
 
 impl E2b {
+    /// The running sandbox an in-sandbox request is for. One that is not there is
+    /// `unavailable` ("... was not found"), which the SDKs read as a sandbox no longer
+    /// running, not as a missing file or process.
+    fn sandbox(&self, id: &str) -> Result<Arc<forkd_core::Sandbox>, connect::RpcError> {
+        use forkd_core::SandboxError as E;
+        match self.app.registry.get(id) {
+            Ok(e) => Ok(e.sandbox),
+            Err(E::NotFound { .. } | E::Gone { .. } | E::Destroyed { .. }) => {
+                Err(connect::RpcError::new(
+                    connect::Code::Unavailable,
+                    format!("the sandbox {id} was not found"),
+                ))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// The access token of sandbox `id`.
     fn access_token(&self, id: &str) -> String {
         // HMAC accepts keys of any length: this cannot fail.
@@ -142,15 +150,18 @@ pub fn router(app: App, key: String, config: E2bConfig) -> Router {
         config,
         processes: process::Table::default(),
     });
+    // Bodies are read whole, except uploads, which stream to the guest.
+    let limit = axum::extract::DefaultBodyLimit::max(connect::MAX_MESSAGE);
     let routes = Router::new()
-        .merge(control::routes())
+        .merge(control::routes().layer(limit))
         .nest(
             "/_envd",
             process::routes()
                 .merge(filesystem::routes())
-                .merge(files::routes()),
+                .layer(limit)
+                .merge(files::routes().layer(axum::extract::DefaultBodyLimit::disable())),
         )
-        .nest("/_interpreter", interpreter::routes())
+        .nest("/_interpreter", interpreter::routes().layer(limit))
         .fallback(not_found)
         .with_state(shared.clone());
     // The middleware rewrites in-sandbox paths, so it runs before the routes do: the
@@ -158,7 +169,6 @@ pub fn router(app: App, key: String, config: E2bConfig) -> Router {
     Router::new()
         .fallback_service(routes)
         .layer(axum::middleware::from_fn_with_state(shared, route))
-        .layer(axum::extract::DefaultBodyLimit::disable())
 }
 
 async fn not_found(uri: Uri) -> Response {
@@ -171,7 +181,12 @@ async fn not_found(uri: Uri) -> Response {
 /// Tells control-plane requests from in-sandbox ones, checks their credentials and
 /// sends in-sandbox requests to their port's routes.
 async fn route(State(e2b): State<Shared>, mut req: Request, next: Next) -> Response {
-    let target = match target_of(req.headers(), e2b.config.domain.as_deref()) {
+    let authority = req.uri().authority().map(|a| a.as_str().to_owned());
+    let target = match target_of(
+        req.headers(),
+        authority.as_deref(),
+        e2b.config.domain.as_deref(),
+    ) {
         Ok(t) => t,
         Err(m) => return control::error(StatusCode::BAD_REQUEST, m),
     };
@@ -212,8 +227,13 @@ async fn route(State(e2b): State<Shared>, mut req: Request, next: Next) -> Respo
 }
 
 /// The sandbox and port an in-sandbox request names: by header, else by host name under
-/// the configured domain. None for a control-plane request.
-fn target_of(h: &HeaderMap, domain: Option<&str>) -> Result<Option<Target>, String> {
+/// the configured domain (the `Host` header, or HTTP/2's authority). None for a
+/// control-plane request.
+fn target_of(
+    h: &HeaderMap,
+    authority: Option<&str>,
+    domain: Option<&str>,
+) -> Result<Option<Target>, String> {
     let text = |name: &str| h.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
     if let Some(id) = text("e2b-sandbox-id") {
         let port = match text("e2b-sandbox-port") {
@@ -227,11 +247,16 @@ fn target_of(h: &HeaderMap, domain: Option<&str>) -> Result<Option<Target>, Stri
             port,
         }));
     }
-    let (Some(domain), Some(host)) = (domain, text(header::HOST.as_str())) else {
+    let (Some(domain), Some(host)) = (domain, text(header::HOST.as_str()).or(authority)) else {
         return Ok(None);
     };
-    let host = host.split(':').next().unwrap_or(host);
-    let Some(label) = host.strip_suffix(domain).and_then(|l| l.strip_suffix('.')) else {
+    // Host names are case-insensitive; sandbox ids are lower case.
+    let host = host.split(':').next().unwrap_or(host).to_ascii_lowercase();
+    let domain = domain.to_ascii_lowercase();
+    let Some(label) = host
+        .strip_suffix(domain.as_str())
+        .and_then(|l| l.strip_suffix('.'))
+    else {
         return Ok(None);
     };
     let Some((port, id)) = label.split_once('-') else {
@@ -392,13 +417,17 @@ mod tests {
         let other = e2b.access_token("sb-000000000002");
         let (s, _) = send(&r, stat(Some(other), "sb-000000000001", "49983")).await;
         assert_eq!(s, StatusCode::UNAUTHORIZED);
-        // The right token gets through, to a sandbox that does not exist: Connect's
-        // not_found, as the SDK reads it.
+        // The right token gets through, to a sandbox that does not exist: `unavailable`
+        // with "was not found", which the SDKs read as a sandbox no longer running.
         let token = e2b.access_token("sb-000000000001");
         let (s, v) = send(&r, stat(Some(token.clone()), "sb-000000000001", "49983")).await;
         assert_eq!(
             (s, v["code"].as_str()),
-            (StatusCode::NOT_FOUND, Some("not_found")),
+            (StatusCode::SERVICE_UNAVAILABLE, Some("unavailable")),
+            "{v}"
+        );
+        assert!(
+            v["message"].as_str().unwrap().contains("was not found"),
             "{v}"
         );
         // A port forkd does not serve.
@@ -409,26 +438,35 @@ mod tests {
     #[test]
     fn targets_come_from_headers_or_host_names() {
         let mut h = HeaderMap::new();
-        assert!(target_of(&h, Some("e2b.test")).unwrap().is_none());
+        assert!(target_of(&h, None, Some("e2b.test")).unwrap().is_none());
         h.insert(
             header::HOST,
             "49999-sb-0123456789ab.e2b.test".parse().unwrap(),
         );
-        let t = target_of(&h, Some("e2b.test")).unwrap().unwrap();
+        let t = target_of(&h, None, Some("e2b.test")).unwrap().unwrap();
         assert_eq!(
             (t.id.as_str(), t.port),
             ("sb-0123456789ab", INTERPRETER_PORT)
         );
         // Another domain, or none configured: the control plane.
-        assert!(target_of(&h, Some("other.test")).unwrap().is_none());
-        assert!(target_of(&h, None).unwrap().is_none());
+        assert!(target_of(&h, None, Some("other.test")).unwrap().is_none());
+        assert!(target_of(&h, None, None).unwrap().is_none());
+        h.insert(
+            header::HOST,
+            "49983-SB-0123456789AB.E2B.test".parse().unwrap(),
+        );
+        let t = target_of(&h, None, Some("e2b.test")).unwrap().unwrap();
+        assert_eq!((t.id.as_str(), t.port), ("sb-0123456789ab", ENVD_PORT));
+        h.remove(header::HOST);
+        let t = target_of(&h, Some("49983-sb-1.e2b.test:443"), Some("e2b.test")).unwrap();
+        assert_eq!(t.unwrap().id, "sb-1");
         h.insert(header::HOST, "e2b.test:443".parse().unwrap());
-        assert!(target_of(&h, Some("e2b.test")).unwrap().is_none());
+        assert!(target_of(&h, None, Some("e2b.test")).unwrap().is_none());
         // Headers win, and a bad port is refused.
         h.insert("e2b-sandbox-id", "sb-1".parse().unwrap());
-        assert_eq!(target_of(&h, None).unwrap().unwrap().port, ENVD_PORT);
+        assert_eq!(target_of(&h, None, None).unwrap().unwrap().port, ENVD_PORT);
         h.insert("e2b-sandbox-port", "nope".parse().unwrap());
-        assert!(target_of(&h, None).is_err());
+        assert!(target_of(&h, None, None).is_err());
     }
 
     #[test]

@@ -86,6 +86,9 @@ struct Proc {
     stdin: Mutex<Option<mpsc::Sender<Bytes>>>,
     /// The callers attached to its output.
     attached: Mutex<Vec<mpsc::Sender<Value>>>,
+    /// Its `end` event, once it ended (under `attached`'s lock): a caller attaching
+    /// then still gets it.
+    ended: Mutex<Option<Value>>,
     /// Cancelled to kill it.
     kill: CancellationToken,
 }
@@ -93,8 +96,25 @@ struct Proc {
 impl Proc {
     fn attach(&self) -> mpsc::Receiver<Value> {
         let (tx, rx) = mpsc::channel(EVENTS_QUEUED);
-        lock(&self.attached).push(tx);
+        let mut attached = lock(&self.attached);
+        match lock(&self.ended).clone() {
+            // The channel is empty: the end fits, and the stream ends after it.
+            Some(end) => drop(tx.try_send(end)),
+            None => attached.push(tx),
+        }
         rx
+    }
+
+    /// Records the end and hands it to every attached caller; nothing follows it.
+    async fn finish(&self, end: Value) {
+        let callers = {
+            let mut attached = lock(&self.attached);
+            *lock(&self.ended) = Some(end.clone());
+            std::mem::take(&mut *attached)
+        };
+        for c in callers {
+            let _ = c.send(end.clone()).await;
+        }
     }
 
     /// Sends an event to every attached caller, in order; callers gone are dropped.
@@ -277,7 +297,7 @@ async fn start_process(
         ));
     }
     let user = user_of(headers)?;
-    let sandbox = e2b.app.registry.get(&t.id)?.sandbox;
+    let sandbox = e2b.sandbox(&t.id)?;
     let p = &req.process;
     if p.cmd.is_empty() {
         return Err(RpcError::new(Code::InvalidArgument, "cmd is empty"));
@@ -286,7 +306,11 @@ async fn start_process(
     argv.extend(p.args.iter().cloned());
     let mut exec = ExecRequest::new(Command::Argv(argv));
     exec.env = p.envs.clone();
-    exec.cwd = Some(super::resolve(&user, p.cwd.as_deref().unwrap_or(""))?);
+    // No cwd: the agent starts in the user's home, from the guest's passwd.
+    exec.cwd = match p.cwd.as_deref() {
+        None | Some("") => None,
+        Some(c) => Some(super::resolve(&user, c)?),
+    };
     exec.user = Some(user);
     if let Some(problem) = forkd_proto::exec::env_problem(&exec.env) {
         return Err(RpcError::new(Code::InvalidArgument, problem));
@@ -317,20 +341,26 @@ async fn start_process(
         tag: req.tag.clone(),
         stdin: Mutex::new(stdin_tx),
         attached: Mutex::new(Vec::new()),
+        ended: Mutex::new(None),
         kill: CancellationToken::new(),
     });
     let rx = proc.attach();
-    lock(&e2b.processes.procs).insert((t.id.clone(), pid), proc.clone());
+    if let Some(stale) = lock(&e2b.processes.procs).insert((t.id.clone(), pid), proc.clone()) {
+        // The guest reused the pid of a process whose end is still being delivered.
+        tracing::debug!(
+            pid = stale.pid,
+            "a new process took the pid of one that ended"
+        );
+    }
     let e2b2 = e2b.clone();
     let id = t.id.clone();
     tokio::spawn(async move {
+        let killed = json!({"end": {"exitCode": -1, "exited": false, "status": "signal: killed"}});
         let end = loop {
             let item = tokio::select! {
                 item = stream.next() => item,
-                () = proc.kill.cancelled() => {
-                    // Dropping the stream makes the agent kill the process group.
-                    break json!({"end": {"exitCode": -1, "exited": false, "status": "signal: killed"}});
-                }
+                // Dropping the stream makes the agent kill the process group.
+                () = proc.kill.cancelled() => break killed,
             };
             let event = match item {
                 Ok(Some(ExecOutput::Stdout(b))) => json!({"data": {"stdout": BASE64.encode(&b)}}),
@@ -344,12 +374,22 @@ async fn start_process(
                     break json!({"end": {"exitCode": -1, "exited": false, "status": "error", "error": e.to_string()}})
                 }
             };
-            proc.publish(event).await;
+            // A caller that does not read holds the output back (no byte is dropped),
+            // but never a kill.
+            tokio::select! {
+                () = proc.publish(event) => {}
+                () = proc.kill.cancelled() => break killed,
+            }
         };
         drop(stream);
-        lock(&e2b2.processes.procs).remove(&(id, pid));
-        proc.publish(end).await;
-        lock(&proc.attached).clear();
+        {
+            let mut procs = lock(&e2b2.processes.procs);
+            let key = (id, pid);
+            if procs.get(&key).is_some_and(|p| Arc::ptr_eq(p, &proc)) {
+                procs.remove(&key);
+            }
+        }
+        proc.finish(end).await;
     });
     Ok(connect::stream_response(event_stream(
         pid,
@@ -379,8 +419,8 @@ async fn connect_call(
 }
 
 async fn list(State(e2b): State<Shared>, Extension(t): Extension<Target>) -> Response {
-    if let Err(e) = e2b.app.registry.get(&t.id) {
-        return RpcError::from(e).into_response();
+    if let Err(e) = e2b.sandbox(&t.id) {
+        return e.into_response();
     }
     let procs: Vec<Value> = lock(&e2b.processes.procs)
         .iter()

@@ -10,6 +10,7 @@ from e2b import (
     CommandExitException,
     FileNotFoundException,
     Sandbox,
+    SandboxException,
     SandboxQuery,
 )
 from e2b_code_interpreter import Sandbox as CodeInterpreter
@@ -53,6 +54,10 @@ except CommandExitException as e:
 assert all(p.pid != h.pid for p in sbx.commands.list())
 assert not sbx.commands.kill(h.pid)
 
+# Reattaching to a running command: its output from then on, and its end.
+h = sbx.commands.run("sleep 2; echo late", background=True)
+assert sbx.commands.connect(h.pid).wait().stdout == "late\n"
+
 # stdin of a background command.
 h = sbx.commands.run("cat", background=True, stdin=True)
 sbx.commands.send_stdin(h.pid, "first\n")
@@ -65,6 +70,13 @@ sbx.files.write("notes/a.txt", "hello")
 assert sbx.files.read("/home/user/notes/a.txt") == "hello"
 owners = sbx.commands.run("stat -c %U /home/user/notes /home/user/notes/a.txt").stdout
 assert owners == "user\nuser\n", owners
+# What the user may not write is refused, as it would be in the guest.
+try:
+    sbx.files.write("/etc/hostname", "taken")
+    raise AssertionError("the user overwrote a file of root's")
+except SandboxException as e:
+    assert "permission denied" in str(e), e
+assert sbx.files.read("/etc/hostname", user="root") != "taken"
 # 10 MB of binary, byte for byte.
 blob = os.urandom(10 * 1024 * 1024)
 sbx.files.write("/tmp/blob.bin", blob)
