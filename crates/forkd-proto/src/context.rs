@@ -41,6 +41,9 @@ pub struct ContextInfo {
     pub pid: u32,
     /// Cells run since the context started (or was last reset).
     pub execution_count: u64,
+    /// The working directory it was created with (`/` when none was given).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
 }
 
 /// Body of `POST /v1/contexts/{id}/run`.

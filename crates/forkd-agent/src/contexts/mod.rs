@@ -230,6 +230,7 @@ impl Context {
             language: self.spec.language,
             pid: self.pid.load(Ordering::Relaxed),
             execution_count: self.count.load(Ordering::Relaxed),
+            cwd: self.spec.cwd.clone(),
         }
     }
 

@@ -63,9 +63,16 @@ pub async fn read(
     QueryParams(q): QueryParams<PathQuery>,
 ) -> Result<Response, ApiError> {
     let sandbox = app.registry.get(&id)?.sandbox;
-    let path = guest_path(&q.path)?.to_owned();
-    // The agent answers (or refuses: a missing file, a directory) before the body
-    // starts, so errors still get their status.
+    download(&sandbox, guest_path(&q.path)?.to_owned()).await
+}
+
+/// A guest file's bytes as the response body, streamed. The agent answers (or refuses:
+/// a missing file, a directory) before the body starts, so errors still get their
+/// status.
+pub(crate) async fn download(
+    sandbox: &forkd_core::Sandbox,
+    path: String,
+) -> Result<Response, ApiError> {
     let body = sandbox
         .call(|a| async move { a.open_file(&path).await })
         .await?;

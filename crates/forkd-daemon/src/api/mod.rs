@@ -3,7 +3,7 @@
 
 pub(crate) mod branch;
 pub mod error;
-mod files;
+pub(crate) mod files;
 mod processes;
 pub(crate) mod run;
 pub(crate) mod sandboxes;

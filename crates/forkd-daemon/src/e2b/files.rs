@@ -6,7 +6,7 @@
 use super::control::{fail, E2bError};
 use super::process::user_of;
 use super::{resolve, Shared, Target};
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{FromRequest, Multipart, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -53,23 +53,11 @@ async fn read(
     Extension(t): Extension<Target>,
     headers: HeaderMap,
     Query(q): Query<FileQuery>,
-) -> Response {
-    let go = async {
-        let user = q.user(&headers)?;
-        let path = resolve(&user, q.path.as_deref().unwrap_or(""))?;
-        let sandbox = e2b.sandbox(&t.id)?;
-        let body = sandbox
-            .call(|a| async move { a.open_file(&path).await })
-            .await?;
-        Ok::<_, E2bError>(
-            (
-                [(header::CONTENT_TYPE, "application/octet-stream")],
-                Body::new(body),
-            )
-                .into_response(),
-        )
-    };
-    go.await.unwrap_or_else(IntoResponse::into_response)
+) -> Result<Response, E2bError> {
+    let user = q.user(&headers)?;
+    let path = resolve(&user, q.path.as_deref().unwrap_or(""))?;
+    let sandbox = e2b.sandbox(&t.id)?;
+    Ok(crate::api::files::download(&sandbox, path).await?)
 }
 
 async fn write(
@@ -77,80 +65,77 @@ async fn write(
     Extension(t): Extension<Target>,
     Query(q): Query<FileQuery>,
     req: Request,
-) -> Response {
-    let go = async {
-        let user = q.user(req.headers())?;
-        // The SDKs' gzip uploads (`gzip=True`): not decoded here, so refused rather
-        // than written compressed.
-        if let Some(enc) = req.headers().get(header::CONTENT_ENCODING) {
-            if enc.as_bytes() != b"identity" {
-                return Err(fail(
-                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                    format!(
-                        "uploads with Content-Encoding {:?} are not supported: send them uncompressed",
-                        String::from_utf8_lossy(enc.as_bytes())
-                    ),
-                ));
-            }
-        }
-        let sandbox = e2b.sandbox(&t.id)?;
-        let multipart = req
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("multipart/form-data"));
-        let mut written = Vec::new();
-        if !multipart {
-            let path = q
-                .path
-                .as_deref()
-                .ok_or_else(|| fail(StatusCode::BAD_REQUEST, "a raw upload needs ?path="))?;
-            let path = resolve(&user, path)?;
-            let body = req
-                .into_body()
-                .into_data_stream()
-                .map(|r| r.map_err(std::io::Error::other));
-            written.push(upload(&sandbox, &path, &user, body).await?);
-            return Ok(Json(written).into_response());
-        }
-        let mut parts = Multipart::from_request(req, &())
-            .await
-            .map_err(|e| fail(StatusCode::BAD_REQUEST, e.body_text()))?;
-        let mut count = 0;
-        while let Some(field) = parts
-            .next_field()
-            .await
-            .map_err(|e| fail(StatusCode::BAD_REQUEST, e.body_text()))?
-        {
-            if field.name() != Some("file") {
-                continue;
-            }
-            count += 1;
-            // One file may be named by ?path=; otherwise each part's file name is its
-            // destination.
-            let dest = match (&q.path, field.file_name()) {
-                (Some(p), _) if count == 1 => p.clone(),
-                (_, Some(name)) => name.to_owned(),
-                _ => {
-                    return Err(fail(
-                        StatusCode::BAD_REQUEST,
-                        "a part named file has no file name to write it to",
-                    ))
-                }
-            };
-            let path = resolve(&user, &dest)?;
-            let body = field.map(|r| r.map_err(std::io::Error::other));
-            written.push(upload(&sandbox, &path, &user, body).await?);
-        }
-        if written.is_empty() {
+) -> Result<Response, E2bError> {
+    let user = q.user(req.headers())?;
+    // The SDKs' gzip uploads (`gzip=True`): not decoded here, so refused rather
+    // than written compressed.
+    if let Some(enc) = req.headers().get(header::CONTENT_ENCODING) {
+        if enc.as_bytes() != b"identity" {
             return Err(fail(
-                StatusCode::BAD_REQUEST,
-                "the upload has no part named file",
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                format!(
+                    "uploads with Content-Encoding {:?} are not supported: send them uncompressed",
+                    String::from_utf8_lossy(enc.as_bytes())
+                ),
             ));
         }
-        Ok(Json(written).into_response())
-    };
-    go.await.unwrap_or_else(IntoResponse::into_response)
+    }
+    let sandbox = e2b.sandbox(&t.id)?;
+    let multipart = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("multipart/form-data"));
+    let mut written = Vec::new();
+    if !multipart {
+        let path = q
+            .path
+            .as_deref()
+            .ok_or_else(|| fail(StatusCode::BAD_REQUEST, "a raw upload needs ?path="))?;
+        let path = resolve(&user, path)?;
+        let body = req
+            .into_body()
+            .into_data_stream()
+            .map(|r| r.map_err(std::io::Error::other));
+        written.push(upload(&sandbox, &path, &user, body).await?);
+        return Ok(Json(written).into_response());
+    }
+    let mut parts = Multipart::from_request(req, &())
+        .await
+        .map_err(|e| fail(StatusCode::BAD_REQUEST, e.body_text()))?;
+    let mut count = 0;
+    while let Some(field) = parts
+        .next_field()
+        .await
+        .map_err(|e| fail(StatusCode::BAD_REQUEST, e.body_text()))?
+    {
+        if field.name() != Some("file") {
+            continue;
+        }
+        count += 1;
+        // One file may be named by ?path=; otherwise each part's file name is its
+        // destination.
+        let dest = match (&q.path, field.file_name()) {
+            (Some(p), _) if count == 1 => p.clone(),
+            (_, Some(name)) => name.to_owned(),
+            _ => {
+                return Err(fail(
+                    StatusCode::BAD_REQUEST,
+                    "a part named file has no file name to write it to",
+                ))
+            }
+        };
+        let path = resolve(&user, &dest)?;
+        let body = field.map(|r| r.map_err(std::io::Error::other));
+        written.push(upload(&sandbox, &path, &user, body).await?);
+    }
+    if written.is_empty() {
+        return Err(fail(
+            StatusCode::BAD_REQUEST,
+            "the upload has no part named file",
+        ));
+    }
+    Ok(Json(written).into_response())
 }
 
 /// Streams `body` into the guest's file `path`, owned by `user`, and answers envd's

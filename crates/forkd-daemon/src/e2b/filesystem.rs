@@ -5,14 +5,16 @@ use super::connect::{self, Code, RpcError};
 use super::process::{unary, user_of};
 use super::{resolve, Shared, Target};
 use axum::body::Bytes;
-use axum::extract::State;
-use axum::http::HeaderMap;
+use axum::extract::{FromRequest, Request};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use axum::{Extension, Router};
+use axum::Router;
+use forkd_core::Sandbox;
 use forkd_proto::files::{FileKind, FileStat};
+use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
+use std::sync::Arc;
 
 /// Deepest listing (deeper asks get this).
 const MAX_DEPTH: u32 = 64;
@@ -82,43 +84,71 @@ struct MoveRequest {
     destination: String,
 }
 
-async fn stat(
-    State(e2b): State<Shared>,
-    Extension(t): Extension<Target>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+/// A filesystem call: its message, the caller's user and the sandbox, or the Connect
+/// error that stops it before the guest is asked anything.
+struct Call<R> {
+    sandbox: Arc<Sandbox>,
+    user: String,
+    req: R,
+}
+
+impl<R: DeserializeOwned> Call<R> {
+    /// A path of the request, for the caller's user.
+    fn path(&self, p: &str) -> Result<String, RpcError> {
+        resolve(&self.user, p)
+    }
+}
+
+impl<R: DeserializeOwned + Send> FromRequest<Shared> for Call<R> {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, e2b: &Shared) -> Result<Self, Response> {
+        let go = async {
+            let t = req
+                .extensions()
+                .get::<Target>()
+                .cloned()
+                .ok_or_else(|| RpcError::new(Code::Internal, "the request names no sandbox"))?;
+            let user = user_of(req.headers())?;
+            let body = Bytes::from_request(req, e2b)
+                .await
+                .map_err(|e| RpcError::new(Code::InvalidArgument, e.body_text()))?;
+            Ok::<_, RpcError>(Call {
+                req: connect::unary_request(&body)?,
+                sandbox: e2b.sandbox(&t.id)?,
+                user,
+            })
+        };
+        go.await.map_err(IntoResponse::into_response)
+    }
+}
+
+async fn stat(call: Call<PathRequest>) -> Response {
     unary(async {
-        let req: PathRequest = connect::unary_request(&body)?;
-        let path = resolve(&user_of(&headers)?, &req.path)?;
-        let sandbox = e2b.sandbox(&t.id)?;
-        let f = sandbox.call(|a| async move { a.stat(&path).await }).await?;
+        let path = call.path(&call.req.path)?;
+        let f = call
+            .sandbox
+            .call(|a| async move { a.stat(&path).await })
+            .await?;
         Ok(json!({ "entry": entry(&f) }))
     })
     .await
 }
 
 /// `ListDir`: the entries under a directory, `depth` levels down (1: its own).
-async fn list_dir(
-    State(e2b): State<Shared>,
-    Extension(t): Extension<Target>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn list_dir(call: Call<PathRequest>) -> Response {
     unary(async {
-        let req: PathRequest = connect::unary_request(&body)?;
-        let root = resolve(&user_of(&headers)?, &req.path)?;
-        let depth = req.depth.unwrap_or(1).clamp(1, MAX_DEPTH);
-        let sandbox = e2b.sandbox(&t.id)?;
+        let depth = call.req.depth.unwrap_or(1).clamp(1, MAX_DEPTH);
         let mut entries = Vec::new();
-        let mut level = vec![root];
+        let mut level = vec![call.path(&call.req.path)?];
         for _ in 0..depth {
             if level.is_empty() {
                 break;
             }
             let mut next = Vec::new();
             for dir in level {
-                let listed = sandbox
+                let listed = call
+                    .sandbox
                     .call(|a| async move { a.list_dir(&dir).await })
                     .await?;
                 for f in listed {
@@ -143,19 +173,12 @@ async fn list_dir(
 
 /// `MakeDir`: creates the directory and its parents (the caller's); one that exists is
 /// `already_exists`, as envd answers.
-async fn make_dir(
-    State(e2b): State<Shared>,
-    Extension(t): Extension<Target>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn make_dir(call: Call<PathRequest>) -> Response {
     unary(async {
-        let req: PathRequest = connect::unary_request(&body)?;
-        let user = user_of(&headers)?;
-        let path = resolve(&user, &req.path)?;
-        let sandbox = e2b.sandbox(&t.id)?;
+        let path = call.path(&call.req.path)?;
         let p = path.clone();
-        if sandbox
+        if call
+            .sandbox
             .call(|a| async move { a.stat(&p).await })
             .await
             .is_ok()
@@ -165,7 +188,9 @@ async fn make_dir(
                 format!("{path} already exists"),
             ));
         }
-        let f = sandbox
+        let user = call.user.clone();
+        let f = call
+            .sandbox
             .call(|a| async move { a.mkdir_owned(&path, Some(&user)).await })
             .await?;
         Ok(json!({ "entry": entry(&f) }))
@@ -173,21 +198,14 @@ async fn make_dir(
     .await
 }
 
-async fn move_entry(
-    State(e2b): State<Shared>,
-    Extension(t): Extension<Target>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn move_entry(call: Call<MoveRequest>) -> Response {
     unary(async {
-        let req: MoveRequest = connect::unary_request(&body)?;
-        let user = user_of(&headers)?;
         let (from, to) = (
-            resolve(&user, &req.source)?,
-            resolve(&user, &req.destination)?,
+            call.path(&call.req.source)?,
+            call.path(&call.req.destination)?,
         );
-        let sandbox = e2b.sandbox(&t.id)?;
-        let f = sandbox
+        let f = call
+            .sandbox
             .call(|a| async move { a.rename(&from, &to).await })
             .await?;
         Ok(json!({ "entry": entry(&f) }))
@@ -195,17 +213,10 @@ async fn move_entry(
     .await
 }
 
-async fn remove(
-    State(e2b): State<Shared>,
-    Extension(t): Extension<Target>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn remove(call: Call<PathRequest>) -> Response {
     unary(async {
-        let req: PathRequest = connect::unary_request(&body)?;
-        let path = resolve(&user_of(&headers)?, &req.path)?;
-        let sandbox = e2b.sandbox(&t.id)?;
-        sandbox
+        let path = call.path(&call.req.path)?;
+        call.sandbox
             .call(|a| async move { a.remove(&path, true).await })
             .await?;
         Ok(json!({}))

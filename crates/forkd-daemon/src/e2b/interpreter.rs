@@ -21,8 +21,8 @@ use std::time::Duration;
 /// times out after 300 s without a byte) do not give up on a long computation.
 const KEEPALIVE: Duration = Duration::from_secs(30);
 
-/// The working directory contexts report when created without one (the agent's
-/// interpreters start in `/`).
+/// The working directory of a context created without one (the agent's interpreters
+/// start in `/`).
 const DEFAULT_CWD: &str = "/";
 
 pub(super) fn routes() -> Router<Shared> {
@@ -95,33 +95,26 @@ async fn execute(
     State(e2b): State<Shared>,
     Extension(t): Extension<Target>,
     body: Bytes,
-) -> Response {
-    let go = async {
-        let req: ExecuteRequest = serde_json::from_slice(&body)
-            .map_err(|e| fail(StatusCode::BAD_REQUEST, format!("the request body: {e}")))?;
-        check_language(req.language.as_deref())?;
-        if req.env_vars.as_ref().is_some_and(|e| !e.is_empty()) {
-            return Err(fail(
-                StatusCode::BAD_REQUEST,
-                "env_vars per execution are not supported by forkd: set envs when creating the \
+) -> Result<Response, E2bError> {
+    let req: ExecuteRequest = serde_json::from_slice(&body)
+        .map_err(|e| fail(StatusCode::BAD_REQUEST, format!("the request body: {e}")))?;
+    check_language(req.language.as_deref())?;
+    if req.env_vars.as_ref().is_some_and(|e| !e.is_empty()) {
+        return Err(fail(
+            StatusCode::BAD_REQUEST,
+            "env_vars per execution are not supported by forkd: set envs when creating the \
                  sandbox, or os.environ in the code",
-            ));
-        }
-        let sandbox = e2b.sandbox(&t.id)?;
-        let context = crate::api::run::pick_context(&sandbox, req.context_id).await?;
-        let run = RunCodeRequest {
-            code: req.code,
-            timeout_ms: None,
-        };
-        let stream = sandbox
-            .call(|a| async move { a.run_code_stream(&context, &run).await })
-            .await?;
-        Ok::<_, E2bError>(stream)
+        ));
+    }
+    let sandbox = e2b.sandbox(&t.id)?;
+    let context = crate::api::run::pick_context(&sandbox, req.context_id).await?;
+    let run = RunCodeRequest {
+        code: req.code,
+        timeout_ms: None,
     };
-    let stream = match go.await {
-        Ok(s) => s,
-        Err(e) => return e.into_response(),
-    };
+    let stream = sandbox
+        .call(|a| async move { a.run_code_stream(&context, &run).await })
+        .await?;
     let ticker = tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE, KEEPALIVE);
     let lines = futures::stream::unfold(Some((stream, ticker)), |state| async move {
         let (mut stream, mut ticker) = state?;
@@ -139,7 +132,7 @@ async fn execute(
         let bytes: Vec<u8> = lines.iter().flat_map(|v| line(v).to_vec()).collect();
         Some((Bytes::from(bytes), Some((stream, ticker))))
     });
-    crate::api::run::ndjson(lines)
+    Ok(crate::api::run::ndjson(lines))
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -156,73 +149,78 @@ async fn create(
     State(e2b): State<Shared>,
     Extension(t): Extension<Target>,
     body: Bytes,
-) -> Response {
-    let go = async {
-        let req: CreateRequest = if body.is_empty() {
-            CreateRequest::default()
-        } else {
-            serde_json::from_slice(&body)
-                .map_err(|e| fail(StatusCode::BAD_REQUEST, format!("the request body: {e}")))?
-        };
-        check_language(req.language.as_deref())?;
-        let sandbox = e2b.sandbox(&t.id)?;
-        let spec = CreateContextRequest {
-            language: Language::Python,
-            cwd: req.cwd.clone(),
-            env: BTreeMap::new(),
-        };
-        let c = sandbox
-            .call(|a| async move { a.create_context(&spec).await })
-            .await?;
-        let cwd = req.cwd.as_deref().unwrap_or(DEFAULT_CWD);
-        Ok::<_, E2bError>(Json(context_json(&c.id, cwd)).into_response())
+) -> Result<Response, E2bError> {
+    let req: CreateRequest = if body.is_empty() {
+        CreateRequest::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| fail(StatusCode::BAD_REQUEST, format!("the request body: {e}")))?
     };
-    go.await.unwrap_or_else(IntoResponse::into_response)
+    check_language(req.language.as_deref())?;
+    let sandbox = e2b.sandbox(&t.id)?;
+    let spec = CreateContextRequest {
+        language: Language::Python,
+        cwd: req.cwd.clone(),
+        env: BTreeMap::new(),
+    };
+    let c = sandbox
+        .call(|a| async move { a.create_context(&spec).await })
+        .await?;
+    Ok(Json(context_json(&c.id, c.cwd.as_deref().unwrap_or(DEFAULT_CWD))).into_response())
 }
 
-async fn list(State(e2b): State<Shared>, Extension(t): Extension<Target>) -> Response {
-    let go = async {
-        let sandbox = e2b.sandbox(&t.id)?;
-        let list = sandbox
-            .call(|a| async move { a.list_contexts().await })
-            .await?;
-        let v: Vec<Value> = list
-            .iter()
-            .map(|c| context_json(&c.id, DEFAULT_CWD))
-            .collect();
-        Ok::<_, E2bError>(Json(v).into_response())
-    };
-    go.await.unwrap_or_else(IntoResponse::into_response)
+async fn list(
+    State(e2b): State<Shared>,
+    Extension(t): Extension<Target>,
+) -> Result<Response, E2bError> {
+    let sandbox = e2b.sandbox(&t.id)?;
+    let list = sandbox
+        .call(|a| async move { a.list_contexts().await })
+        .await?;
+    let v: Vec<Value> = list
+        .iter()
+        .map(|c| context_json(&c.id, c.cwd.as_deref().unwrap_or(DEFAULT_CWD)))
+        .collect();
+    Ok(Json(v).into_response())
+}
+
+/// What a `/contexts/{id}` call does to the context.
+enum ContextCall {
+    Restart,
+    Remove,
+}
+
+async fn context_call(
+    e2b: &Shared,
+    t: &Target,
+    context: &str,
+    call: ContextCall,
+) -> Result<StatusCode, E2bError> {
+    let context = crate::api::run::context_id(context)?.to_owned();
+    let sandbox = e2b.sandbox(&t.id)?;
+    sandbox
+        .call(|a| async move {
+            match call {
+                ContextCall::Restart => a.reset_context(&context).await,
+                ContextCall::Remove => a.delete_context(&context).await,
+            }
+        })
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 async fn restart(
     State(e2b): State<Shared>,
     Extension(t): Extension<Target>,
     Path(context): Path<String>,
-) -> Response {
-    let go = async {
-        let context = crate::api::run::context_id(&context)?.to_owned();
-        let sandbox = e2b.sandbox(&t.id)?;
-        sandbox
-            .call(|a| async move { a.reset_context(&context).await })
-            .await?;
-        Ok::<_, E2bError>(StatusCode::NO_CONTENT.into_response())
-    };
-    go.await.unwrap_or_else(IntoResponse::into_response)
+) -> Result<StatusCode, E2bError> {
+    context_call(&e2b, &t, &context, ContextCall::Restart).await
 }
 
 async fn remove(
     State(e2b): State<Shared>,
     Extension(t): Extension<Target>,
     Path(context): Path<String>,
-) -> Response {
-    let go = async {
-        let context = crate::api::run::context_id(&context)?.to_owned();
-        let sandbox = e2b.sandbox(&t.id)?;
-        sandbox
-            .call(|a| async move { a.delete_context(&context).await })
-            .await?;
-        Ok::<_, E2bError>(StatusCode::NO_CONTENT.into_response())
-    };
-    go.await.unwrap_or_else(IntoResponse::into_response)
+) -> Result<StatusCode, E2bError> {
+    context_call(&e2b, &t, &context, ContextCall::Remove).await
 }

@@ -152,7 +152,9 @@ with CodeInterpreter.create(template) as ci:
     ex = ci.run_code("1 / 0")
     assert ex.error is not None and ex.error.name == "ZeroDivisionError", ex
     assert "line 1" in ex.error.traceback, ex.error.traceback
-    ctx = ci.create_code_context()
+    ctx = ci.create_code_context(cwd="/tmp")
+    assert ctx.cwd == "/tmp" and ci.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+    assert [c.cwd for c in ci.list_code_contexts() if c.id == ctx.id] == ["/tmp"]
     ci.run_code("y = 1", context=ctx)
     assert ci.run_code("'y' in dir()").text == "False"
     assert ci.run_code("y", context=ctx).text == "1"
