@@ -189,6 +189,26 @@ mod tests {
     }
 
     #[test]
+    fn the_e2b_listener_needs_a_token_and_off_loopback_tls() {
+        let mut c = config();
+        c.e2b = Some(crate::e2b::E2bConfig::new(
+            "127.0.0.1:3000".parse().unwrap(),
+        ));
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("--e2b-listen needs --token-file"), "{e}");
+        c.token = Some("x".repeat(32));
+        c.validate().unwrap();
+        c.e2b = Some(crate::e2b::E2bConfig::new("0.0.0.0:443".parse().unwrap()));
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("without TLS"), "{e}");
+        c.tls = Some(TlsFiles {
+            cert: "cert.pem".into(),
+            key: "key.pem".into(),
+        });
+        c.validate().unwrap();
+    }
+
+    #[test]
     fn short_tokens_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("token");

@@ -21,7 +21,7 @@ const MAX_LABEL_LEN: usize = 256;
 const MAX_ENV_BYTES: usize = 64 << 10;
 
 /// Longest timeout accepted: 30 days.
-const MAX_TIMEOUT_S: u64 = 30 * 24 * 3600;
+pub(crate) const MAX_TIMEOUT_S: u64 = 30 * 24 * 3600;
 
 impl From<RegistryError> for ApiError {
     fn from(e: RegistryError) -> ApiError {

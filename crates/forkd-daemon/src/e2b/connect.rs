@@ -208,6 +208,16 @@ pub fn unary_response<T: Serialize>(msg: &T) -> Response {
         .into_response()
 }
 
+/// Runs a unary call and answers its message or its error.
+pub async fn unary(
+    f: impl std::future::Future<Output = Result<serde_json::Value, RpcError>>,
+) -> Response {
+    match f.await {
+        Ok(v) => unary_response(&v),
+        Err(e) => e.into_response(),
+    }
+}
+
 /// Decodes the one enveloped message of a server-streaming request.
 pub fn stream_request<T: DeserializeOwned>(body: &[u8]) -> Result<T, RpcError> {
     let bad = |m: &str| RpcError::new(Code::InvalidArgument, m.to_owned());

@@ -3,6 +3,7 @@
 //! forkd labels; its timeout is forkd's.
 
 use super::{Shared, ENVD_VERSION};
+use crate::api::sandboxes::MAX_TIMEOUT_S;
 use crate::api::ApiError;
 use crate::registry::{CreateSpec, Listed};
 use axum::extract::{Path, RawQuery, State};
@@ -17,8 +18,6 @@ use std::collections::BTreeMap;
 
 /// What a sandbox lives for when the create call names no timeout (E2B's default).
 const DEFAULT_TIMEOUT_S: u64 = 300;
-/// The longest timeout (E2B's own ceiling for paying teams is 24 h; forkd allows 30 days).
-const MAX_TIMEOUT_S: u64 = 30 * 24 * 3600;
 /// Most sandboxes one list page holds.
 const MAX_PAGE: usize = 100;
 
@@ -218,7 +217,6 @@ async fn detail(State(e2b): State<Shared>, Path(id): Path<String>) -> Result<Res
 
 async fn kill(State(e2b): State<Shared>, Path(id): Path<String>) -> Result<StatusCode, E2bError> {
     e2b.app.registry.delete(&id).await?;
-    e2b.processes.forget_sandbox(&id);
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -4,8 +4,7 @@
 //! `{"code": <status>, "message"}` as envd does.
 
 use super::control::{fail, E2bError};
-use super::process::user_of;
-use super::{resolve, Shared, Target};
+use super::{resolve, user_of, Shared, Target};
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Multipart, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -19,8 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
-/// Largest file one upload writes.
-const MAX_UPLOAD: u64 = 1 << 30;
+use crate::api::files::MAX_UPLOAD;
 
 pub(super) fn routes() -> Router<Shared> {
     Router::new()

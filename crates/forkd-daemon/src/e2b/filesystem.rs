@@ -1,9 +1,9 @@
 //! envd's `filesystem.Filesystem` service (unary calls): stat, list, make a directory,
 //! move, remove, on forkd's agent. Watching directories is not offered.
 
+use super::connect::unary;
 use super::connect::{self, Code, RpcError};
-use super::process::{unary, user_of};
-use super::{resolve, Shared, Target};
+use super::{resolve, user_of, Shared, Target};
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use axum::response::{IntoResponse, Response};

@@ -29,6 +29,8 @@ use axum::http::{header, HeaderMap, StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
+use base64::Engine as _;
+use connect::{Code, RpcError};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::collections::BTreeMap;
@@ -49,7 +51,7 @@ pub const DEFAULT_USER: &str = "user";
 
 /// A guest path as E2B gives it: absolute, or relative to `user`'s home directory
 /// (`/root` for root, `/home/<user>` for others); empty means the home itself.
-pub(crate) fn resolve(user: &str, path: &str) -> Result<String, connect::RpcError> {
+pub(crate) fn resolve(user: &str, path: &str) -> Result<String, RpcError> {
     let full = if path.starts_with('/') {
         path.to_owned()
     } else {
@@ -66,6 +68,29 @@ pub(crate) fn resolve(user: &str, path: &str) -> Result<String, connect::RpcErro
     };
     crate::api::guest_path(&full)?;
     Ok(full)
+}
+
+/// The user a call runs as: `Authorization: Basic base64("<user>:")`, else `user`.
+pub(crate) fn user_of(h: &HeaderMap) -> Result<String, RpcError> {
+    let Some(v) = h.get(axum::http::header::AUTHORIZATION) else {
+        return Ok(DEFAULT_USER.to_owned());
+    };
+    let decoded = v
+        .to_str()
+        .ok()
+        .and_then(|v| v.strip_prefix("Basic "))
+        .and_then(|b| {
+            base64::engine::general_purpose::STANDARD
+                .decode(b.trim())
+                .ok()
+        })
+        .and_then(|b| String::from_utf8(b).ok())
+        .ok_or_else(|| RpcError::new(Code::InvalidArgument, "Authorization is not Basic auth"))?;
+    let user = decoded.split(':').next().unwrap_or_default();
+    if user.is_empty() {
+        return Ok(DEFAULT_USER.to_owned());
+    }
+    Ok(user.to_owned())
 }
 
 /// How the E2B listener runs.
@@ -109,16 +134,14 @@ impl E2b {
     /// The running sandbox an in-sandbox request is for. One that is not there is
     /// `unavailable` ("... was not found"), which the SDKs read as a sandbox no longer
     /// running, not as a missing file or process.
-    fn sandbox(&self, id: &str) -> Result<Arc<forkd_core::Sandbox>, connect::RpcError> {
+    fn sandbox(&self, id: &str) -> Result<Arc<forkd_core::Sandbox>, RpcError> {
         use forkd_core::SandboxError as E;
         match self.app.registry.get(id) {
             Ok(e) => Ok(e.sandbox),
-            Err(E::NotFound { .. } | E::Gone { .. } | E::Destroyed { .. }) => {
-                Err(connect::RpcError::new(
-                    connect::Code::Unavailable,
-                    format!("the sandbox {id} was not found"),
-                ))
-            }
+            Err(E::NotFound { .. } | E::Gone { .. } | E::Destroyed { .. }) => Err(RpcError::new(
+                Code::Unavailable,
+                format!("the sandbox {id} was not found"),
+            )),
             Err(e) => Err(e.into()),
         }
     }

@@ -7,8 +7,8 @@
 //! calls), and it is killed by closing its exec stream, on which the agent kills its
 //! whole process group.
 
-use super::connect::{self, Code, RpcError};
-use super::{Shared, Target};
+use super::connect::{self, unary, Code, RpcError};
+use super::{user_of, Shared, Target};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::HeaderMap;
@@ -45,31 +45,11 @@ pub(super) fn routes() -> Router<Shared> {
         .route("/process.Process/Update", post(unimplemented))
 }
 
-/// The processes of every sandbox, by (sandbox id, pid).
+/// The processes of every sandbox, by (sandbox id, pid). An entry goes when its pump
+/// ends: the process ended, was killed, or its sandbox went (its exec stream fails).
 #[derive(Default)]
 pub(super) struct Table {
     procs: Mutex<HashMap<(String, u32), Arc<Proc>>>,
-}
-
-impl Table {
-    fn get(&self, id: &str, pid: u32) -> Result<Arc<Proc>, RpcError> {
-        lock(&self.procs)
-            .get(&(id.to_owned(), pid))
-            .cloned()
-            .ok_or_else(|| {
-                RpcError::new(Code::NotFound, format!("process with pid {pid} not found"))
-            })
-    }
-
-    /// Forgets a removed sandbox's processes (their streams end with it).
-    pub(super) fn forget_sandbox(&self, id: &str) {
-        lock(&self.procs).retain(|(sid, _), p| {
-            if sid == id {
-                p.kill.cancel();
-            }
-            sid != id
-        });
-    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -172,7 +152,12 @@ struct ProcessSelector {
 /// The process a selector names.
 fn find(e2b: &Shared, t: &Target, sel: &ProcessSelector) -> Result<Arc<Proc>, RpcError> {
     match (sel.pid, &sel.tag) {
-        (Some(pid), _) => e2b.processes.get(&t.id, pid),
+        (Some(pid), _) => lock(&e2b.processes.procs)
+            .get(&(t.id.clone(), pid))
+            .cloned()
+            .ok_or_else(|| {
+                RpcError::new(Code::NotFound, format!("process with pid {pid} not found"))
+            }),
         (None, Some(tag)) => lock(&e2b.processes.procs)
             .iter()
             .find(|((sid, _), p)| sid == &t.id && p.tag.as_deref() == Some(tag))
@@ -227,25 +212,6 @@ fn keepalive_of(h: &HeaderMap) -> Option<Duration> {
         .and_then(|v| v.trim().parse::<u64>().ok())
         .filter(|s| *s > 0)
         .map(|s| Duration::from_secs(s.min(600)))
-}
-
-/// The user a call runs as: `Authorization: Basic base64("<user>:")`, else `user`.
-pub(super) fn user_of(h: &HeaderMap) -> Result<String, RpcError> {
-    let Some(v) = h.get(axum::http::header::AUTHORIZATION) else {
-        return Ok(super::DEFAULT_USER.to_owned());
-    };
-    let decoded = v
-        .to_str()
-        .ok()
-        .and_then(|v| v.strip_prefix("Basic "))
-        .and_then(|b| BASE64.decode(b.trim()).ok())
-        .and_then(|b| String::from_utf8(b).ok())
-        .ok_or_else(|| RpcError::new(Code::InvalidArgument, "Authorization is not Basic auth"))?;
-    let user = decoded.split(':').next().unwrap_or_default();
-    if user.is_empty() {
-        return Ok(super::DEFAULT_USER.to_owned());
-    }
-    Ok(user.to_owned())
 }
 
 /// The `end` event of a process that ended with `s`, as envd reports it.
@@ -527,14 +493,4 @@ async fn send_signal(
 
 async fn unimplemented() -> Response {
     RpcError::new(Code::Unimplemented, "this call is not supported by forkd").into_response()
-}
-
-/// Runs a unary call and answers its message or its error.
-pub(super) async fn unary(
-    f: impl std::future::Future<Output = Result<Value, RpcError>>,
-) -> Response {
-    match f.await {
-        Ok(v) => connect::unary_response(&v),
-        Err(e) => e.into_response(),
-    }
 }
