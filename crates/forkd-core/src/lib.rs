@@ -14,6 +14,7 @@ pub mod failpoint;
 pub mod fork;
 pub mod ids;
 pub mod lifecycle;
+pub mod oci;
 pub mod output_tail;
 pub mod sandbox;
 pub mod snapshot;

@@ -74,6 +74,38 @@ impl Client {
         path: &str,
         body: Option<Vec<u8>>,
     ) -> Result<Response<Incoming>> {
+        let json = body.is_some();
+        let mut req = self.request(method, path);
+        if json {
+            req = req.header(hyper::header::CONTENT_TYPE, "application/json");
+        }
+        let req = req.body(Full::new(Bytes::from(body.unwrap_or_default())))?;
+        self.dispatch(req).await
+    }
+
+    /// Sends one request whose body is streamed from `body` (`len` bytes, of
+    /// `content_type`), and returns the response with its body unread.
+    pub async fn send_stream<B>(
+        &self,
+        method: Method,
+        path: &str,
+        content_type: &str,
+        len: u64,
+        body: B,
+    ) -> Result<Response<Incoming>>
+    where
+        B: hyper::body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let req = self
+            .request(method, path)
+            .header(hyper::header::CONTENT_TYPE, content_type)
+            .header(hyper::header::CONTENT_LENGTH, len)
+            .body(body)?;
+        self.dispatch(req).await
+    }
+
+    fn request(&self, method: Method, path: &str) -> hyper::http::request::Builder {
         let mut req = Request::builder().method(method).uri(path).header(
             hyper::header::HOST,
             match &self.endpoint {
@@ -84,10 +116,14 @@ impl Client {
         if let Some(t) = &self.token {
             req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {t}"));
         }
-        if body.is_some() {
-            req = req.header(hyper::header::CONTENT_TYPE, "application/json");
-        }
-        let req = req.body(Full::new(Bytes::from(body.unwrap_or_default())))?;
+        req
+    }
+
+    async fn dispatch<B>(&self, req: Request<B>) -> Result<Response<Incoming>>
+    where
+        B: hyper::body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
         match &self.endpoint {
             Endpoint::Unix(p) => {
                 let s = tokio::net::UnixStream::connect(p).await.with_context(|| {
@@ -380,9 +416,11 @@ fn parse_url(url: &str, ca: Option<PathBuf>) -> Result<Endpoint> {
     bail!("FORKD_URL {url:?} is none of unix:/path/to/socket, http://HOST:PORT, https://HOST:PORT")
 }
 
-async fn exchange<S>(stream: S, req: Request<Full<Bytes>>) -> Result<Response<Incoming>>
+async fn exchange<S, B>(stream: S, req: Request<B>) -> Result<Response<Incoming>>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+    B: hyper::body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await

@@ -1,5 +1,6 @@
 //! The `forkd` command line.
 
+mod archive;
 mod bench;
 mod bench_branch;
 mod bench_scale;
@@ -70,6 +71,12 @@ enum Command {
         #[arg(long)]
         cascade: bool,
     },
+    /// Write a snapshot (with its ancestors, for a branch) into an archive file: an OCI
+    /// image layout in a tar, each part zstd-compressed.
+    Pack(archive::PackArgs),
+    /// Install the snapshots of an archive written by `forkd pack`; every digest is
+    /// checked before anything is installed.
+    Unpack(archive::UnpackArgs),
     /// Restore N children of a snapshot; prints their ids. They keep running after
     /// this command exits, until `forkd kill`.
     Fork(sandboxes::ForkArgs),
@@ -129,6 +136,12 @@ fn main() {
                 .await
                 .map(|()| 0),
             Command::Snapshot(cmd) => snapshots::snapshot(&remote::connect(&home)?, cmd)
+                .await
+                .map(|()| 0),
+            Command::Pack(args) => archive::pack(&remote::connect(&home)?, args)
+                .await
+                .map(|()| 0),
+            Command::Unpack(args) => archive::unpack(&remote::connect(&home)?, args)
                 .await
                 .map(|()| 0),
             Command::Snapshots { json } => snapshots::list(&remote::connect(&home)?, json)

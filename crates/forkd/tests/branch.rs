@@ -370,6 +370,7 @@ fn chains_are_shown_kept_removed_and_compacted(
     );
     let (ok, _) = cli(d, &["snapshot", "verify", "d3"], true);
     assert!(ok.contains("its 3 ancestors"), "{ok}");
+    archives_carry_a_chain_to_another_data_directory(d, rt);
 
     // A middle link is kept while others depend on it; --cascade takes them all.
     let (_, err) = cli(d, &["rmi", "d2"], false);
@@ -402,4 +403,57 @@ fn chains_are_shown_kept_removed_and_compacted(
         (Some(0), true),
         "{v}"
     );
+}
+
+/// `forkd pack` of d2 (depth 2: d2, b-live, py) and `forkd unpack` into a second
+/// daemon's data directory: the chain arrives whole, its children have the branch's
+/// state and the template's warm context; a cut archive installs nothing.
+fn archives_carry_a_chain_to_another_data_directory(d: &Daemon, rt: &tokio::runtime::Runtime) {
+    let archive = d.home.path().join("d2.tar");
+    let file = archive.to_str().unwrap();
+    let (out, _) = cli(d, &["pack", "d2", "-o", file], true);
+    assert!(
+        out.contains("d2") && out.contains("b-live") && out.contains("py"),
+        "{out}"
+    );
+    let other = Daemon::start(&[]);
+    let c2 = other.unix();
+    // Cut short: refused, nothing installed.
+    let bytes = std::fs::read(&archive).unwrap();
+    let cut = other.home.path().join("cut.tar");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let (_, err) = cli(&other, &["unpack", cut.to_str().unwrap()], false);
+    assert!(
+        err.contains("truncated") && err.contains("nothing was installed"),
+        "{err}"
+    );
+    assert!(rt.block_on(snapshot_tags(&c2)).is_empty());
+
+    let (out, _) = cli(&other, &["unpack", file], true);
+    assert!(out.contains("installed py, b-live, d2"), "{out}");
+    let (show, _) = cli(&other, &["snapshot", "show", "d2", "--json"], true);
+    let v: Value = serde_json::from_str(&show).unwrap();
+    assert_eq!(v["chain"]["ancestors"], json!(["b-live", "py"]), "{v}");
+    cli(&other, &["snapshot", "verify", "d2"], true);
+    let (out, _) = cli(&other, &["unpack", file], true);
+    assert!(out.contains("d2 is here already"), "{out}");
+    let (_, err) = cli(&other, &["unpack", file, "--tag", "py"], false);
+    assert!(err.contains("already exists"), "{err}");
+    rt.block_on(async {
+        let child = fork(&c2, "d2", 1).await.remove(0);
+        assert_eq!(
+            sh(&c2, &child, "cat /root/d2 /root/note").await,
+            "d2\nwritten-before"
+        );
+        assert_eq!(py(&c2, &child, "x").await, "41");
+        kill(&c2, &child).await;
+        let child = fork(&c2, "py", 1).await.remove(0);
+        assert_eq!(
+            py(&c2, &child, "'pandas' in __import__('sys').modules").await,
+            "True",
+            "the template's warm context came along"
+        );
+        kill(&c2, &child).await;
+    });
+    std::fs::remove_file(&archive).unwrap();
 }

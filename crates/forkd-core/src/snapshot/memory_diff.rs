@@ -104,6 +104,17 @@ pub fn write_diff(parent: &Path, image: &Path, out: &Path) -> io::Result<(DiffSt
 pub fn materialize(parent: &Path, diff: &Path, out: &Path) -> io::Result<String> {
     let mut d = io::BufReader::new(File::open(diff)?);
     let (size, count) = read_header(&mut d)?;
+    // The header's count must be what the file holds: a diff from an archive is not
+    // trusted to size an allocation.
+    let expected = count
+        .checked_mul(8 + PAGE as u64)
+        .and_then(|b| b.checked_add(HEADER));
+    if expected != Some(std::fs::metadata(diff)?.len()) {
+        return Err(io::Error::other(format!(
+            "{}: its header counts {count} pages, which is not what the file holds",
+            diff.display()
+        )));
+    }
     let par = File::open(parent)?;
     if par.metadata()?.len() != size {
         return Err(io::Error::other(format!(
@@ -210,7 +221,7 @@ fn read_page(f: &File, index: u64, size: u64, page: &mut [u8]) -> io::Result<()>
 }
 
 /// True if `f` has data (not only a hole) in `[off, off + len)`.
-fn has_data(f: &File, off: u64, len: usize) -> io::Result<bool> {
+pub(crate) fn has_data(f: &File, off: u64, len: usize) -> io::Result<bool> {
     match next_data(f, off)? {
         Some(d) => Ok(d < off + len as u64),
         None => Ok(false),

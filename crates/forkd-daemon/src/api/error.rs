@@ -150,6 +150,22 @@ impl From<SandboxError> for ApiError {
     }
 }
 
+impl From<forkd_core::oci::ArchiveError> for ApiError {
+    fn from(e: forkd_core::oci::ArchiveError) -> ApiError {
+        use forkd_core::oci::ArchiveError as A;
+        match e {
+            A::Snapshot(s) => s.into(),
+            A::Sandbox(s) => s.into(),
+            A::Refused(_) => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "archive_refused",
+                e.to_string(),
+            ),
+            A::Io { .. } => ApiError::internal(e.to_string()),
+        }
+    }
+}
+
 impl From<crate::state::StateError> for ApiError {
     fn from(e: crate::state::StateError) -> ApiError {
         if e.is_disk_full() {

@@ -1,6 +1,7 @@
 //! The REST API, v1: routes, the extractors that turn every bad request into a JSON
 //! error, and the OpenAPI document generated from the handlers' annotations.
 
+mod archive;
 pub(crate) mod branch;
 pub mod error;
 pub(crate) mod files;
@@ -103,6 +104,8 @@ pub fn router(app: App) -> Router {
             "/v1/snapshots/{tag}",
             get(snapshots::get).delete(snapshots::delete),
         )
+        .route("/v1/archives", post(archive::upload))
+        .route("/v1/snapshots/{tag}/archive", get(archive::download))
         .route("/v1/snapshots/{tag}/verify", post(snapshots::verify))
         .route("/v1/snapshots/{tag}/compact", post(snapshots::compact))
         .route(
@@ -185,6 +188,8 @@ pub fn router(app: App) -> Router {
         snapshots::build,
         snapshots::verify,
         snapshots::compact,
+        archive::download,
+        archive::upload,
         snapshots::get_pool,
         snapshots::set_pool,
         snapshots::operations,

@@ -504,6 +504,25 @@ pub struct Verified {
     pub millis: u64,
 }
 
+/// `POST /v1/archives`: what an archive installed.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Unpacked {
+    /// The tag of the archive's snapshot (the head of its chain).
+    pub tag: String,
+    /// Snapshots written, root first.
+    pub installed: Vec<String>,
+    /// Snapshots of its chain that were here already.
+    pub present: Vec<String>,
+}
+
+/// `?tag=`: the tag to install an archive's snapshot under.
+#[derive(Debug, Clone, Deserialize, utoipa::IntoParams)]
+pub struct UnpackQuery {
+    /// Install the archive's snapshot under this tag instead of the one it was packed
+    /// with (its ancestors keep theirs).
+    pub tag: Option<String>,
+}
+
 /// `GET /v1/health`.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Health {

@@ -97,6 +97,94 @@ pub fn backing_name(image: &Path) -> std::io::Result<Option<String>> {
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
+/// Checks that a qcow2 image from elsewhere (an unpacked snapshot's disk layer) keeps
+/// its data in itself: not marked corrupt, no external data file (which would name a
+/// file of this host), no incompatible feature this code does not know.
+pub fn check_foreign(image: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+    let f = std::fs::File::open(image)?;
+    let mut head = [0u8; 80];
+    f.read_exact_at(&mut head, 0)?;
+    if u32::from_be_bytes([head[0], head[1], head[2], head[3]]) != MAGIC {
+        return Err(invalid(format!("{} is not a qcow2 image", image.display())));
+    }
+    let version = u32::from_be_bytes(head[4..8].try_into().expect("4 bytes"));
+    if version != VERSION {
+        return Err(invalid(format!("qcow2 version {version}, not {VERSION}")));
+    }
+    let incompatible = u64::from_be_bytes(head[72..80].try_into().expect("8 bytes"));
+    // Bit 0 (dirty) is what an image QEMU had open looks like; 3 and 4 (compression
+    // type, extended L2) change only how the image's own clusters are read.
+    const CORRUPT: u64 = 1 << 1;
+    const EXTERNAL_DATA: u64 = 1 << 2;
+    if incompatible & CORRUPT != 0 {
+        return Err(invalid("the image is marked corrupt".into()));
+    }
+    if incompatible & EXTERNAL_DATA != 0 {
+        return Err(invalid(
+            "the image keeps its data in an external file".into(),
+        ));
+    }
+    if incompatible >> 5 != 0 {
+        return Err(invalid(format!(
+            "unknown incompatible qcow2 features {incompatible:#x}"
+        )));
+    }
+    Ok(())
+}
+
+/// Renames the backing file an image's header names (`qemu-img rebase -u`: the data is
+/// not touched, the new base must hold what the old one held). QEMU keeps the name last
+/// in the header cluster, after the header extensions, so the new name goes where the
+/// old one was; it must fit in that cluster. Used when an unpacked chain link is
+/// installed: its layer named its parent's disk where that lay on the host it came from.
+pub fn set_backing_name(image: &Path, name: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(image)?;
+    let mut head = [0u8; 24];
+    f.read_exact_at(&mut head, 0)?;
+    if u32::from_be_bytes([head[0], head[1], head[2], head[3]]) != MAGIC {
+        return Err(invalid(format!("{} is not a qcow2 image", image.display())));
+    }
+    let offset = u64::from_be_bytes(head[8..16].try_into().expect("8 bytes"));
+    let old_len = u64::from(u32::from_be_bytes(
+        head[16..20].try_into().expect("4 bytes"),
+    ));
+    let cluster_bits = u32::from_be_bytes(head[20..24].try_into().expect("4 bytes"));
+    if offset == 0 {
+        return Err(invalid(format!("{} has no backing file", image.display())));
+    }
+    if !(9..=21).contains(&cluster_bits) {
+        return Err(invalid(format!(
+            "{}: cluster bits {cluster_bits}",
+            image.display()
+        )));
+    }
+    if name.is_empty() || name.len() > MAX_BACKING_NAME {
+        return Err(invalid(format!(
+            "a backing file name must be 1 to {MAX_BACKING_NAME} bytes"
+        )));
+    }
+    let end = offset + name.len() as u64;
+    if end > 1 << cluster_bits {
+        return Err(invalid(format!(
+            "{}: the backing file name {name:?} does not fit in its header cluster",
+            image.display()
+        )));
+    }
+    let mut bytes = name.as_bytes().to_vec();
+    // Clear what is left of a longer old name.
+    bytes.resize(name.len().max(usize::try_from(old_len).unwrap_or(0)), 0);
+    f.write_all_at(&bytes, offset)?;
+    f.write_all_at(&(name.len() as u32).to_be_bytes(), 16)?;
+    f.sync_data()
+}
+
 /// The most layers a disk chain may have below its top: far beyond any chain forkd
 /// makes, and a bound on a loop of backing files.
 const MAX_CHAIN: usize = 256;
@@ -324,6 +412,66 @@ mod tests {
             "never overwrites"
         );
         assert!(overlay_image("", BaseFormat::Raw, 1).is_err());
+    }
+
+    #[test]
+    fn a_renamed_backing_file_is_what_qemu_img_follows() {
+        let dir = tempfile::tempdir().unwrap();
+        let raw = dir.path().join("base.raw");
+        std::fs::write(&raw, vec![9u8; 1 << 20]).unwrap();
+        let mid = dir.path().join("mid.qcow2");
+        create_overlay(&mid, &raw, raw.to_str().unwrap(), BaseFormat::Raw).unwrap();
+        // A layer as QEMU lays it out (its header extensions before the name).
+        let top = dir.path().join("top.qcow2");
+        let long = dir.path().join("a-long-directory-name-that-moves");
+        std::fs::create_dir(&long).unwrap();
+        let (ok, out) = qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            mid.to_str().unwrap(),
+            "-F",
+            "qcow2",
+            top.to_str().unwrap(),
+        ]);
+        assert!(ok, "{out}");
+        // The base moves somewhere with a longer name, then back to a shorter one.
+        let moved = long.join("mid.qcow2");
+        std::fs::rename(&mid, &moved).unwrap();
+        set_backing_name(&top, moved.to_str().unwrap()).unwrap();
+        assert_eq!(backing_name(&top).unwrap().as_deref(), moved.to_str());
+        let (ok, out) = qemu_img(&["compare", top.to_str().unwrap(), raw.to_str().unwrap()]);
+        assert!(ok, "{out}");
+        std::fs::rename(&moved, &mid).unwrap();
+        set_backing_name(&top, "mid.qcow2").unwrap();
+        let (ok, info) = qemu_img(&["info", "--output=json", top.to_str().unwrap()]);
+        assert!(ok, "{info}");
+        let v: serde_json::Value = serde_json::from_str(&info).unwrap();
+        assert_eq!(v["backing-filename"], "mid.qcow2");
+        let (ok, out) = qemu_img(&["check", top.to_str().unwrap()]);
+        assert!(ok && out.contains("No errors"), "{out}");
+        assert!(set_backing_name(&top, &"x".repeat(70_000)).is_err());
+        assert!(set_backing_name(&raw, "mid.qcow2").is_err(), "not qcow2");
+        check_foreign(&top).unwrap();
+        check_foreign(&mid).unwrap();
+        assert!(check_foreign(&raw).is_err());
+        let data = dir.path().join("data.raw");
+        let ext = dir.path().join("ext.qcow2");
+        let (ok, out) = qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            &format!("data_file={}", data.display()),
+            ext.to_str().unwrap(),
+            "1M",
+        ]);
+        assert!(ok, "{out}");
+        let e = check_foreign(&ext).unwrap_err().to_string();
+        assert!(e.contains("external file"), "{e}");
     }
 
     #[tokio::test]

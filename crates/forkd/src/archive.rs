@@ -1,0 +1,177 @@
+//! `forkd pack` and `forkd unpack`: a snapshot (and its ancestors) to and from an
+//! archive file, an OCI image layout in a tar, through the daemon's API (which streams
+//! both ways, so the daemon may be on another host).
+
+use crate::image::human_size;
+use crate::remote::fail;
+use anyhow::{bail, Context, Result};
+use forkd_core::snapshot::Tag;
+use forkd_daemon::client::Client;
+use futures::StreamExt;
+use http_body_util::BodyExt;
+use hyper::body::Bytes;
+use hyper::Method;
+use std::path::PathBuf;
+use tokio::io::AsyncWriteExt;
+
+/// `forkd pack`.
+#[derive(clap::Args)]
+pub struct PackArgs {
+    /// The snapshot; a branch is packed with its ancestors.
+    pub tag: String,
+    /// The archive to write (replaced if it exists).
+    #[arg(short, long)]
+    pub output: PathBuf,
+}
+
+/// `forkd unpack`.
+#[derive(clap::Args)]
+pub struct UnpackArgs {
+    /// The archive (written by `forkd pack`).
+    pub file: PathBuf,
+    /// Install the archive's snapshot under this tag (its ancestors keep theirs).
+    #[arg(long)]
+    pub tag: Option<String>,
+}
+
+fn bar(len: u64, what: &str) -> indicatif::ProgressBar {
+    let bar = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        indicatif::ProgressBar::new(len)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(&format!(
+            "{what} {{bar:30}} {{bytes}}/{{total_bytes}} ({{elapsed}})"
+        ))
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+/// Writes the archive of `args.tag` to `args.output`.
+pub async fn pack(client: &Client, args: PackArgs) -> Result<()> {
+    let tag = Tag::parse(&args.tag)?;
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        eprintln!("packing {tag}: compressing its parts...");
+    }
+    let path = format!("/v1/snapshots/{tag}/archive");
+    let resp = client.send(Method::GET, &path, None).await?;
+    if !resp.status().is_success() {
+        return Err(fail(resp).await);
+    }
+    let len: u64 = resp
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .context("the daemon did not say how long the archive is")?;
+    let snapshots = resp
+        .headers()
+        .get("x-forkd-snapshots")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .replace(',', ", ");
+    let mut partial = args.output.clone().into_os_string();
+    partial.push(".partial");
+    let partial = PathBuf::from(partial);
+    let written = receive(resp.into_body(), &partial, len).await;
+    let written = match written {
+        Ok(n) => n,
+        Err(e) => {
+            let _ = std::fs::remove_file(&partial);
+            return Err(e);
+        }
+    };
+    std::fs::rename(&partial, &args.output)
+        .with_context(|| format!("renaming {} into place", partial.display()))?;
+    println!(
+        "wrote {} ({}): {snapshots}",
+        args.output.display(),
+        human_size(written)
+    );
+    Ok(())
+}
+
+async fn receive(mut body: hyper::body::Incoming, to: &std::path::Path, len: u64) -> Result<u64> {
+    let mut file = tokio::fs::File::create(to)
+        .await
+        .with_context(|| format!("creating {}", to.display()))?;
+    let progress = bar(len, "receiving");
+    let mut written = 0u64;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.context("the archive stream broke off (see the daemon's log)")?;
+        if let Ok(data) = frame.into_data() {
+            file.write_all(&data)
+                .await
+                .with_context(|| format!("writing {}", to.display()))?;
+            written += data.len() as u64;
+            progress.set_position(written);
+        }
+    }
+    progress.finish_and_clear();
+    if written != len {
+        bail!("the archive ended after {written} of {len} bytes (see the daemon's log)");
+    }
+    file.sync_all()
+        .await
+        .with_context(|| format!("writing {}", to.display()))?;
+    Ok(written)
+}
+
+/// Sends `args.file` to the daemon to install.
+pub async fn unpack(client: &Client, args: UnpackArgs) -> Result<()> {
+    let query = match &args.tag {
+        Some(t) => format!("?tag={}", Tag::parse(t)?),
+        None => String::new(),
+    };
+    let file = tokio::fs::File::open(&args.file)
+        .await
+        .with_context(|| format!("opening {}", args.file.display()))?;
+    let len = file.metadata().await?.len();
+    let progress = bar(len, "sending");
+    let sent = progress.clone();
+    let stream = tokio_util::io::ReaderStream::with_capacity(file, 1 << 20).map(move |chunk| {
+        chunk.map(|data: Bytes| {
+            sent.inc(data.len() as u64);
+            hyper::body::Frame::data(data)
+        })
+    });
+    let body = http_body_util::StreamBody::new(stream);
+    let resp = client
+        .send_stream(
+            Method::POST,
+            &format!("/v1/archives{query}"),
+            "application/x-tar",
+            len,
+            body,
+        )
+        .await?;
+    progress.finish_and_clear();
+    if !resp.status().is_success() {
+        return Err(fail(resp).await);
+    }
+    let v: serde_json::Value =
+        serde_json::from_slice(&resp.into_body().collect().await?.to_bytes())?;
+    let list = |k: &str| -> Vec<String> {
+        v[k].as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let (installed, present) = (list("installed"), list("present"));
+    let tag = v["tag"].as_str().unwrap_or_default();
+    if installed.is_empty() {
+        println!("{tag} is here already");
+    } else {
+        print!("installed {}", installed.join(", "));
+        if !present.is_empty() {
+            print!(" (on {}, here already)", present.join(", "));
+        }
+        println!();
+    }
+    Ok(())
+}
