@@ -184,7 +184,7 @@ impl Registry {
             ),
         };
         tracing::info!(op = %a.op.id, source = %id, tag = %a.tag, "branch {status}");
-        let recorded = self.state().finish_fork(
+        let recorded = self.state().finish_with_result(
             &a.op.id,
             &OperationEnd {
                 status,

@@ -36,6 +36,8 @@ pub struct DaemonConfig {
     pub memory_overcommit: f64,
     /// Also serve E2B's API (for E2B's SDKs) on a listener of its own.
     pub e2b: Option<crate::e2b::E2bConfig>,
+    /// How push and pull reach registries (plain HTTP ones, the auth file).
+    pub registries: forkd_core::oci::registry::RegistryOptions,
 }
 
 /// PEM files of the TCP listener's certificate chain and private key.
@@ -103,6 +105,7 @@ impl DaemonConfig {
             fork_parallelism: forkd_core::fork::default_parallel(),
             memory_overcommit: 1.0,
             e2b: None,
+            registries: Default::default(),
         }
     }
 

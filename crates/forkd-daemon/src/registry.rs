@@ -538,6 +538,16 @@ impl Registry {
         self.slots().progress.get(op).copied()
     }
 
+    /// Records a running operation's progress (kept in memory, like a fork's).
+    pub fn set_progress(&self, op: &str, done: u64) {
+        self.slots().progress.insert(op.to_owned(), done);
+    }
+
+    /// Forgets a finished operation's progress (its row has the final figures).
+    pub fn clear_progress(&self, op: &str) {
+        self.slots().progress.remove(op);
+    }
+
     /// Records how a fork ended: its status, error and result (children and errors).
     fn finish_fork(&self, op: &str, total: usize, outcome: &Result<CreateOutcome, SandboxError>) {
         let (status, error, result) = match outcome {
@@ -561,7 +571,7 @@ impl Registry {
             ),
         };
         let done = outcome.as_ref().map_or(0, |o| o.entries.len() as u64);
-        let recorded = self.state.finish_fork(
+        let recorded = self.state.finish_with_result(
             op,
             &crate::state::OperationEnd {
                 status,

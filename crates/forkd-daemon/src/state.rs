@@ -496,9 +496,18 @@ impl State {
         Ok(())
     }
 
-    /// Records how a fork ended, in one write: its status and error, its progress
-    /// (`done` of `total` children) and its result.
-    pub fn finish_fork(&self, id: &str, end: &OperationEnd<'_>) -> Result<(), StateError> {
+    /// Sets what an operation has to do in all, once that is known.
+    pub fn set_operation_total(&self, id: &str, total: u64) -> Result<(), StateError> {
+        self.conn().execute(
+            "UPDATE operations SET total = ?2 WHERE id = ?1",
+            params![id, total as i64],
+        )?;
+        Ok(())
+    }
+
+    /// Records how an operation ended, in one write: its status and error, its progress
+    /// (`done` of `total`: children for a fork) and its result.
+    pub fn finish_with_result(&self, id: &str, end: &OperationEnd<'_>) -> Result<(), StateError> {
         self.conn().execute(
             "UPDATE operations SET status = ?2, error = ?3, finished_at = ?4, done = ?5,
                 total = ?6, result = ?7
@@ -802,7 +811,7 @@ mod tests {
             ..op.clone()
         };
         s.insert_operation(&fork).unwrap();
-        s.finish_fork(
+        s.finish_with_result(
             "op-2",
             &OperationEnd {
                 status: "succeeded",

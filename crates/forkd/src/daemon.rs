@@ -51,6 +51,10 @@ pub struct DaemonArgs {
     /// host name, for SDKs not given E2B_SANDBOX_URL; needs a wildcard certificate).
     #[arg(long, requires = "e2b_listen")]
     e2b_domain: Option<String>,
+    /// A registry (HOST[:PORT]) that push and pull reach over plain HTTP (repeatable;
+    /// loopback registries always are).
+    #[arg(long)]
+    insecure_registry: Vec<String>,
 }
 
 fn parse_alias(s: &str) -> Result<(String, String), String> {
@@ -80,6 +84,7 @@ pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
     config.listen = args.listen;
     config.max_sandboxes = args.max_sandboxes;
     config.memory_overcommit = args.memory_overcommit;
+    config.registries.insecure = args.insecure_registry;
     if let Some(k) = args.fork_parallelism {
         config.fork_parallelism = k as usize;
     }

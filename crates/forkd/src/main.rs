@@ -10,6 +10,7 @@ mod doctor;
 mod image;
 mod mcp;
 mod quickstart;
+mod registry;
 mod remote;
 mod run;
 mod sandboxes;
@@ -77,6 +78,14 @@ enum Command {
     /// Install the snapshots of an archive written by `forkd pack`; every digest is
     /// checked before anything is installed.
     Unpack(archive::UnpackArgs),
+    /// Push a snapshot (with its ancestors, for a branch) to an OCI registry; blobs the
+    /// registry has already are not sent again.
+    Push(registry::PushArgs),
+    /// Pull a snapshot (and its ancestors) from an OCI registry and install it.
+    Pull(registry::PullArgs),
+    /// Store credentials for a registry in the docker-style auth file push and pull
+    /// read ($REGISTRY_AUTH_FILE, else ~/.docker/config.json).
+    Login(registry::LoginArgs),
     /// Restore N children of a snapshot; prints their ids. They keep running after
     /// this command exits, until `forkd kill`.
     Fork(sandboxes::ForkArgs),
@@ -144,6 +153,13 @@ fn main() {
             Command::Unpack(args) => archive::unpack(&remote::connect(&home)?, args)
                 .await
                 .map(|()| 0),
+            Command::Push(args) => registry::push(&remote::connect(&home)?, args)
+                .await
+                .map(|()| 0),
+            Command::Pull(args) => registry::pull(&remote::connect(&home)?, args)
+                .await
+                .map(|()| 0),
+            Command::Login(args) => registry::login(args).map(|()| 0),
             Command::Snapshots { json } => snapshots::list(&remote::connect(&home)?, json)
                 .await
                 .map(|()| 0),

@@ -456,4 +456,31 @@ fn archives_carry_a_chain_to_another_data_directory(d: &Daemon, rt: &tokio::runt
         kill(&c2, &child).await;
     });
     std::fs::remove_file(&archive).unwrap();
+
+    // Through a registry: push from the first daemon, pull into the second after its d2
+    // is removed. Only d2 is installed; its ancestors are here already.
+    let reg = common::Registry::start();
+    let reference = format!("{}/forkd/d2:v1", reg.addr);
+    let (out, _) = cli(d, &["push", "d2", &reference], true);
+    assert!(
+        out.contains("pushed py, b-live, d2") && out.contains(", 0 the registry had"),
+        "{out}"
+    );
+    let (out, _) = cli(d, &["push", "d2", &reference], true);
+    assert!(out.contains("0 blobs uploaded"), "{out}");
+    cli(&other, &["rmi", "d2"], true);
+    let (out, _) = cli(&other, &["pull", &reference], true);
+    assert_eq!(out.trim(), "installed d2 (on py, b-live, here already)");
+    let (_, err) = cli(
+        &other,
+        &["pull", &format!("{}/forkd/none:v1", reg.addr)],
+        false,
+    );
+    assert!(err.contains("manifest unknown"), "{err}");
+    rt.block_on(async {
+        let child = fork(&c2, "d2", 1).await.remove(0);
+        assert_eq!(sh(&c2, &child, "cat /root/d2").await, "d2");
+        assert_eq!(py(&c2, &child, "x").await, "41");
+        kill(&c2, &child).await;
+    });
 }

@@ -51,7 +51,7 @@ fn memory(path: &Path, fill: u8) {
 }
 
 /// A root snapshot `base` and a link `link` on it, in `store`.
-fn chain_of_two(store: &Store) {
+pub(super) fn chain_of_two(store: &Store) {
     let base = Tag::parse("base").unwrap();
     let st = store.stage(&base).unwrap();
     std::fs::write(st.part(parts::STATE), b"device state of base").unwrap();
@@ -371,5 +371,5 @@ fn a_container_image_is_not_a_snapshot() {
         .artifact(&super::digest_of(&hex), None)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("forkd image pull"), "{e}");
+    assert!(e.contains("is not a forkd snapshot"), "{e}");
 }

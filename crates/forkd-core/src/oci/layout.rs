@@ -353,7 +353,7 @@ impl Layout {
         let config_media = oci.config.media_type.as_str();
         if oci.schema_version != 2 || config_media != super::CONFIG_MEDIA_TYPE {
             return Err(ArchiveError::Refused(format!(
-                "{digest} is not a forkd snapshot (its config is {config_media:?}); a container image is pulled with `forkd image pull`"
+                "{digest} is not a forkd snapshot (its config is {config_media:?}: a container image or another artifact)"
             )));
         }
         let config = self.document(&oci.config.digest, Some(oci.config.size))?;

@@ -20,10 +20,14 @@
 //! - [`layout`]: an OCI image layout directory: received blobs, checked manifests.
 //! - [`pack`]: a snapshot chain into a layout, and the layout into a tar.
 //! - [`unpack`]: a tar into a layout, checked, then installed into the store.
+//! - [`registry`]: push and pull over the OCI distribution protocol.
+//! - [`auth`]: registry credentials in a docker-style auth file.
 
+pub mod auth;
 pub mod blob;
 pub mod layout;
 pub mod pack;
+pub mod registry;
 pub mod unpack;
 
 use crate::snapshot::SnapshotError;
@@ -94,6 +98,8 @@ pub fn hex_of(digest: &str) -> Option<&str> {
 
 #[cfg(test)]
 mod archive_tests;
+#[cfg(test)]
+mod registry_tests;
 
 #[cfg(test)]
 mod tests {

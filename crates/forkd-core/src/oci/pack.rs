@@ -27,6 +27,9 @@ pub fn pack(store: &Store, tag: &Tag, progress: &dyn Fn(&str)) -> Result<Packed,
     let mut snaps = chain::ancestors(store, &head)?;
     snaps.reverse();
     snaps.push(head);
+    // The blobs take at most what the parts take on disk (holes compress to nothing).
+    let needed = snaps.iter().map(Snapshot::disk_usage).sum();
+    crate::space::ensure_room(store.root(), needed, &format!("packing snapshot {tag}"))?;
     let layout = Layout::new(store, &format!("pack-{tag}"))?;
     // Part digest -> its blob: the guest assets a chain shares are compressed once.
     let mut done: BTreeMap<String, OciDescriptor> = BTreeMap::new();

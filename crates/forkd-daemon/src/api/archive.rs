@@ -109,7 +109,8 @@ impl Write for ChannelWriter {
 /// Installs the snapshots of an archive sent as the body. The whole archive is received
 /// and checked before anything is installed; a refused archive installs nothing.
 #[utoipa::path(post, path = "/v1/archives", params(UnpackQuery),
-    request_body(content = Vec<u8>, content_type = "application/x-tar"),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream",
+        description = "An archive written by `forkd pack` (a tar; any content type is taken)"),
     responses((status = 201, body = Unpacked), (status = 400, body = ErrorBody),
         (status = 409, body = ErrorBody), (status = 422, body = ErrorBody),
         (status = 507, body = ErrorBody)))]

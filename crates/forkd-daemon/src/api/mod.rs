@@ -3,6 +3,7 @@
 
 mod archive;
 pub(crate) mod branch;
+mod distribution;
 pub mod error;
 pub(crate) mod files;
 mod processes;
@@ -105,6 +106,8 @@ pub fn router(app: App) -> Router {
             get(snapshots::get).delete(snapshots::delete),
         )
         .route("/v1/archives", post(archive::upload))
+        .route("/v1/pull", post(distribution::pull))
+        .route("/v1/snapshots/{tag}/push", post(distribution::push))
         .route("/v1/snapshots/{tag}/archive", get(archive::download))
         .route("/v1/snapshots/{tag}/verify", post(snapshots::verify))
         .route("/v1/snapshots/{tag}/compact", post(snapshots::compact))
@@ -190,6 +193,8 @@ pub fn router(app: App) -> Router {
         snapshots::compact,
         archive::download,
         archive::upload,
+        distribution::push,
+        distribution::pull,
         snapshots::get_pool,
         snapshots::set_pool,
         snapshots::operations,

@@ -349,3 +349,51 @@ pub async fn exec(c: &Client, id: &str, shell: &str) -> serde_json::Value {
     assert_eq!(s, hyper::StatusCode::OK, "exec in {id}: {v}");
     v
 }
+
+/// A registry (Debian's `docker-registry`) on a loopback port of its own, with its
+/// storage in a temporary directory; stopped when dropped.
+pub struct Registry {
+    child: Child,
+    pub addr: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Registry {
+    pub fn start() -> Registry {
+        let dir = tempfile::tempdir().unwrap();
+        let addr = free_port();
+        let config = format!(
+            "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
+            dir.path().join("data").display()
+        );
+        let cfg = dir.path().join("config.yml");
+        std::fs::write(&cfg, config).unwrap();
+        let child = Command::new("docker-registry")
+            .arg("serve")
+            .arg(&cfg)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("docker-registry is installed");
+        let started = Instant::now();
+        while std::net::TcpStream::connect(&addr).is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the registry did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Registry {
+            child,
+            addr,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

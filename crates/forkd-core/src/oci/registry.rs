@@ -1,0 +1,382 @@
+//! `forkd push` and `forkd pull`: a snapshot chain to and from an OCI registry, over the
+//! distribution protocol (oci-client), with the manifests and blobs `forkd pack` makes.
+//!
+//! Push uploads every blob the registry does not have yet (so a chain's base goes up
+//! once, and a push cut short resumes with the blobs it had not finished), then the
+//! manifests root first: the ancestors by digest, the head under the reference's tag.
+//! Pull follows the head's parent annotations down to the root, checks every blob
+//! against its digest and size as it arrives, and installs the chain like an unpack.
+
+use super::layout::{Artifact, Layout};
+use super::unpack::{self, Unpacked};
+use super::{hex_of, io, pack, ArchiveError};
+use crate::snapshot::{Store, Tag};
+use futures::StreamExt;
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, Reference, RegistryOperation};
+use std::path::PathBuf;
+use tokio::io::AsyncWriteExt;
+
+/// How registries are reached.
+#[derive(Debug, Clone, Default)]
+pub struct RegistryOptions {
+    /// Registries (`host[:port]`) spoken to over plain HTTP. Loopback registries always
+    /// are, as with Docker.
+    pub insecure: Vec<String>,
+    /// The docker-style auth file to read credentials from (else `REGISTRY_AUTH_FILE`,
+    /// else `~/.docker/config.json`).
+    pub auth_file: Option<PathBuf>,
+}
+
+/// What a push or pull reports as it goes: bytes done of bytes in all, and the step.
+pub type Progress<'a> = &'a (dyn Fn(u64, u64, &str) + Sync);
+
+/// What a push did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Pushed {
+    /// The reference pushed to.
+    pub reference: String,
+    /// The digest of the head's manifest.
+    pub digest: String,
+    /// The snapshots pushed, root first.
+    pub snapshots: Vec<String>,
+    /// Blobs uploaded.
+    pub uploaded: usize,
+    /// Blobs the registry had already.
+    pub skipped: usize,
+    /// Bytes uploaded.
+    pub uploaded_bytes: u64,
+}
+
+fn refused(m: String) -> ArchiveError {
+    ArchiveError::Refused(m)
+}
+
+fn registry_error(what: &str, e: oci_client::errors::OciDistributionError) -> ArchiveError {
+    ArchiveError::Io {
+        context: what.to_owned(),
+        source: std::io::Error::other(e.to_string()),
+    }
+}
+
+/// Parses a registry reference (`host[:port]/repo[:tag|@sha256:...]`).
+pub fn parse_reference(s: &str) -> Result<Reference, ArchiveError> {
+    s.parse::<Reference>()
+        .map_err(|e| refused(format!("{s:?} is not a registry reference ({e})")))
+}
+
+fn is_loopback(registry: &str) -> bool {
+    let host = registry
+        .rsplit_once(':')
+        .filter(|(_, port)| port.chars().all(|c| c.is_ascii_digit()))
+        .map_or(registry, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+fn client(reference: &Reference, opts: &RegistryOptions) -> Client {
+    // reqwest's rustls takes the process's provider: the workspace's is ring.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let registry = reference.resolve_registry().to_owned();
+    let plain = is_loopback(&registry) || opts.insecure.contains(&registry);
+    let protocol = if plain {
+        oci_client::client::ClientProtocol::Http
+    } else {
+        oci_client::client::ClientProtocol::Https
+    };
+    Client::new(oci_client::client::ClientConfig {
+        protocol,
+        // A registry that does not answer fails the operation instead of holding it.
+        connect_timeout: Some(std::time::Duration::from_secs(30)),
+        read_timeout: Some(std::time::Duration::from_secs(120)),
+        ..Default::default()
+    })
+}
+
+/// The credentials for `registry` in the docker-style auth file, else anonymous.
+pub fn credentials(registry: &str, opts: &RegistryOptions) -> Result<RegistryAuth, ArchiveError> {
+    let Some(path) = super::auth::auth_file(opts.auth_file.as_deref()) else {
+        return Ok(RegistryAuth::Anonymous);
+    };
+    match super::auth::lookup(&path, registry)? {
+        Some((user, password)) => Ok(RegistryAuth::Basic(user, password)),
+        None => Ok(RegistryAuth::Anonymous),
+    }
+}
+
+/// Pushes `tag` and its ancestors to `reference` (whose tag names the head).
+pub async fn push(
+    store: &Store,
+    tag: &Tag,
+    reference: &str,
+    opts: &RegistryOptions,
+    progress: Progress<'_>,
+) -> Result<Pushed, ArchiveError> {
+    let target = parse_reference(reference)?;
+    if target.digest().is_some() {
+        return Err(refused(format!(
+            "{reference} names a digest; push to a tag (REGISTRY/REPO:TAG)"
+        )));
+    }
+    let (store2, tag2) = (store.clone(), tag.clone());
+    progress(0, 0, &format!("compressing the parts of {tag}"));
+    let packed = tokio::task::spawn_blocking(move || pack::pack(&store2, &tag2, &|_| {}))
+        .await
+        .map_err(|e| io("packing")(std::io::Error::other(e)))??;
+    let layout = &packed.layout;
+    let chain: Vec<Artifact> = packed
+        .snapshots
+        .iter()
+        .map(|(_, digest)| layout.artifact(digest, None))
+        .collect::<Result<_, _>>()?;
+    let client = client(&target, opts);
+    let auth = credentials(target.resolve_registry(), opts)?;
+    client
+        .auth(&target, &auth, RegistryOperation::Push)
+        .await
+        .map_err(|e| {
+            registry_error(
+                &format!("authenticating with {}", target.resolve_registry()),
+                e,
+            )
+        })?;
+    let total = packed.blob_bytes;
+    let mut report = Pushed {
+        reference: target.whole(),
+        digest: String::new(),
+        snapshots: packed.snapshots.iter().map(|(t, _)| t.clone()).collect(),
+        uploaded: 0,
+        skipped: 0,
+        uploaded_bytes: 0,
+    };
+    let mut done = 0u64;
+    let mut sent = std::collections::BTreeSet::new();
+    for (i, a) in chain.iter().enumerate() {
+        let blobs = std::iter::once((a.config_hex.clone(), "config")).chain(
+            a.parts
+                .iter()
+                .map(|(name, b)| (b.hex.clone(), name.as_str())),
+        );
+        for (hex, name) in blobs {
+            if !sent.insert(hex.clone()) {
+                continue;
+            }
+            let digest = super::digest_of(&hex);
+            let size = layout.blob_size(&hex).unwrap_or(0);
+            let have = client
+                .blob_exists(&target, &digest)
+                .await
+                .map_err(|e| registry_error(&format!("asking the registry for {digest}"), e))?;
+            if have {
+                report.skipped += 1;
+            } else {
+                progress(
+                    done,
+                    total,
+                    &format!("uploading {name} of {}", a.manifest.tag),
+                );
+                let file = tokio::fs::File::open(layout.blob_path(&hex))
+                    .await
+                    .map_err(io(format!("reading blob {digest}")))?;
+                let stream = tokio_util::io::ReaderStream::with_capacity(file, 4 << 20)
+                    .map(|r| r.map_err(oci_client::errors::OciDistributionError::from));
+                client
+                    .push_blob_stream(&target, stream, &digest, Some(size))
+                    .await
+                    .map_err(|e| {
+                        registry_error(&format!("uploading {name} of {}", a.manifest.tag), e)
+                    })?;
+                report.uploaded += 1;
+                report.uploaded_bytes += size;
+                crate::failpoint::hit("push.after_blob");
+            }
+            done += size;
+            progress(
+                done,
+                total,
+                &format!("{name} of {} is in the registry", a.manifest.tag),
+            );
+        }
+        let hex = hex_of(&a.digest).unwrap_or_default();
+        let body = std::fs::read(layout.blob_path(hex)).map_err(io("reading a manifest"))?;
+        let head = i + 1 == chain.len();
+        let at = if head {
+            target.clone()
+        } else {
+            target.clone_with_digest(a.digest.clone())
+        };
+        client
+            .push_manifest_raw(
+                &at,
+                body,
+                oci_client::manifest::OCI_IMAGE_MEDIA_TYPE
+                    .parse()
+                    .expect("a valid header value"),
+            )
+            .await
+            .map_err(|e| {
+                registry_error(&format!("uploading the manifest of {}", a.manifest.tag), e)
+            })?;
+        report.digest = a.digest.clone();
+    }
+    progress(total, total, "pushed");
+    Ok(report)
+}
+
+/// Pulls the snapshot at `reference` (and its ancestors) and installs it, under
+/// `rename` if given.
+pub async fn pull(
+    store: &Store,
+    reference: &str,
+    rename: Option<&Tag>,
+    opts: &RegistryOptions,
+    progress: Progress<'_>,
+) -> Result<Unpacked, ArchiveError> {
+    let source = parse_reference(reference)?;
+    let client = client(&source, opts);
+    let auth = credentials(source.resolve_registry(), opts)?;
+    client
+        .auth(&source, &auth, RegistryOperation::Pull)
+        .await
+        .map_err(|e| {
+            registry_error(
+                &format!("authenticating with {}", source.resolve_registry()),
+                e,
+            )
+        })?;
+    let layout = Layout::new(store, "pull")?;
+    let mut at = source.clone();
+    let mut chain = Vec::new();
+    let (mut done, mut total) = (0u64, 0u64);
+    loop {
+        if chain.len() > crate::snapshot::chain::MAX_DEPTH {
+            return Err(refused(format!("{reference}: its chain is too deep")));
+        }
+        let (body, digest) = client
+            .pull_manifest_raw(
+                &at,
+                &auth,
+                &[
+                    oci_client::manifest::OCI_IMAGE_MEDIA_TYPE,
+                    oci_client::manifest::OCI_IMAGE_INDEX_MEDIA_TYPE,
+                    oci_client::manifest::IMAGE_MANIFEST_MEDIA_TYPE,
+                    oci_client::manifest::IMAGE_MANIFEST_LIST_MEDIA_TYPE,
+                ],
+            )
+            .await
+            .map_err(|e| registry_error(&format!("fetching the manifest of {}", at.whole()), e))?;
+        if body.len() as u64 > super::MAX_DOCUMENT {
+            return Err(refused(format!(
+                "{}: its manifest is {} bytes",
+                at.whole(),
+                body.len()
+            )));
+        }
+        let hex = layout.add_bytes(&body)?;
+        let computed = super::digest_of(&hex);
+        if digest != computed || at.digest().is_some_and(|d| d != computed) {
+            return Err(refused(format!(
+                "{}: the manifest served does not match its digest",
+                at.whole()
+            )));
+        }
+        let manifest: serde_json::Value = serde_json::from_slice(&body)
+            .map_err(|e| refused(format!("{}: its manifest is not JSON: {e}", at.whole())))?;
+        if manifest["config"]["mediaType"] != super::CONFIG_MEDIA_TYPE {
+            return Err(refused(format!(
+                "{} is not a forkd snapshot (a container image or another artifact)",
+                at.whole()
+            )));
+        }
+        let oci: oci_client::manifest::OciImageManifest = serde_json::from_value(manifest)
+            .map_err(|e| refused(format!("{}: {e}", at.whole())))?;
+        total += oci.layers.iter().map(|l| l.size.max(0) as u64).sum::<u64>();
+        for desc in std::iter::once(&oci.config).chain(oci.layers.iter()) {
+            let Some(hex) = hex_of(&desc.digest) else {
+                return Err(refused(format!(
+                    "{}: a blob digest {:?} is not sha256",
+                    at.whole(),
+                    desc.digest
+                )));
+            };
+            if layout.blob_size(hex).is_some() {
+                continue;
+            }
+            let size = u64::try_from(desc.size)
+                .map_err(|_| refused(format!("{}: a negative size", at.whole())))?;
+            crate::space::ensure_room(store.root(), size, &format!("pulling {}", at.whole()))?;
+            let title = desc
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(super::TITLE))
+                .map_or("config", String::as_str);
+            progress(done, total, &format!("downloading {title}"));
+            fetch_blob(&client, &at, desc, &layout).await?;
+            done += size;
+        }
+        let artifact = layout.artifact(&computed, None)?;
+        let parent = artifact.parent.clone();
+        chain.push(artifact);
+        match parent {
+            Some(p) => at = source.clone_with_digest(p),
+            None => break,
+        }
+    }
+    let head = chain.remove(0);
+    let chain = layout.chain(head)?;
+    progress(total, total, "installing");
+    let store = store.clone();
+    let rename = rename.cloned();
+    tokio::task::spawn_blocking(move || {
+        unpack::install(&store, &layout, &chain, rename.as_ref(), &|_| {})
+    })
+    .await
+    .map_err(|e| io("installing")(std::io::Error::other(e)))?
+}
+
+/// Downloads one blob into the layout, refusing more bytes than its descriptor gives
+/// and contents that do not hash to its digest.
+async fn fetch_blob(
+    client: &Client,
+    at: &Reference,
+    desc: &oci_client::manifest::OciDescriptor,
+    layout: &Layout,
+) -> Result<(), ArchiveError> {
+    use sha2::Digest;
+    let hex = hex_of(&desc.digest).unwrap_or_default().to_owned();
+    let size = desc.size.max(0) as u64;
+    let mut stream = client
+        .pull_blob_stream(at, desc)
+        .await
+        .map_err(|e| registry_error(&format!("downloading {}", desc.digest), e))?
+        .stream;
+    let tmp = layout.temp_path(&hex);
+    let mut file = tokio::fs::File::create(&tmp)
+        .await
+        .map_err(io("writing a blob"))?;
+    let mut hash = sha2::Sha256::new();
+    let mut got = 0u64;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(io(format!("downloading {}", desc.digest)))?;
+        got += chunk.len() as u64;
+        if got > size {
+            return Err(refused(format!(
+                "blob {} is longer than the {size} bytes its descriptor gives",
+                desc.digest
+            )));
+        }
+        hash.update(&chunk);
+        file.write_all(&chunk).await.map_err(io("writing a blob"))?;
+    }
+    file.sync_all().await.map_err(io("writing a blob"))?;
+    if got != size || hex::encode(hash.finalize()) != hex {
+        return Err(refused(format!(
+            "blob {} does not match its digest and size",
+            desc.digest
+        )));
+    }
+    layout.adopt(&tmp, &hex)
+}
