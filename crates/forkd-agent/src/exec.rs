@@ -54,7 +54,7 @@ pub struct Spawned {
 /// `req.env`, in `req.cwd` (or `/`). stdout and stderr are pipes.
 pub fn spawn(
     children: &Arc<Children>,
-    default_env: &BTreeMap<String, String>,
+    defaults: &ExecDefaults,
     req: &ExecRequest,
     stdin: Stdio,
 ) -> Result<Spawned, ApiError> {
@@ -62,15 +62,18 @@ pub fn spawn(
     let Some(program) = argv.first() else {
         return Err(ApiError::invalid("the command's argv is empty"));
     };
-    let account = match &req.user {
+    let account = match req.user.as_deref().or(defaults.user.as_deref()) {
         None => None,
         Some(name) => Some(account(name)?),
     };
+    // The request's directory, else the image's WorkingDir, else the user's home.
     let cwd = req
         .cwd
         .as_deref()
+        .or(defaults.cwd.as_deref())
         .or(account.as_ref().map(|u| u.dir.as_str()))
         .unwrap_or("/");
+    let default_env = &defaults.env;
     // Checked beforehand because a failing chdir in the child surfaces as the same
     // ENOENT as a missing program, and the two need different answers.
     match std::fs::metadata(cwd) {
@@ -141,6 +144,27 @@ pub(crate) struct Account {
 /// The guest's account `name`, read from `/etc/passwd` itself: the agent is linked
 /// statically, and glibc's getpwnam would load the guest's NSS modules into it.
 pub(crate) fn account(name: &str) -> Result<Account, ApiError> {
+    // An image's `User` may be `uid[:gid]`: the account of that uid if there is one,
+    // else the bare ids.
+    if let Some((uid, gid)) = numeric_user(name) {
+        let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+        let known = passwd
+            .lines()
+            .filter_map(|l| l.split(':').next())
+            .find_map(|n| passwd_entry(&passwd, n).filter(|a| a.uid == uid));
+        return Ok(match known {
+            Some(mut a) => {
+                a.gid = gid.unwrap_or(a.gid);
+                a
+            }
+            None => Account {
+                name: uid.to_string(),
+                uid,
+                gid: gid.unwrap_or(uid),
+                dir: "/".into(),
+            },
+        });
+    }
     let passwd = std::fs::read_to_string("/etc/passwd")
         .map_err(|e| ApiError::new(ErrorCode::Internal, format!("reading /etc/passwd: {e}")))?;
     passwd_entry(&passwd, name).ok_or_else(|| {
@@ -149,6 +173,27 @@ pub(crate) fn account(name: &str) -> Result<Account, ApiError> {
             format!("there is no user {name:?} in the guest's /etc/passwd"),
         )
     })
+}
+
+/// `uid` or `uid:gid`, as numbers.
+fn numeric_user(s: &str) -> Option<(u32, Option<u32>)> {
+    let (u, g) = match s.split_once(':') {
+        Some((u, g)) => (u, Some(g.parse().ok()?)),
+        None => (s, None),
+    };
+    Some((u.parse().ok()?, g))
+}
+
+/// What commands start with unless the request says otherwise: the environment, and
+/// from the image a template was built from, its working directory and user.
+#[derive(Debug, Clone, Default)]
+pub struct ExecDefaults {
+    /// The environment.
+    pub env: BTreeMap<String, String>,
+    /// The image's `WorkingDir`.
+    pub cwd: Option<String>,
+    /// The image's `User`.
+    pub user: Option<String>,
 }
 
 /// The entry of `name` in the text of a passwd file.
@@ -270,7 +315,7 @@ async fn run(
     } else {
         Stdio::null()
     };
-    let mut sp = match spawn(&state.children, &state.env(), &req, stdin) {
+    let mut sp = match spawn(&state.children, &state.exec_defaults(), &req, stdin) {
         Ok(sp) => sp,
         Err(e) => {
             let _ = tx.send(event_frame(ExecEvent::Error(e.detail()))).await;

@@ -137,7 +137,7 @@ pub async fn start(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
     } else {
         Stdio::null()
     };
-    let mut sp = match exec::spawn(&state.children, &state.env(), &req, stdin) {
+    let mut sp = match exec::spawn(&state.children, &state.exec_defaults(), &req, stdin) {
         Ok(sp) => sp,
         Err(e) => return e.into_response(),
     };

@@ -38,21 +38,78 @@ pub struct AppState {
     pub processes: Processes,
     /// Code contexts.
     pub contexts: Contexts,
-    /// The environment every command starts from: [`default_env`], and what the host
-    /// adds at a child's resume (the sandbox's own variables).
+    /// The environment every command starts from: [`default_env`], the image's `Env`,
+    /// and what the host adds at a child's resume (the sandbox's own variables).
     env: std::sync::RwLock<BTreeMap<String, String>>,
+    /// The image's working directory and user (see [`ImageDefaults`]).
+    image: ImageDefaults,
+}
+
+/// What the container image a template was built from says about running commands
+/// (written into the root filesystem by the image builder; absent for forkd's own
+/// images).
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+pub struct ImageDefaults {
+    /// `K=V` entries.
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// The default working directory.
+    #[serde(default)]
+    pub working_dir: Option<String>,
+    /// The default user.
+    #[serde(default)]
+    pub user: Option<String>,
+}
+
+/// Where the image builder writes [`ImageDefaults`].
+const IMAGE_DEFAULTS: &str = "/etc/forkd/image.json";
+
+impl ImageDefaults {
+    /// Reads them from the root filesystem (none when the file is absent or bad).
+    fn load() -> ImageDefaults {
+        let Ok(text) = std::fs::read(IMAGE_DEFAULTS) else {
+            return ImageDefaults::default();
+        };
+        serde_json::from_slice(&text).unwrap_or_else(|e| {
+            crate::pid1::log(&format!("{IMAGE_DEFAULTS} is not valid, ignored: {e}"));
+            ImageDefaults::default()
+        })
+    }
 }
 
 impl AppState {
     /// State for `mode`, with the default environment.
     pub fn new(mode: Mode, children: Arc<Children>) -> Arc<Self> {
+        // Only a guest's root has the image's defaults; the dev mode runs on a host.
+        let image = match mode {
+            Mode::Pid1 => ImageDefaults::load(),
+            _ => ImageDefaults::default(),
+        };
+        let mut env = default_env();
+        env.extend(
+            image
+                .env
+                .iter()
+                .filter_map(|kv| kv.split_once('='))
+                .map(|(k, v)| (k.to_owned(), v.to_owned())),
+        );
         Arc::new(AppState {
             mode,
             children,
             processes: Processes::default(),
             contexts: Contexts::default(),
-            env: std::sync::RwLock::new(default_env()),
+            env: std::sync::RwLock::new(env),
+            image,
         })
+    }
+
+    /// What a command starts with unless its request says otherwise.
+    pub fn exec_defaults(&self) -> crate::exec::ExecDefaults {
+        crate::exec::ExecDefaults {
+            env: self.env(),
+            cwd: self.image.working_dir.clone(),
+            user: self.image.user.clone(),
+        }
     }
 
     /// The environment a command starts from now.

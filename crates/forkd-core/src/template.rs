@@ -42,8 +42,13 @@ pub struct Recipe {
     /// One line about it.
     #[serde(default)]
     pub description: String,
-    /// The rootfs image (`minimal`, `python`).
-    pub image: String,
+    /// The built-in rootfs image (`minimal`, `python`); or
+    #[serde(default)]
+    pub image: Option<String>,
+    /// a container image: `REGISTRY/REPO:TAG`, `REGISTRY/REPO@sha256:...` or
+    /// `oci-layout:PATH[:TAG]` (a path relative to the recipe's directory).
+    #[serde(default)]
+    pub from: Option<String>,
     /// vCPUs of the parent (and so of every child).
     #[serde(default = "default_vcpus")]
     pub vcpus: u32,
@@ -106,9 +111,19 @@ impl Recipe {
         Tag::parse(name).map_err(|e| bad(e.to_string()))?;
         let mut r: Recipe = toml::from_str(text).map_err(|e| bad(format!("bad recipe: {e}")))?;
         r.name = name.to_owned();
-        r.image
-            .parse::<RootfsImage>()
-            .map_err(|e| bad(e.to_string()))?;
+        match (&r.image, &r.from) {
+            (Some(image), None) => {
+                image.parse::<RootfsImage>().map_err(|e| bad(e.to_string()))?;
+            }
+            (None, Some(from)) => {
+                crate::oci::image::ImageSource::parse(from).map_err(|e| bad(e.to_string()))?;
+            }
+            _ => {
+                return Err(bad(
+                    "give one of `image` (a built-in rootfs: minimal, python) and `from` (a container image)".into(),
+                ))
+            }
+        }
         if !(1..=64).contains(&r.vcpus) {
             return Err(bad(format!("vcpus = {} is outside 1..=64", r.vcpus)));
         }
@@ -139,7 +154,19 @@ impl Recipe {
             context: format!("reading template {}", path.display()),
             source,
         })?;
-        Recipe::parse(&name, &text)
+        let mut r = Recipe::parse(&name, &text)?;
+        // A layout named by a relative path is the recipe's neighbour.
+        if let Some(rest) = r
+            .from
+            .as_deref()
+            .and_then(|f| f.strip_prefix("oci-layout:"))
+        {
+            if !rest.starts_with('/') {
+                let dir = path.parent().unwrap_or(Path::new("."));
+                r.from = Some(format!("oci-layout:{}", dir.join(rest).display()));
+            }
+        }
+        Ok(r)
     }
 
     /// Finds the recipe `name`: `<dir>/<name>.toml` in the first of `dirs` that has it,
@@ -167,10 +194,39 @@ impl Recipe {
         }
     }
 
-    /// The rootfs image it needs.
-    pub fn rootfs_image(&self) -> RootfsImage {
-        self.image.parse().expect("checked when parsed")
+    /// What its root filesystem is made from.
+    pub fn base(&self) -> Base {
+        match (&self.image, &self.from) {
+            (_, Some(from)) => Base::Oci(from.clone()),
+            (Some(image), None) => Base::Builtin(image.parse().expect("checked when parsed")),
+            (None, None) => unreachable!("checked when parsed"),
+        }
     }
+
+    /// The built-in rootfs image it needs, if it is built on one.
+    pub fn rootfs_image(&self) -> Option<RootfsImage> {
+        match self.base() {
+            Base::Builtin(i) => Some(i),
+            Base::Oci(_) => None,
+        }
+    }
+
+    /// Its base, named: the built-in image's name or the container image's reference.
+    pub fn base_name(&self) -> String {
+        match self.base() {
+            Base::Builtin(i) => i.name().to_owned(),
+            Base::Oci(from) => from,
+        }
+    }
+}
+
+/// What a template's root filesystem is made from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Base {
+    /// One of forkd's Debian images.
+    Builtin(RootfsImage),
+    /// A container image (see [`crate::oci::image`]).
+    Oci(String),
 }
 
 /// How to build.
@@ -303,7 +359,7 @@ pub async fn build(
         },
         versions: Versions {
             kernel: assets.kernel.release.clone(),
-            rootfs: recipe.image.clone(),
+            rootfs: recipe.base_name(),
             initramfs_sha256: assets.initramfs.sha256.clone(),
             forkd: env!("CARGO_PKG_VERSION").into(),
             agent_protocol: forkd_proto::PROTOCOL_VERSION,
@@ -419,8 +475,15 @@ async fn warm(
         contexts.push(info);
     }
     // The disk layer must hold what the frozen page cache already believes is on disk.
+    // The agent's own binary does it: an image need not have `sync`.
     parent
-        .exec(ExecRequest::new(Command::Argv(vec!["sync".into()])), None)
+        .exec(
+            ExecRequest::new(Command::Argv(vec![
+                forkd_proto::GUEST_AGENT_PATH.into(),
+                "sync".into(),
+            ])),
+            None,
+        )
         .await?;
     Ok(contexts)
 }

@@ -76,6 +76,7 @@ pub async fn run(
     let state = Arc::new(State::open(&config.database())?);
     let interrupted = state.interrupt_running_operations(&crate::now_rfc3339())?;
     let store = Store::of_home(&config.home);
+    forkd_core::oci::layout::Layout::remove_leftovers(&store);
     let mut branch_sources = Vec::new();
     for op in &interrupted {
         let (kind, target) = (&op.kind, &op.target);

@@ -73,6 +73,10 @@ pub enum ImageError {
         need_mib: u64,
     },
 
+    /// layer {path}: {detail}
+    #[error("an image layer ({path}) cannot be applied: {detail}")]
+    BadLayer { path: PathBuf, detail: String },
+
     /// building {what} needs root (debootstrap creates device nodes and files owned by other users); run it as root
     #[error("building {what} needs root (debootstrap creates device nodes and files owned by other users); run it as root")]
     NeedRoot { what: String },

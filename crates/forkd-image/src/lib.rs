@@ -27,6 +27,7 @@ mod kernel;
 mod lock;
 mod modules;
 mod newc;
+pub mod oci_rootfs;
 mod progress;
 mod rootfs;
 pub mod timestamp;

@@ -82,12 +82,21 @@ impl BuildLock {
     }
 }
 
+/// The prefixes of the builders' scratch directories (`ScratchDir`). Only those are
+/// swept: whatever else lives in the tmp directory (a test daemon's data directory,
+/// kept on the assets' filesystem so that snapshots hard-link them) is not a build's.
+const SCRATCH_PREFIXES: [&str; 4] = ["kernel-", "rootfs-", "initramfs-", "oci-"];
+
 fn clear_stale_scratch(home: &Home) {
     let tmp = home.tmp_dir();
     let Ok(entries) = std::fs::read_dir(&tmp) else {
         return;
     };
     for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !SCRATCH_PREFIXES.iter().any(|p| name.starts_with(p)) {
+            continue;
+        }
         tracing::info!(path = %entry.path().display(), "removing scratch left by an interrupted build");
         let path = entry.path();
         let res = if entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {

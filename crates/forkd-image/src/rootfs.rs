@@ -144,13 +144,7 @@ pub fn ensure_rootfs(home: &Home, image: RootfsImage, opts: &BuildOptions) -> Re
         used.div_ceil(MIB)
     ));
     let tmp_image = scratch.path().join(format!("{name}.ext4"));
-    let mut cmd = MKFS_EXT4.command()?;
-    cmd.args(["-F", "-q", "-L", "forkd-root", "-d"])
-        .arg(&target)
-        .arg(&tmp_image)
-        .arg(format!("{size_mib}M"));
-    MKFS_EXT4.run_logged(cmd, &step, &scratch.path().join("mkfs.log"))?;
-    step.message("hashing");
+    make_ext4(&target, &tmp_image, size_mib, &step, scratch.path())?;
     let (sha256, size) = fsutil::sha256_file(&tmp_image)?;
     asset::retract_manifest(&manifest)?;
     fsutil::publish(&tmp_image, &file)?;
@@ -172,9 +166,28 @@ fn check_free_space(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Packs the tree `target` into the ext4 image `image` of `size_mib` MiB (its log in
+/// `log_dir`), then says it is hashing.
+pub(crate) fn make_ext4(
+    target: &Path,
+    image: &Path,
+    size_mib: u64,
+    step: &crate::progress::Step,
+    log_dir: &Path,
+) -> Result<()> {
+    let mut cmd = MKFS_EXT4.command()?;
+    cmd.args(["-F", "-q", "-L", "forkd-root", "-d"])
+        .arg(target)
+        .arg(image)
+        .arg(format!("{size_mib}M"));
+    MKFS_EXT4.run_logged(cmd, step, &log_dir.join("mkfs.log"))?;
+    step.message("hashing");
+    Ok(())
+}
+
 /// The tree's size plus a quarter (ext4 metadata, journal, slack) plus headroom
 /// for the guest to write, in whole MiB.
-fn image_size_mib(used: u64) -> u64 {
+pub(crate) fn image_size_mib(used: u64) -> u64 {
     (used + used / 4 + HEADROOM_BYTES).div_ceil(MIB)
 }
 
@@ -182,6 +195,20 @@ fn image_size_mib(used: u64) -> u64 {
 /// of the host's (debootstrap copies the host's hostname and resolv.conf), no
 /// package caches, and the mount points the agent needs.
 fn customise(root: &Path) -> Result<()> {
+    customise_identity(root)?;
+    empty_dir_files(&root.join("var/cache/apt/archives"), |n| {
+        n.ends_with(".deb")
+    })?;
+    empty_dir_files(&root.join("var/cache/apt"), |n| n.ends_with(".bin"))?;
+    empty_dir_files(&root.join("var/lib/apt/lists"), |n| n != "lock")?;
+    add_user(root)?;
+    Ok(())
+}
+
+/// What makes any tree a guest's own root: its hostname and hosts, no machine id and
+/// no resolvers of the host, and the mount points the agent needs.
+pub(crate) fn customise_identity(root: &Path) -> Result<()> {
+    ensure_dir(&root.join("etc"), 0o755)?;
     write_fresh(&root.join("etc/hostname"), b"forkd\n")?;
     write_fresh(
         &root.join("etc/hosts"),
@@ -192,14 +219,8 @@ fn customise(root: &Path) -> Result<()> {
     // The host's resolvers mean nothing inside the guest's network; the guest's
     // network configuration writes its own.
     write_fresh(&root.join("etc/resolv.conf"), b"")?;
-    empty_dir_files(&root.join("var/cache/apt/archives"), |n| {
-        n.ends_with(".deb")
-    })?;
-    empty_dir_files(&root.join("var/cache/apt"), |n| n.ends_with(".bin"))?;
-    empty_dir_files(&root.join("var/lib/apt/lists"), |n| n != "lock")?;
     ensure_dir(&root.join("run"), 0o755)?;
     ensure_dir(&root.join("tmp"), 0o1777)?;
-    add_user(root)?;
     Ok(())
 }
 
@@ -210,10 +231,14 @@ const GUEST_UID: u32 = 1000;
 /// Adds [`GUEST_USER`] (uid and gid 1000, home `/home/user`, shell bash, no password)
 /// by editing the account files, as `useradd` would, without running anything of the
 /// tree on the host.
-fn add_user(root: &Path) -> Result<()> {
+pub(crate) fn add_user(root: &Path) -> Result<()> {
     let (name, id) = (GUEST_USER, GUEST_UID);
     let add = |file: &str, line: String| -> Result<()> {
         let path = root.join("etc").join(file);
+        // An image without the file (no shadow passwords) keeps going without it.
+        if file != "passwd" && !path.exists() {
+            return Ok(());
+        }
         let text = fs::read_to_string(&path).map_err(|e| ImageError::io("read", &path, e))?;
         if text.lines().any(|l| l.split(':').next() == Some(name)) {
             return Ok(());

@@ -55,6 +55,23 @@ pub async fn pack(client: &Client, args: PackArgs) -> Result<()> {
     if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         eprintln!("packing {tag}: compressing its parts...");
     }
+    let (written, snapshots) = download(client, &tag, &args.output).await?;
+    println!(
+        "wrote {} ({}): {}",
+        args.output.display(),
+        human_size(written),
+        snapshots.join(", ")
+    );
+    Ok(())
+}
+
+/// Writes the archive of `tag` to `output` (through `output.partial`, renamed when
+/// whole); returns its size and the snapshots in it, root first.
+pub async fn download(
+    client: &Client,
+    tag: &Tag,
+    output: &std::path::Path,
+) -> Result<(u64, Vec<String>)> {
     let path = format!("/v1/snapshots/{tag}/archive");
     let resp = client.send(Method::GET, &path, None).await?;
     if !resp.status().is_success() {
@@ -71,26 +88,23 @@ pub async fn pack(client: &Client, args: PackArgs) -> Result<()> {
         .get("x-forkd-snapshots")
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
-        .replace(',', ", ");
-    let mut partial = args.output.clone().into_os_string();
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect();
+    let mut partial = output.to_owned().into_os_string();
     partial.push(".partial");
     let partial = PathBuf::from(partial);
-    let written = receive(resp.into_body(), &partial, len).await;
-    let written = match written {
+    let written = match receive(resp.into_body(), &partial, len).await {
         Ok(n) => n,
         Err(e) => {
             let _ = std::fs::remove_file(&partial);
             return Err(e);
         }
     };
-    std::fs::rename(&partial, &args.output)
+    std::fs::rename(&partial, output)
         .with_context(|| format!("renaming {} into place", partial.display()))?;
-    println!(
-        "wrote {} ({}): {snapshots}",
-        args.output.display(),
-        human_size(written)
-    );
-    Ok(())
+    Ok((written, snapshots))
 }
 
 async fn receive(mut body: hyper::body::Incoming, to: &std::path::Path, len: u64) -> Result<u64> {
@@ -121,17 +135,48 @@ async fn receive(mut body: hyper::body::Incoming, to: &std::path::Path, len: u64
 
 /// Sends `args.file` to the daemon to install.
 pub async fn unpack(client: &Client, args: UnpackArgs) -> Result<()> {
-    let query = match &args.tag {
-        Some(t) => format!("?tag={}", Tag::parse(t)?),
-        None => String::new(),
+    let tag = args.tag.as_deref().map(Tag::parse).transpose()?;
+    let v = upload(client, &args.file, tag.as_ref()).await?;
+    print_installed(&v);
+    Ok(())
+}
+
+/// Says what an unpack or pull installed (`{tag, installed, present}`).
+pub(crate) fn print_installed(v: &serde_json::Value) {
+    let list = |k: &str| -> Vec<&str> {
+        v[k].as_array()
+            .map(|a| a.iter().filter_map(serde_json::Value::as_str).collect())
+            .unwrap_or_default()
     };
-    let file = tokio::fs::File::open(&args.file)
+    let (installed, present) = (list("installed"), list("present"));
+    if installed.is_empty() {
+        println!("{} is here already", v["tag"].as_str().unwrap_or_default());
+    } else if present.is_empty() {
+        println!("installed {}", installed.join(", "));
+    } else {
+        println!(
+            "installed {} (on {}, here already)",
+            installed.join(", "),
+            present.join(", ")
+        );
+    }
+}
+
+/// Sends the archive `file` to the daemon to install (its head under `tag` if given);
+/// returns the daemon's answer (`tag`, `installed`, `present`).
+pub async fn upload(
+    client: &Client,
+    file: &std::path::Path,
+    tag: Option<&Tag>,
+) -> Result<serde_json::Value> {
+    let query = tag.map(|t| format!("?tag={t}")).unwrap_or_default();
+    let f = tokio::fs::File::open(file)
         .await
-        .with_context(|| format!("opening {}", args.file.display()))?;
-    let len = file.metadata().await?.len();
+        .with_context(|| format!("opening {}", file.display()))?;
+    let len = f.metadata().await?.len();
     let progress = bar(len, "sending");
     let sent = progress.clone();
-    let stream = tokio_util::io::ReaderStream::with_capacity(file, 1 << 20).map(move |chunk| {
+    let stream = tokio_util::io::ReaderStream::with_capacity(f, 1 << 20).map(move |chunk| {
         chunk.map(|data: Bytes| {
             sent.inc(data.len() as u64);
             hyper::body::Frame::data(data)
@@ -151,27 +196,7 @@ pub async fn unpack(client: &Client, args: UnpackArgs) -> Result<()> {
     if !resp.status().is_success() {
         return Err(fail(resp).await);
     }
-    let v: serde_json::Value =
-        serde_json::from_slice(&resp.into_body().collect().await?.to_bytes())?;
-    let list = |k: &str| -> Vec<String> {
-        v[k].as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|s| s.as_str().map(str::to_owned))
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
-    let (installed, present) = (list("installed"), list("present"));
-    let tag = v["tag"].as_str().unwrap_or_default();
-    if installed.is_empty() {
-        println!("{tag} is here already");
-    } else {
-        print!("installed {}", installed.join(", "));
-        if !present.is_empty() {
-            print!(" (on {}, here already)", present.join(", "));
-        }
-        println!();
-    }
-    Ok(())
+    Ok(serde_json::from_slice(
+        &resp.into_body().collect().await?.to_bytes(),
+    )?)
 }

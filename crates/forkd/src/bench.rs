@@ -21,6 +21,10 @@ pub enum BenchCommand {
     /// BRANCH through the daemon's API: the source's pause in each mode against the
     /// memory it dirtied, bytes stored, branch to first child, forks from chain depths.
     Branch(crate::bench_branch::BranchArgs),
+    /// Moving a snapshot through the daemon's API: archive size against RAM and disk,
+    /// pack, unpack, push and pull times, forks of an unpacked snapshot against the
+    /// original.
+    Archive(crate::bench_archive::ArchiveArgs),
 }
 
 /// Arguments of `forkd bench fork`.
@@ -91,6 +95,7 @@ pub async fn run(home: &Home, cmd: BenchCommand) -> Result<()> {
         BenchCommand::Fork(args) => fork(home, args).await,
         BenchCommand::Scale(args) => crate::bench_scale::run(home, args).await,
         BenchCommand::Branch(args) => crate::bench_branch::run(home, args).await,
+        BenchCommand::Archive(args) => crate::bench_archive::run(home, args).await,
     }
 }
 
@@ -230,7 +235,8 @@ async fn fork(home: &Home, args: ForkArgs) -> Result<()> {
     let accel = forkd_hypervisor::accel::resolve(args.accel)?;
     say(&format!(
         "cold boots of {} ({} MiB, {accel})",
-        recipe.image, recipe.memory_mib
+        recipe.base_name(),
+        recipe.memory_mib
     ));
     let cold = cold_boots(home, &assets, &opts, args.runs, args.json).await?;
 
@@ -428,7 +434,10 @@ pub(crate) async fn template_parts(
     forkd_core::SandboxOptions,
 )> {
     let recipe = crate::snapshots::find_recipe(template)?;
-    let assets = crate::image::ensure_assets(home, recipe.rootfs_image(), false).await?;
+    let image = recipe
+        .rootfs_image()
+        .context("the benchmarks build on the built-in images (minimal, python), not on `from`")?;
+    let assets = crate::image::ensure_assets(home, image, false).await?;
     let opts = forkd_core::SandboxOptions {
         vcpus: recipe.vcpus,
         memory_mib: recipe.memory_mib,

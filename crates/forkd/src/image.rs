@@ -9,6 +9,22 @@ use std::path::PathBuf;
 pub enum ImageCommand {
     /// Build (or check, when up to date) the kernel, the initramfs and rootfs images.
     Build(BuildArgs),
+    /// Pull a container image (REGISTRY/REPO:TAG, REGISTRY/REPO@sha256:..., or
+    /// oci-layout:PATH[:TAG]) and make its root filesystem, for recipes that say
+    /// `from = "..."`.
+    Pull {
+        /// The image.
+        reference: String,
+        /// Reach its registry over plain HTTP (loopback registries always are).
+        #[arg(long)]
+        insecure: bool,
+    },
+    /// Remove the root filesystem made from a pulled image (its name in `forkd image ls`,
+    /// `oci-...`).
+    Rm {
+        /// The name.
+        name: String,
+    },
     /// List the built assets with their digests.
     Ls {
         /// Print JSON.
@@ -69,6 +85,52 @@ pub async fn run(home: &Home, cmd: ImageCommand) -> Result<()> {
                     );
                 }
             }
+            Ok(())
+        }
+        ImageCommand::Pull {
+            reference,
+            insecure,
+        } => {
+            let mut opts = forkd_core::oci::registry::RegistryOptions::default();
+            if insecure {
+                if let Ok(r) = forkd_core::oci::registry::parse_reference(&reference) {
+                    opts.insecure.push(r.resolve_registry().to_owned());
+                }
+            }
+            let pulled = forkd_core::oci::image::pull_image(home, &reference, &opts, &|m| {
+                eprintln!("[forkd] {m}")
+            })
+            .await?;
+            println!(
+                "{reference}: {} ({}), root filesystem {}",
+                pulled.defaults.digest,
+                human_size(pulled.rootfs.size),
+                pulled.rootfs.path.display()
+            );
+            Ok(())
+        }
+        ImageCommand::Rm { name } => {
+            if !name.starts_with("oci-") || name.contains('/') {
+                anyhow::bail!(
+                    "{name:?} is not a pulled image's root filesystem (oci-..., see forkd image ls)"
+                );
+            }
+            let dir = home.rootfs_dir();
+            let (file, manifest) = (
+                dir.join(format!("{name}.ext4")),
+                dir.join(format!("{name}.json")),
+            );
+            if !manifest.exists() && !file.exists() {
+                anyhow::bail!("no {name} (see forkd image ls)");
+            }
+            for p in [&manifest, &file] {
+                match std::fs::remove_file(p) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(e).with_context(|| format!("removing {}", p.display())),
+                }
+            }
+            println!("removed {name}");
             Ok(())
         }
         ImageCommand::Build(args) => {

@@ -2,6 +2,7 @@
 
 mod archive;
 mod bench;
+mod bench_archive;
 mod bench_branch;
 mod bench_scale;
 mod branch;

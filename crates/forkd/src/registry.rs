@@ -82,32 +82,12 @@ pub async fn pull(client: &Client, args: PullArgs) -> Result<()> {
     let body = json!({ "reference": args.reference, "tag": tag.map(|t| t.to_string()) });
     let op: Value = client.json(Method::POST, "/v1/pull", Some(&body)).await?;
     let v = follow(client, &op, "pulling").await?;
-    let r = &v["result"];
-    let list = |k: &str| -> Vec<String> {
-        r[k].as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|s| s.as_str().map(str::to_owned))
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
-    let (installed, present) = (list("installed"), list("present"));
-    let tag = r["tag"].as_str().unwrap_or_default();
-    if installed.is_empty() {
-        println!("{tag} is here already");
-    } else {
-        print!("installed {}", installed.join(", "));
-        if !present.is_empty() {
-            print!(" (on {}, here already)", present.join(", "));
-        }
-        println!();
-    }
+    crate::archive::print_installed(&v["result"]);
     Ok(())
 }
 
 /// Polls the operation until it ends; its final row on success, its error otherwise.
-async fn follow(client: &Client, op: &Value, what: &str) -> Result<Value> {
+pub(crate) async fn follow(client: &Client, op: &Value, what: &str) -> Result<Value> {
     let id = op["id"]
         .as_str()
         .context("the daemon answered without an operation")?;

@@ -72,7 +72,7 @@ struct Interpreter {
 impl Interpreter {
     async fn start(
         children: &Arc<Children>,
-        env: &BTreeMap<String, String>,
+        defaults: &crate::exec::ExecDefaults,
         spec: &CreateContextRequest,
     ) -> Result<Interpreter, ApiError> {
         let Language::Python = spec.language;
@@ -88,7 +88,7 @@ impl Interpreter {
         req.env
             .entry("MPLBACKEND".into())
             .or_insert_with(|| "Agg".into());
-        let mut spawned = spawn(children, env, &req, Stdio::piped())?;
+        let mut spawned = spawn(children, defaults, &req, Stdio::piped())?;
         let pid = spawned.tracked.pid();
         let child = &mut spawned.child;
         let (Some(requests), Some(stdout), Some(mut stderr)) =
@@ -329,7 +329,7 @@ pub async fn create(
     } else {
         parse_json(&body)?
     };
-    let interp = Interpreter::start(&state.children, &state.env(), &spec).await?;
+    let interp = Interpreter::start(&state.children, &state.exec_defaults(), &spec).await?;
     let n = state.contexts.next_id.fetch_add(1, Ordering::Relaxed) + 1;
     let ctx = Arc::new(Context {
         id: format!("ctx-{n}"),
@@ -381,7 +381,7 @@ pub async fn reset(
     if let Some(mut old) = slot.take() {
         old.kill().await;
     }
-    let interp = Interpreter::start(&state.children, &state.env(), &ctx.spec).await?;
+    let interp = Interpreter::start(&state.children, &state.exec_defaults(), &ctx.spec).await?;
     ctx.pid.store(interp.pid, Ordering::Relaxed);
     ctx.count.store(0, Ordering::Relaxed);
     *slot = Some(interp);

@@ -77,6 +77,24 @@ impl Layout {
         Ok(Layout { dir })
     }
 
+    /// Removes the layouts a stopped process left in the store's scratch area (a pack,
+    /// unpack, push or pull cut short by a crash). Only when no other is in progress:
+    /// at the daemon's start.
+    pub fn remove_leftovers(store: &Store) {
+        let Ok(entries) = std::fs::read_dir(store.root().join(".staging")) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if ["pack-", "unpack-", "pull-"]
+                .iter()
+                .any(|p| name.starts_with(p))
+            {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+
     /// Where the blob `hex` is (or would be).
     pub fn blob_path(&self, hex: &str) -> PathBuf {
         self.dir.join("blobs/sha256").join(hex)
@@ -353,7 +371,7 @@ impl Layout {
         let config_media = oci.config.media_type.as_str();
         if oci.schema_version != 2 || config_media != super::CONFIG_MEDIA_TYPE {
             return Err(ArchiveError::Refused(format!(
-                "{digest} is not a forkd snapshot (its config is {config_media:?}: a container image or another artifact)"
+                "{digest} is not a forkd snapshot (its config is {config_media:?}; a container image is pulled with `forkd image pull`)"
             )));
         }
         let config = self.document(&oci.config.digest, Some(oci.config.size))?;

@@ -22,9 +22,11 @@
 //! - [`unpack`]: a tar into a layout, checked, then installed into the store.
 //! - [`registry`]: push and pull over the OCI distribution protocol.
 //! - [`auth`]: registry credentials in a docker-style auth file.
+//! - [`image`]: container images pulled to make a template's root filesystem.
 
 pub mod auth;
 pub mod blob;
+pub mod image;
 pub mod layout;
 pub mod pack;
 pub mod registry;

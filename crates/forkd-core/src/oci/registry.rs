@@ -52,7 +52,10 @@ fn refused(m: String) -> ArchiveError {
     ArchiveError::Refused(m)
 }
 
-fn registry_error(what: &str, e: oci_client::errors::OciDistributionError) -> ArchiveError {
+pub(crate) fn registry_error(
+    what: &str,
+    e: oci_client::errors::OciDistributionError,
+) -> ArchiveError {
     ArchiveError::Io {
         context: what.to_owned(),
         source: std::io::Error::other(e.to_string()),
@@ -77,7 +80,7 @@ fn is_loopback(registry: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
-fn client(reference: &Reference, opts: &RegistryOptions) -> Client {
+pub(crate) fn client(reference: &Reference, opts: &RegistryOptions) -> Client {
     // reqwest's rustls takes the process's provider: the workspace's is ring.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let registry = reference.resolve_registry().to_owned();
@@ -287,7 +290,7 @@ pub async fn pull(
             .map_err(|e| refused(format!("{}: its manifest is not JSON: {e}", at.whole())))?;
         if manifest["config"]["mediaType"] != super::CONFIG_MEDIA_TYPE {
             return Err(refused(format!(
-                "{} is not a forkd snapshot (a container image or another artifact)",
+                "{} is not a forkd snapshot (a container image is pulled with `forkd image pull` and built on with `from` in a recipe)",
                 at.whole()
             )));
         }
@@ -337,46 +340,70 @@ pub async fn pull(
     .map_err(|e| io("installing")(std::io::Error::other(e)))?
 }
 
-/// Downloads one blob into the layout, refusing more bytes than its descriptor gives
-/// and contents that do not hash to its digest.
+/// Downloads one blob into the layout (see [`fetch_blob_to`]).
 async fn fetch_blob(
     client: &Client,
     at: &Reference,
     desc: &oci_client::manifest::OciDescriptor,
     layout: &Layout,
 ) -> Result<(), ArchiveError> {
-    use sha2::Digest;
     let hex = hex_of(&desc.digest).unwrap_or_default().to_owned();
-    let size = desc.size.max(0) as u64;
+    fetch_blob_to(client, at, desc, &layout.blob_path(&hex)).await
+}
+
+/// Downloads one blob to `dest` (through a temporary file beside it, renamed when
+/// whole), refusing more bytes than its descriptor gives and contents that do not hash
+/// to its digest.
+pub(crate) async fn fetch_blob_to(
+    client: &Client,
+    at: &Reference,
+    desc: &oci_client::manifest::OciDescriptor,
+    dest: &std::path::Path,
+) -> Result<(), ArchiveError> {
+    use sha2::Digest;
+    let hex = hex_of(&desc.digest)
+        .ok_or_else(|| refused(format!("{:?} is not a sha256 digest", desc.digest)))?
+        .to_owned();
+    let size = u64::try_from(desc.size)
+        .map_err(|_| refused(format!("blob {} has a negative size", desc.digest)))?;
     let mut stream = client
         .pull_blob_stream(at, desc)
         .await
         .map_err(|e| registry_error(&format!("downloading {}", desc.digest), e))?
         .stream;
-    let tmp = layout.temp_path(&hex);
+    let mut tmp = dest.as_os_str().to_owned();
+    tmp.push(".partial");
+    let tmp = PathBuf::from(tmp);
     let mut file = tokio::fs::File::create(&tmp)
         .await
         .map_err(io("writing a blob"))?;
     let mut hash = sha2::Sha256::new();
     let mut got = 0u64;
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(io(format!("downloading {}", desc.digest)))?;
-        got += chunk.len() as u64;
-        if got > size {
+    let result = async {
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(io(format!("downloading {}", desc.digest)))?;
+            got += chunk.len() as u64;
+            if got > size {
+                return Err(refused(format!(
+                    "blob {} is longer than the {size} bytes its descriptor gives",
+                    desc.digest
+                )));
+            }
+            hash.update(&chunk);
+            file.write_all(&chunk).await.map_err(io("writing a blob"))?;
+        }
+        file.sync_all().await.map_err(io("writing a blob"))?;
+        if got != size || hex::encode(hash.finalize()) != hex {
             return Err(refused(format!(
-                "blob {} is longer than the {size} bytes its descriptor gives",
+                "blob {} does not match its digest and size",
                 desc.digest
             )));
         }
-        hash.update(&chunk);
-        file.write_all(&chunk).await.map_err(io("writing a blob"))?;
+        std::fs::rename(&tmp, dest).map_err(io("storing a blob"))
     }
-    file.sync_all().await.map_err(io("writing a blob"))?;
-    if got != size || hex::encode(hash.finalize()) != hex {
-        return Err(refused(format!(
-            "blob {} does not match its digest and size",
-            desc.digest
-        )));
+    .await;
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
     }
-    layout.adopt(&tmp, &hex)
+    result
 }

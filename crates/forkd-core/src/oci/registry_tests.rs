@@ -5,6 +5,7 @@
 use super::archive_tests::chain_of_two;
 use super::registry::{self, RegistryOptions};
 use crate::snapshot::{chain, Store, Tag};
+use base64::Engine;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
@@ -32,25 +33,34 @@ fn free_port() -> u16 {
 
 /// Starts a registry; with `basic`, it asks for that user and password (htpasswd).
 fn start_registry(basic: Option<(&str, &str)>) -> TestRegistry {
+    start_registry_with(|dir| match basic {
+        None => String::new(),
+        Some((user, password)) => {
+            let out = Command::new("htpasswd")
+                .args(["-Bbn", user, password])
+                .output()
+                .expect("htpasswd (apache2-utils) is installed");
+            assert!(out.status.success());
+            let file = dir.join("htpasswd");
+            std::fs::write(&file, out.stdout).unwrap();
+            format!(
+                "auth:\n  htpasswd:\n    realm: forkd-test\n    path: {}\n",
+                file.display()
+            )
+        }
+    })
+}
+
+/// Starts a registry whose configuration ends with what `auth` writes (given the
+/// registry's directory).
+fn start_registry_with(auth: impl FnOnce(&Path) -> String) -> TestRegistry {
     let dir = tempfile::tempdir().unwrap();
     let addr = format!("127.0.0.1:{}", free_port());
     let mut config = format!(
         "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
         dir.path().join("data").display()
     );
-    if let Some((user, password)) = basic {
-        let out = Command::new("htpasswd")
-            .args(["-Bbn", user, password])
-            .output()
-            .expect("htpasswd (apache2-utils) is installed");
-        assert!(out.status.success());
-        let file = dir.path().join("htpasswd");
-        std::fs::write(&file, out.stdout).unwrap();
-        config.push_str(&format!(
-            "auth:\n  htpasswd:\n    realm: forkd-test\n    path: {}\n",
-            file.display()
-        ));
-    }
+    config.push_str(&auth(dir.path()));
     let cfg = dir.path().join("config.yml");
     std::fs::write(&cfg, config).unwrap();
     let child = Command::new("docker-registry")
@@ -265,4 +275,167 @@ async fn a_push_cut_short_resumes_without_sending_finished_blobs_again() {
         (1, all - 1),
         "{resumed:?}"
     );
+}
+
+/// A token service as a registry's `auth.token` expects one: it answers
+/// `GET /token?service=&scope=` for the one user it knows (HTTP basic) with a JWT,
+/// signed ES256 by the key of a self-signed certificate the registry trusts (sent in
+/// the token's `x5c` header), granting every scope asked for.
+struct TokenService {
+    addr: String,
+    cert_pem: String,
+}
+
+impl TokenService {
+    fn start(user: &'static str, password: &'static str) -> TokenService {
+        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["forkd-test-tokens".to_owned()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let signer = ring::signature::EcdsaKeyPair::from_pkcs8(
+            &ring::signature::ECDSA_P256_SHA256_FIXED_SIGNING,
+            &key.serialize_der(),
+            &ring::rand::SystemRandom::new(),
+        )
+        .unwrap();
+        let x5c = base64::engine::general_purpose::STANDARD.encode(cert.der());
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let _ = answer_token_request(conn, user, password, &signer, &x5c);
+            }
+        });
+        TokenService {
+            addr,
+            cert_pem: cert.pem(),
+        }
+    }
+}
+
+fn answer_token_request(
+    mut conn: std::net::TcpStream,
+    user: &str,
+    password: &str,
+    signer: &ring::signature::EcdsaKeyPair,
+    x5c: &str,
+) -> std::io::Result<()> {
+    use std::io::{BufRead, Write};
+    let mut reader = std::io::BufReader::new(conn.try_clone()?);
+    let mut request_line = String::new();
+    reader.read_line(&mut request_line)?;
+    let mut authorization = None;
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line)? == 0 || line == "\r\n" {
+            break;
+        }
+        if let Some((k, v)) = line.split_once(':') {
+            if k.eq_ignore_ascii_case("authorization") {
+                authorization = Some(v.trim().to_owned());
+            }
+        }
+    }
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let url = b64url();
+    let expected = format!("Basic {}", b64.encode(format!("{user}:{password}")));
+    if authorization.as_deref() != Some(expected.as_str()) {
+        let body = r#"{"details":"wrong credentials"}"#;
+        return write!(
+            conn,
+            "HTTP/1.1 401 Unauthorized\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+    }
+    // `GET /token?service=S&scope=repository:NAME:ACTIONS[&scope=...]`
+    let target = request_line.split_whitespace().nth(1).unwrap_or_default();
+    let query = target.split_once('?').map_or("", |(_, q)| q);
+    let mut access = Vec::new();
+    for (k, v) in query.split('&').filter_map(|kv| kv.split_once('=')) {
+        if k == "scope" {
+            let v = v
+                .replace("%3A", ":")
+                .replace("%2F", "/")
+                .replace("%2C", ",");
+            let mut parts = v.splitn(3, ':');
+            let (kind, name, actions) = (parts.next(), parts.next(), parts.next());
+            if let (Some(kind), Some(name), Some(actions)) = (kind, name, actions) {
+                access.push(serde_json::json!({
+                    "type": kind, "name": name,
+                    "actions": actions.split(',').collect::<Vec<_>>(),
+                }));
+            }
+        }
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let header = serde_json::json!({"typ": "JWT", "alg": "ES256", "x5c": [x5c]});
+    let claims = serde_json::json!({
+        "iss": "forkd-test-issuer", "sub": user, "aud": "forkd-test-registry",
+        "exp": now + 300, "nbf": now - 10, "iat": now,
+        "jti": format!("{now}-{}", access.len()), "access": access,
+    });
+    let signing_input = format!(
+        "{}.{}",
+        url.encode(header.to_string()),
+        url.encode(claims.to_string())
+    );
+    let sig = signer
+        .sign(&ring::rand::SystemRandom::new(), signing_input.as_bytes())
+        .unwrap();
+    let token = format!("{signing_input}.{}", url.encode(sig.as_ref()));
+    let body =
+        serde_json::json!({"token": token, "access_token": token, "expires_in": 300}).to_string();
+    write!(
+        conn,
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+fn b64url() -> base64::engine::GeneralPurpose {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_behind_a_token_service_is_reached_with_a_bearer_token() {
+    let tokens = TokenService::start("forkd", "token-pass");
+    let reg = start_registry_with(|dir| {
+        let bundle = dir.join("token-ca.pem");
+        std::fs::write(&bundle, &tokens.cert_pem).unwrap();
+        format!(
+            "auth:\n  token:\n    realm: http://{}/token\n    service: forkd-test-registry\n    issuer: forkd-test-issuer\n    rootcertbundle: {}\n",
+            tokens.addr,
+            bundle.display()
+        )
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let a = Store::at(dir.path().join("a"));
+    chain_of_two(&a);
+    let link = Tag::parse("link").unwrap();
+    let reference = format!("{}/forkd/tokens:v1", reg.addr);
+    let auth_file = dir.path().join("auth.json");
+    let opts = RegistryOptions {
+        insecure: Vec::new(),
+        auth_file: Some(auth_file.clone()),
+    };
+    super::auth::store(&auth_file, &reg.addr, "forkd", "not-the-password").unwrap();
+    let e = registry::push(&a, &link, &reference, &opts, &quiet)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("authenticating") || e.contains("401"), "{e}");
+    super::auth::store(&auth_file, &reg.addr, "forkd", "token-pass").unwrap();
+    let pushed = registry::push(&a, &link, &reference, &opts, &quiet)
+        .await
+        .unwrap();
+    assert!(pushed.uploaded > 0);
+    let b = Store::at(dir.path().join("b"));
+    registry::pull(&b, &reference, None, &opts, &quiet)
+        .await
+        .unwrap();
+    chain::verify(&b, &link).unwrap();
 }

@@ -173,7 +173,7 @@ pub async fn build_template(
     recipe: &forkd_core::template::Recipe,
     tag: &str,
 ) -> forkd_core::snapshot::Snapshot {
-    let assets = assets(recipe.rootfs_image()).await;
+    let assets = assets(recipe.rootfs_image().expect("a built-in image")).await;
     let tag = forkd_core::snapshot::Tag::parse(tag).unwrap();
     let opts = forkd_core::template::BuildOptions {
         boot_timeout: Duration::from_secs(300),

@@ -310,17 +310,42 @@ pub async fn build(
 
 async fn build_snapshot(app: &App, recipe: &Recipe, tag: &Tag) -> anyhow::Result<()> {
     let home = app.config.home.clone();
-    let image = recipe.rootfs_image();
-    let assets = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-        let agent = forkd_image::find_agent_binary()?;
-        Ok(forkd_image::ensure_all(
-            &home,
-            image,
-            &agent,
-            &forkd_image::BuildOptions::default(),
-        )?)
-    })
-    .await??;
+    let assets = match recipe.base() {
+        template::Base::Builtin(image) => {
+            tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+                let agent = forkd_image::find_agent_binary()?;
+                Ok(forkd_image::ensure_all(
+                    &home,
+                    image,
+                    &agent,
+                    &forkd_image::BuildOptions::default(),
+                )?)
+            })
+            .await??
+        }
+        template::Base::Oci(from) => {
+            let shown = tag.to_string();
+            let pulled = forkd_core::oci::image::pull_image(
+                &home,
+                &from,
+                &app.config.registries,
+                &|m| tracing::info!(tag = %shown, "{m}"),
+            )
+            .await?;
+            tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+                let agent = forkd_image::find_agent_binary()?;
+                let opts = forkd_image::BuildOptions::default();
+                let kernel = forkd_image::ensure_kernel(&home, &opts)?;
+                let initramfs = forkd_image::ensure_initramfs(&home, &kernel, &agent, &opts)?;
+                Ok(forkd_image::GuestAssets {
+                    kernel,
+                    initramfs,
+                    rootfs: pulled.rootfs,
+                })
+            })
+            .await??
+        }
+    };
     let id = tag.to_string();
     template::build(
         app.registry.hypervisor().as_ref(),

@@ -1,0 +1,413 @@
+//! `forkd image pull`: a container image (from a registry or an OCI layout directory)
+//! made into a guest root filesystem. The manifest (for an index, the linux/amd64 one),
+//! the config and the layers are fetched into a blob cache under the data directory,
+//! each checked against its digest and size; the layers are then applied in order and
+//! packed into an ext4 image by `forkd_image::oci_rootfs`, cached by the manifest's
+//! digest. Templates name the image with `from = "..."` in their recipe.
+
+use super::registry::{self, RegistryOptions};
+use super::{hex_of, io, ArchiveError};
+use forkd_image::oci_rootfs::{self, Compression, ImageDefaults, Layer};
+use forkd_image::{Asset, Home};
+use oci_client::manifest::{OciDescriptor, OciImageManifest};
+use oci_client::{Reference, RegistryOperation};
+use sha2::Digest;
+use std::path::{Path, PathBuf};
+
+/// Where an image comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ImageSource {
+    /// A registry: `REGISTRY/REPO:TAG` or `...@sha256:...`.
+    Registry(String),
+    /// An OCI image layout directory, and the tag (`org.opencontainers.image.ref.name`)
+    /// of the image in it (the only one when not given).
+    Layout {
+        /// The directory.
+        dir: PathBuf,
+        /// The tag.
+        tag: Option<String>,
+    },
+}
+
+impl ImageSource {
+    /// `oci-layout:PATH[:TAG]`, else a registry reference.
+    pub fn parse(s: &str) -> Result<ImageSource, ArchiveError> {
+        if let Some(rest) = s.strip_prefix("oci-layout:") {
+            let (dir, tag) = match rest.rsplit_once(':') {
+                Some((d, t)) if !t.contains('/') => (d, Some(t.to_owned())),
+                _ => (rest, None),
+            };
+            return Ok(ImageSource::Layout {
+                dir: PathBuf::from(dir),
+                tag,
+            });
+        }
+        if s.starts_with("docker-archive:") {
+            return Err(ArchiveError::Refused(
+                "docker-archive: sources are not supported; load the archive into a registry or convert it to an OCI layout (skopeo copy docker-archive:F oci:DIR:TAG)".into(),
+            ));
+        }
+        registry::parse_reference(s)?;
+        Ok(ImageSource::Registry(s.to_owned()))
+    }
+}
+
+/// The blob cache: `<home>/images/oci/blobs/sha256/<hex>`.
+fn blob_dir(home: &Home) -> PathBuf {
+    home.images_dir().join("oci/blobs/sha256")
+}
+
+/// An image made into a rootfs.
+#[derive(Debug, Clone)]
+pub struct PulledImage {
+    /// What it says about running it, and its digest.
+    pub defaults: ImageDefaults,
+    /// The rootfs image.
+    pub rootfs: Asset,
+}
+
+/// Fetches the image `source` and makes (or reuses) its rootfs.
+pub async fn pull_image(
+    home: &Home,
+    source: &str,
+    opts: &RegistryOptions,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<PulledImage, ArchiveError> {
+    let src = ImageSource::parse(source)?;
+    let blobs = blob_dir(home);
+    std::fs::create_dir_all(&blobs).map_err(io(format!("creating {}", blobs.display())))?;
+    let fetcher = Fetcher::new(&src, opts, &blobs).await?;
+    let (manifest_bytes, digest) = fetcher.manifest().await?;
+    let manifest: OciImageManifest = serde_json::from_slice(&manifest_bytes)
+        .map_err(|e| ArchiveError::Refused(format!("{source}: its manifest is not valid: {e}")))?;
+    if manifest.config.media_type == super::CONFIG_MEDIA_TYPE {
+        return Err(ArchiveError::Refused(format!(
+            "{source} is a forkd snapshot, not a container image: fork it after `forkd pull {source}`"
+        )));
+    }
+    progress(&format!("{source}: {digest}"));
+    let config_path = fetcher.blob(&manifest.config).await?;
+    let config: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(&config_path).map_err(io("reading the image config"))?,
+    )
+    .map_err(|e| ArchiveError::Refused(format!("{source}: its config is not JSON: {e}")))?;
+    if let Some(os) = config["os"].as_str().filter(|os| *os != "linux") {
+        return Err(ArchiveError::Refused(format!("{source} is a {os} image")));
+    }
+    if let Some(arch) = config["architecture"].as_str().filter(|a| *a != ARCH) {
+        return Err(ArchiveError::Refused(format!(
+            "{source} is an image for {arch}; guests here are {ARCH}"
+        )));
+    }
+    let mut layers = Vec::new();
+    for (i, desc) in manifest.layers.iter().enumerate() {
+        let compression = Compression::of_media_type(&desc.media_type).ok_or_else(|| {
+            ArchiveError::Refused(format!(
+                "{source}: layer {} has media type {:?}, not a filesystem layer",
+                i + 1,
+                desc.media_type
+            ))
+        })?;
+        progress(&format!(
+            "{source}: layer {} of {} ({} MiB)",
+            i + 1,
+            manifest.layers.len(),
+            desc.size.max(0) >> 20
+        ));
+        layers.push(Layer {
+            path: fetcher.blob(desc).await?,
+            compression,
+        });
+    }
+    let c = &config["config"];
+    let strings = |v: &serde_json::Value| -> Vec<String> {
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let nonempty = |v: &serde_json::Value| v.as_str().filter(|s| !s.is_empty()).map(str::to_owned);
+    let defaults = ImageDefaults {
+        reference: source.to_owned(),
+        digest: digest.clone(),
+        env: strings(&c["Env"]),
+        working_dir: nonempty(&c["WorkingDir"]),
+        user: nonempty(&c["User"]),
+        entrypoint: strings(&c["Entrypoint"]),
+        cmd: strings(&c["Cmd"]),
+    };
+    let home2 = home.clone();
+    let d2 = defaults.clone();
+    progress(&format!("{source}: making its root filesystem"));
+    let rootfs = tokio::task::spawn_blocking(move || {
+        oci_rootfs::ensure_oci_rootfs(&home2, &d2, &layers, &forkd_image::BuildOptions::default())
+    })
+    .await
+    .map_err(|e| io("building the rootfs")(std::io::Error::other(e)))?
+    .map_err(|e| ArchiveError::Refused(format!("{source}: {e}")))?;
+    Ok(PulledImage { defaults, rootfs })
+}
+
+/// Reads an image's manifest and blobs from where it is, into the blob cache.
+enum Fetcher<'a> {
+    Registry {
+        client: oci_client::Client,
+        reference: Reference,
+        auth: oci_client::secrets::RegistryAuth,
+        cache: &'a Path,
+    },
+    Layout {
+        dir: PathBuf,
+        tag: Option<String>,
+        cache: &'a Path,
+    },
+}
+
+/// The platform an index's entry is picked for.
+const ARCH: &str = "amd64";
+
+impl<'a> Fetcher<'a> {
+    async fn new(
+        src: &ImageSource,
+        opts: &RegistryOptions,
+        cache: &'a Path,
+    ) -> Result<Fetcher<'a>, ArchiveError> {
+        Ok(match src {
+            ImageSource::Registry(r) => {
+                let reference = registry::parse_reference(r)?;
+                let client = registry::client(&reference, opts);
+                let auth = registry::credentials(reference.resolve_registry(), opts)?;
+                client
+                    .auth(&reference, &auth, RegistryOperation::Pull)
+                    .await
+                    .map_err(|e| {
+                        registry::registry_error(
+                            &format!("authenticating with {}", reference.resolve_registry()),
+                            e,
+                        )
+                    })?;
+                Fetcher::Registry {
+                    client,
+                    reference,
+                    auth,
+                    cache,
+                }
+            }
+            ImageSource::Layout { dir, tag } => Fetcher::Layout {
+                dir: dir.clone(),
+                tag: tag.clone(),
+                cache,
+            },
+        })
+    }
+
+    /// The image manifest (through an index, the linux/amd64 one) and its digest.
+    async fn manifest(&self) -> Result<(Vec<u8>, String), ArchiveError> {
+        let (bytes, digest) = self.top_manifest().await?;
+        let v: serde_json::Value = serde_json::from_slice(&bytes)
+            .map_err(|e| ArchiveError::Refused(format!("the manifest is not JSON: {e}")))?;
+        if v["manifests"].is_array() {
+            let pick = v["manifests"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|m| m["platform"]["os"] == "linux" && m["platform"]["architecture"] == ARCH)
+                .and_then(|m| m["digest"].as_str())
+                .ok_or_else(|| {
+                    ArchiveError::Refused(format!(
+                        "the image index {digest} has no linux/{ARCH} image"
+                    ))
+                })?
+                .to_owned();
+            return self.manifest_by_digest(&pick).await.map(|b| (b, pick));
+        }
+        Ok((bytes, digest))
+    }
+
+    async fn top_manifest(&self) -> Result<(Vec<u8>, String), ArchiveError> {
+        match self {
+            Fetcher::Registry {
+                client,
+                reference,
+                auth,
+                ..
+            } => {
+                let (bytes, digest) = client
+                    .pull_manifest_raw(
+                        reference,
+                        auth,
+                        &[
+                            oci_client::manifest::OCI_IMAGE_MEDIA_TYPE,
+                            oci_client::manifest::OCI_IMAGE_INDEX_MEDIA_TYPE,
+                            oci_client::manifest::IMAGE_MANIFEST_MEDIA_TYPE,
+                            oci_client::manifest::IMAGE_MANIFEST_LIST_MEDIA_TYPE,
+                        ],
+                    )
+                    .await
+                    .map_err(|e| {
+                        registry::registry_error(&format!("fetching {}", reference.whole()), e)
+                    })?;
+                let have = super::digest_of(&hex::encode(sha2::Sha256::digest(&bytes)));
+                if have != digest || reference.digest().is_some_and(|d| d != have) {
+                    return Err(ArchiveError::Refused(format!(
+                        "{}: the manifest served does not match its digest",
+                        reference.whole()
+                    )));
+                }
+                Ok((bytes.to_vec(), digest))
+            }
+            Fetcher::Layout { dir, tag, .. } => {
+                let index: oci_client::manifest::OciImageIndex = serde_json::from_slice(
+                    &std::fs::read(dir.join("index.json"))
+                        .map_err(io(format!("reading {}/index.json", dir.display())))?,
+                )
+                .map_err(|e| ArchiveError::Refused(format!("{}/index.json: {e}", dir.display())))?;
+                let named = |e: &&oci_client::manifest::ImageIndexEntry| {
+                    let name = e.annotations.as_ref().and_then(|a| a.get(super::REF_NAME));
+                    match tag {
+                        None => true,
+                        Some(t) => name == Some(t),
+                    }
+                };
+                let mut hits = index.manifests.iter().filter(named);
+                let (Some(entry), None) = (hits.next(), hits.next()) else {
+                    return Err(ArchiveError::Refused(format!(
+                        "{} does not name one image{}",
+                        dir.display(),
+                        tag.as_ref()
+                            .map(|t| format!(" tagged {t}"))
+                            .unwrap_or_default()
+                    )));
+                };
+                let bytes = self.manifest_by_digest(&entry.digest).await?;
+                Ok((bytes, entry.digest.clone()))
+            }
+        }
+    }
+
+    async fn manifest_by_digest(&self, digest: &str) -> Result<Vec<u8>, ArchiveError> {
+        let desc = OciDescriptor {
+            media_type: oci_client::manifest::OCI_IMAGE_MEDIA_TYPE.into(),
+            digest: digest.to_owned(),
+            size: -1,
+            urls: None,
+            annotations: None,
+            artifact_type: None,
+        };
+        match self {
+            Fetcher::Registry {
+                client,
+                reference,
+                auth,
+                ..
+            } => {
+                let at = reference.clone_with_digest(digest.to_owned());
+                let (bytes, _) = client
+                    .pull_manifest_raw(
+                        &at,
+                        auth,
+                        &[
+                            oci_client::manifest::OCI_IMAGE_MEDIA_TYPE,
+                            oci_client::manifest::IMAGE_MANIFEST_MEDIA_TYPE,
+                        ],
+                    )
+                    .await
+                    .map_err(|e| registry::registry_error(&format!("fetching {digest}"), e))?;
+                check_digest(&bytes, digest)?;
+                Ok(bytes.to_vec())
+            }
+            Fetcher::Layout { .. } => {
+                let path = self.local_blob(&desc)?;
+                let bytes = std::fs::read(&path).map_err(io(format!("reading {digest}")))?;
+                check_digest(&bytes, digest)?;
+                Ok(bytes)
+            }
+        }
+    }
+
+    /// A layout's blob file, by descriptor.
+    fn local_blob(&self, desc: &OciDescriptor) -> Result<PathBuf, ArchiveError> {
+        let Fetcher::Layout { dir, .. } = self else {
+            unreachable!("only for layouts");
+        };
+        let hex = hex_of(&desc.digest).ok_or_else(|| {
+            ArchiveError::Refused(format!("{:?} is not a sha256 digest", desc.digest))
+        })?;
+        Ok(dir.join("blobs/sha256").join(hex))
+    }
+
+    /// The blob in the cache, fetched (and checked) if it is not there yet.
+    async fn blob(&self, desc: &OciDescriptor) -> Result<PathBuf, ArchiveError> {
+        let hex = hex_of(&desc.digest).ok_or_else(|| {
+            ArchiveError::Refused(format!("{:?} is not a sha256 digest", desc.digest))
+        })?;
+        let cache = match self {
+            Fetcher::Registry { cache, .. } | Fetcher::Layout { cache, .. } => cache,
+        };
+        let dest = cache.join(hex);
+        if std::fs::metadata(&dest).is_ok_and(|m| i64::try_from(m.len()).ok() == Some(desc.size)) {
+            return Ok(dest);
+        }
+        match self {
+            Fetcher::Registry {
+                client, reference, ..
+            } => registry::fetch_blob_to(client, reference, desc, &dest).await?,
+            Fetcher::Layout { .. } => {
+                let src = self.local_blob(desc)?;
+                let (dest2, want) = (dest.clone(), desc.clone());
+                tokio::task::spawn_blocking(move || copy_checked(&src, &dest2, &want))
+                    .await
+                    .map_err(|e| io("copying a blob")(std::io::Error::other(e)))??;
+            }
+        }
+        Ok(dest)
+    }
+}
+
+fn check_digest(bytes: &[u8], digest: &str) -> Result<(), ArchiveError> {
+    let have = super::digest_of(&hex::encode(sha2::Sha256::digest(bytes)));
+    if have != digest {
+        return Err(ArchiveError::Refused(format!(
+            "the manifest {digest} does not match its digest"
+        )));
+    }
+    Ok(())
+}
+
+/// Copies a layout's blob into the cache, checking its size and digest on the way.
+fn copy_checked(src: &Path, dest: &Path, desc: &OciDescriptor) -> Result<(), ArchiveError> {
+    let mut input = std::fs::File::open(src).map_err(io(format!("reading {}", src.display())))?;
+    let mut tmp = dest.as_os_str().to_owned();
+    tmp.push(".partial");
+    let tmp = PathBuf::from(tmp);
+    let mut out = std::fs::File::create(&tmp).map_err(io("writing a blob"))?;
+    let mut hash = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut n = 0u64;
+    loop {
+        use std::io::{Read, Write};
+        let k = input
+            .read(&mut buf)
+            .map_err(io(format!("reading {}", src.display())))?;
+        if k == 0 {
+            break;
+        }
+        hash.update(&buf[..k]);
+        out.write_all(&buf[..k]).map_err(io("writing a blob"))?;
+        n += k as u64;
+    }
+    if i64::try_from(n).ok() != Some(desc.size)
+        || super::digest_of(&hex::encode(hash.finalize())) != desc.digest
+    {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(ArchiveError::Refused(format!(
+            "blob {} does not match its digest and size",
+            desc.digest
+        )));
+    }
+    out.sync_all().map_err(io("writing a blob"))?;
+    std::fs::rename(&tmp, dest).map_err(io("storing a blob"))
+}
