@@ -513,7 +513,16 @@ async fn forward_stdin(mut body: Body, mut dec: Decoder, mut w: ChildStdin) {
 
 #[cfg(test)]
 mod tests {
-    use super::passwd_entry;
+    use super::{numeric_user, passwd_entry};
+
+    #[test]
+    fn an_image_user_may_be_numeric() {
+        assert_eq!(numeric_user("1000"), Some((1000, None)));
+        assert_eq!(numeric_user("1000:50"), Some((1000, Some(50))));
+        assert_eq!(numeric_user("app"), None);
+        assert_eq!(numeric_user("app:50"), None);
+        assert_eq!(numeric_user("1000:staff"), None);
+    }
 
     #[test]
     fn passwd_entries_are_found_by_name() {

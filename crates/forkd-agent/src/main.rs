@@ -35,9 +35,6 @@ usage: forkd-agent [pid1 | serve-unix PATH | --version | --help]
                             virtio-serial port named \"agent\"
   serve-unix PATH           serve the agent protocol on a unix socket at PATH
                             (for tests on a host: no init duties; shutdown exits)
-  sync                      flush every filesystem's dirty data (sync(2)): what a
-                            template build runs before the freeze, whatever the
-                            guest's root filesystem has
   --version                 print the agent and protocol versions
 ";
 
@@ -65,10 +62,6 @@ fn main() -> ExitCode {
             _ => usage_error("serve-unix takes exactly one PATH"),
         },
         Some("pid1") => run_pid1(),
-        Some("sync") if args.len() == 1 => {
-            nix::unistd::sync();
-            ExitCode::SUCCESS
-        }
         // The kernel passes init the command line words it does not understand; as PID 1
         // those must not stop the guest.
         _ if am_init => run_pid1(),

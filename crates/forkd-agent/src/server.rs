@@ -174,6 +174,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/contexts/{id}/reset", post(contexts::reset))
         .route(routes::RESUME, post(resume::resume))
         .route(routes::SHUTDOWN, post(shutdown))
+        .route(routes::SYNC, post(sync))
         .fallback(no_route)
         .method_not_allowed_fallback(no_route)
         .with_state(state)
@@ -214,6 +215,16 @@ async fn ping() -> Json<PingResponse> {
 
 /// `POST /v1/shutdown`: answers first, then stops in the background, so the host gets
 /// its answer before the channel goes away.
+/// sync(2) in the agent's own process: a template build flushes the guest before the
+/// freeze without running anything of the image (which may have no `sync`), and
+/// without a process whose teardown the children would each pay for after the restore.
+async fn sync() -> Result<Json<serde_json::Value>, ApiError> {
+    tokio::task::spawn_blocking(nix::unistd::sync)
+        .await
+        .map_err(|e| ApiError::new(forkd_proto::ErrorCode::Internal, e.to_string()))?;
+    Ok(Json(serde_json::json!({})))
+}
+
 async fn shutdown(
     State(state): State<Arc<AppState>>,
     body: Bytes,

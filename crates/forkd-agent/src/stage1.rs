@@ -22,7 +22,7 @@ const MODULES_DIR: &str = "/modules";
 const NEWROOT: &str = "/newroot";
 
 /// The agent's path inside the new root (on the tmpfs at /run).
-pub const AGENT_PATH: &str = forkd_proto::GUEST_AGENT_PATH;
+pub const AGENT_PATH: &str = "/run/forkd/forkd-agent";
 
 /// How long to wait for the root device node.
 const ROOT_TIMEOUT: Duration = Duration::from_secs(10);

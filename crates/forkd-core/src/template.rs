@@ -475,16 +475,20 @@ async fn warm(
         contexts.push(info);
     }
     // The disk layer must hold what the frozen page cache already believes is on disk.
-    // The agent's own binary does it: an image need not have `sync`.
-    parent
-        .exec(
-            ExecRequest::new(Command::Argv(vec![
-                forkd_proto::GUEST_AGENT_PATH.into(),
-                "sync".into(),
-            ])),
-            None,
-        )
-        .await?;
+    // A `sync` process where the image has one: measured here, children of a parent
+    // frozen right after the agent's own sync(2) each dirtied about 3 MiB more after the
+    // restore (6.3 against 3.1 MiB of private guest RAM). An image without `sync` (a
+    // busybox one) gets the agent's.
+    let flushed = parent
+        .exec(ExecRequest::new(Command::Argv(vec!["sync".into()])), None)
+        .await;
+    match flushed {
+        Ok(_) => {}
+        Err(SandboxError::Agent(e)) if e.code() == Some(forkd_proto::ErrorCode::SpawnFailed) => {
+            parent.call(|a| async move { a.sync().await }).await?;
+        }
+        Err(e) => return Err(e),
+    }
     Ok(contexts)
 }
 
@@ -614,5 +618,27 @@ mod tests {
         assert!(e.contains("'/'"), "{e}");
         let e = Recipe::find("nosuch", &[]).unwrap_err().to_string();
         assert!(e.contains("built in: minimal, python"), "{e}");
+        for both_or_none in [
+            "image = \"minimal\"\nfrom = \"127.0.0.1:5000/a:1\"",
+            "vcpus = 1",
+        ] {
+            let e = Recipe::parse("t", both_or_none).unwrap_err().to_string();
+            assert!(e.contains("give one of `image`"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_recipe_from_an_image_names_its_base_and_a_layout_beside_it() {
+        let r = Recipe::parse("t", "from = \"127.0.0.1:5000/team/app:1\"").unwrap();
+        assert_eq!(r.base(), Base::Oci("127.0.0.1:5000/team/app:1".into()));
+        assert_eq!(r.rootfs_image(), None);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("app.toml");
+        std::fs::write(&path, "from = \"oci-layout:img:v2\"").unwrap();
+        let r = Recipe::load(&path).unwrap();
+        assert_eq!(
+            r.base_name(),
+            format!("oci-layout:{}:v2", dir.path().join("img").display())
+        );
     }
 }

@@ -103,6 +103,17 @@ pub fn ensure_oci_rootfs(
     layers: &[Layer],
     opts: &BuildOptions,
 ) -> Result<Asset> {
+    let a = build_oci_rootfs(home, defaults, layers, opts)?;
+    record_image(home, defaults)?;
+    Ok(a)
+}
+
+fn build_oci_rootfs(
+    home: &Home,
+    defaults: &ImageDefaults,
+    layers: &[Layer],
+    opts: &BuildOptions,
+) -> Result<Asset> {
     let inputs = Inputs::new("oci-rootfs")
         .field("digest", &defaults.digest)
         .field("customise", CUSTOMISE_VERSION)
@@ -155,6 +166,20 @@ pub fn ensure_oci_rootfs(
     asset::store_manifest(&manifest, &a)?;
     step.finish();
     Ok(a)
+}
+
+/// Records beside the rootfs what `forkd image ls` says of it: the reference it was
+/// last pulled as, and its digest.
+fn record_image(home: &Home, defaults: &ImageDefaults) -> Result<()> {
+    let name = rootfs_name(&defaults.digest);
+    let json = serde_json::to_vec_pretty(defaults).expect("defaults serialize");
+    fsutil::write_atomic(&home.rootfs_dir().join(format!("{name}.image")), &json)
+}
+
+/// What was recorded of the image a rootfs (`oci-...`) was made from.
+pub fn image_of(home: &Home, name: &str) -> Option<ImageDefaults> {
+    let text = fs::read(home.rootfs_dir().join(format!("{name}.image"))).ok()?;
+    serde_json::from_slice(&text).ok()
 }
 
 fn bad_layer(path: &Path, detail: impl Into<String>) -> ImageError {

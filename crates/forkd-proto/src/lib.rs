@@ -30,10 +30,6 @@ pub const AGENT_PORT_NAME: &str = "agent";
 /// The version of the agent binary (and of this crate, which is built with it).
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
-/// Where the agent's binary is in a running guest (on the tmpfs at /run, whatever the
-/// root filesystem holds). `GUEST_AGENT_PATH sync` flushes the guest's filesystems.
-pub const GUEST_AGENT_PATH: &str = "/run/forkd/forkd-agent";
-
 /// Answer to `GET /v1/ping`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct PingResponse {

@@ -27,6 +27,9 @@ pub const FILES_REMOVE: &str = "/v1/files/remove";
 pub const FILES_RENAME: &str = "/v1/files/rename";
 /// `POST` [`crate::ShutdownRequest`]: sync the disks and stop the guest.
 pub const SHUTDOWN: &str = "/v1/shutdown";
+/// `POST`: flush every filesystem's dirty data (sync(2)) in the agent's own process;
+/// answered once done. What a template build does before the freeze.
+pub const SYNC: &str = "/v1/sync";
 
 /// `POST /v1/processes/{id}/wait?timeout_ms=N` → `ProcessInfo` (once it exited, or
 /// after the timeout with `exit: null`).

@@ -61,7 +61,10 @@ pub async fn run(home: &Home, cmd: ImageCommand) -> Result<()> {
             if json {
                 let list: Vec<_> = assets
                     .iter()
-                    .map(|(name, a)| serde_json::json!({"name": name, "asset": a}))
+                    .map(|(name, a)| {
+                        let image = pulled_image(home, name);
+                        serde_json::json!({"name": name, "asset": a, "image": image})
+                    })
                     .collect();
                 println!("{}", serde_json::to_string_pretty(&list)?);
             } else if assets.is_empty() {
@@ -83,6 +86,9 @@ pub async fn run(home: &Home, cmd: ImageCommand) -> Result<()> {
                         a.build_seconds,
                         a.path.display()
                     );
+                    if let Some(image) = pulled_image(home, &name) {
+                        println!("{:<24} from {} ({})", "", image.reference, image.digest);
+                    }
                 }
             }
             Ok(())
@@ -116,14 +122,15 @@ pub async fn run(home: &Home, cmd: ImageCommand) -> Result<()> {
                 );
             }
             let dir = home.rootfs_dir();
-            let (file, manifest) = (
+            let (file, manifest, image) = (
                 dir.join(format!("{name}.ext4")),
                 dir.join(format!("{name}.json")),
+                dir.join(format!("{name}.image")),
             );
             if !manifest.exists() && !file.exists() {
                 anyhow::bail!("no {name} (see forkd image ls)");
             }
-            for p in [&manifest, &file] {
+            for p in [&manifest, &file, &image] {
                 match std::fs::remove_file(p) {
                     Ok(()) => {}
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -148,6 +155,14 @@ pub async fn run(home: &Home, cmd: ImageCommand) -> Result<()> {
                 .context("image build task")?
         }
     }
+}
+
+/// For a rootfs made from a container image (`rootfs/oci-...`), what it was pulled as.
+fn pulled_image(home: &Home, asset: &str) -> Option<forkd_image::oci_rootfs::ImageDefaults> {
+    let name = asset
+        .strip_prefix("rootfs/")
+        .filter(|n| n.starts_with("oci-"))?;
+    forkd_image::oci_rootfs::image_of(home, name)
 }
 
 fn build(home: &Home, target: &str, opts: &BuildOptions) -> Result<()> {

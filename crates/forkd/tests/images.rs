@@ -150,7 +150,11 @@ fn a_template_from_a_container_image_forks_with_the_image_s_files_and_defaults()
     );
     assert!(stdout.contains("sha256:"), "{stdout}");
     let out = d.forkd().args(["image", "ls"]).output().unwrap();
-    assert!(String::from_utf8_lossy(&out.stdout).contains("oci-"));
+    let listed = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        listed.contains("oci-") && listed.contains(&format!("from {reference}")),
+        "{listed}"
+    );
     // A snapshot is not a container image, and the other way round.
     let out = d.forkd().args(["pull", &reference]).output().unwrap();
     assert!(!out.status.success());

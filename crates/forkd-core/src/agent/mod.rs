@@ -161,6 +161,14 @@ impl AgentClient {
         self.get_json(forkd_proto::routes::PING).await
     }
 
+    /// Has the guest flush its filesystems (`POST /v1/sync`), answered once done.
+    pub async fn sync(&self) -> Result<(), AgentError> {
+        let _: serde_json::Value = self
+            .post_json(forkd_proto::routes::SYNC, &serde_json::json!({}))
+            .await?;
+        Ok(())
+    }
+
     /// Asks the guest to sync its disks and stop (`POST /v1/shutdown`).
     pub async fn shutdown(&self, poweroff: bool) -> Result<(), AgentError> {
         let _: serde_json::Value = self

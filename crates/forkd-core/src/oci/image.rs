@@ -411,3 +411,35 @@ fn copy_checked(src: &Path, dest: &Path, desc: &OciDescriptor) -> Result<(), Arc
     out.sync_all().map_err(io("writing a blob"))?;
     std::fs::rename(&tmp, dest).map_err(io("storing a blob"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sources_are_registries_or_layouts() {
+        assert_eq!(
+            ImageSource::parse("oci-layout:/srv/img:v1").unwrap(),
+            ImageSource::Layout {
+                dir: "/srv/img".into(),
+                tag: Some("v1".into())
+            }
+        );
+        assert_eq!(
+            ImageSource::parse("oci-layout:/srv/img").unwrap(),
+            ImageSource::Layout {
+                dir: "/srv/img".into(),
+                tag: None
+            }
+        );
+        assert_eq!(
+            ImageSource::parse("127.0.0.1:5000/team/app:1").unwrap(),
+            ImageSource::Registry("127.0.0.1:5000/team/app:1".into())
+        );
+        let e = ImageSource::parse("docker-archive:/tmp/x.tar")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("skopeo copy"), "{e}");
+        assert!(ImageSource::parse("Not A Reference").is_err());
+    }
+}
