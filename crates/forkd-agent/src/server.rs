@@ -45,36 +45,18 @@ pub struct AppState {
     image: ImageDefaults,
 }
 
-/// What the container image a template was built from says about running commands
-/// (written into the root filesystem by the image builder; absent for forkd's own
-/// images).
-#[derive(Debug, Clone, Default, serde::Deserialize)]
-pub struct ImageDefaults {
-    /// `K=V` entries.
-    #[serde(default)]
-    pub env: Vec<String>,
-    /// The default working directory.
-    #[serde(default)]
-    pub working_dir: Option<String>,
-    /// The default user.
-    #[serde(default)]
-    pub user: Option<String>,
-}
+use forkd_proto::image::{ImageDefaults, IMAGE_CONFIG_PATH as IMAGE_DEFAULTS};
 
-/// Where the image builder writes [`ImageDefaults`].
-const IMAGE_DEFAULTS: &str = "/etc/forkd/image.json";
-
-impl ImageDefaults {
-    /// Reads them from the root filesystem (none when the file is absent or bad).
-    fn load() -> ImageDefaults {
-        let Ok(text) = std::fs::read(IMAGE_DEFAULTS) else {
-            return ImageDefaults::default();
-        };
-        serde_json::from_slice(&text).unwrap_or_else(|e| {
-            crate::pid1::log(&format!("{IMAGE_DEFAULTS} is not valid, ignored: {e}"));
-            ImageDefaults::default()
-        })
-    }
+/// [`ImageDefaults`] from the root filesystem (none when the file is absent or bad:
+/// forkd's own images have none).
+fn load_image_defaults() -> ImageDefaults {
+    let Ok(text) = std::fs::read(IMAGE_DEFAULTS) else {
+        return ImageDefaults::default();
+    };
+    serde_json::from_slice(&text).unwrap_or_else(|e| {
+        crate::pid1::log(&format!("{IMAGE_DEFAULTS} is not valid, ignored: {e}"));
+        ImageDefaults::default()
+    })
 }
 
 impl AppState {
@@ -82,7 +64,7 @@ impl AppState {
     pub fn new(mode: Mode, children: Arc<Children>) -> Arc<Self> {
         // Only a guest's root has the image's defaults; the dev mode runs on a host.
         let image = match mode {
-            Mode::Pid1 => ImageDefaults::load(),
+            Mode::Pid1 => load_image_defaults(),
             _ => ImageDefaults::default(),
         };
         let mut env = default_env();

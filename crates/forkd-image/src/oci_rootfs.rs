@@ -20,7 +20,6 @@ use crate::inputs::Inputs;
 use crate::lock::BuildLock;
 use crate::rootfs;
 use crate::{BuildOptions, Home};
-use serde::{Deserialize, Serialize};
 use std::fs;
 use std::io::Read;
 use std::os::unix::fs::DirBuilderExt;
@@ -29,8 +28,10 @@ use std::time::Instant;
 
 /// Bump when what is added to an image's tree changes.
 const CUSTOMISE_VERSION: &str = "1";
-/// Where the image's defaults are written in the guest.
-pub const IMAGE_CONFIG_PATH: &str = "etc/forkd/image.json";
+/// Where the image's defaults are written, in the tree.
+fn image_config_path(root: &Path) -> PathBuf {
+    root.join(forkd_proto::image::IMAGE_CONFIG_PATH.trim_start_matches('/'))
+}
 
 /// How a layer blob is compressed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,29 +67,7 @@ pub struct Layer {
     pub compression: Compression,
 }
 
-/// What an image says about running it (its config's `config`), kept for the guest.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct ImageDefaults {
-    /// The image reference it was pulled as.
-    pub reference: String,
-    /// `sha256:` digest of its manifest.
-    pub digest: String,
-    /// `K=V` entries.
-    #[serde(default)]
-    pub env: Vec<String>,
-    /// The default working directory.
-    #[serde(default)]
-    pub working_dir: Option<String>,
-    /// The default user (a name, or `uid[:gid]`).
-    #[serde(default)]
-    pub user: Option<String>,
-    /// Recorded, not run.
-    #[serde(default)]
-    pub entrypoint: Vec<String>,
-    /// Recorded, not run.
-    #[serde(default)]
-    pub cmd: Vec<String>,
-}
+pub use forkd_proto::image::ImageDefaults;
 
 /// The file name of the rootfs made from the image with manifest digest `digest`.
 pub fn rootfs_name(digest: &str) -> String {
@@ -150,22 +129,19 @@ fn build_oci_rootfs(
     }
     let step = opts.progress.step(format!("rootfs {name}: customising"));
     customise(&target, defaults)?;
-    let used = fsutil::tree_usage(&target)?;
-    let size_mib = rootfs::image_size_mib(used);
     step.finish();
-    let step = opts.progress.step(format!(
-        "rootfs {name}: mkfs.ext4 ({size_mib} MiB for {} MiB of files)",
-        used.div_ceil(1 << 20)
-    ));
-    let tmp_image = scratch.path().join(format!("{name}.ext4"));
-    rootfs::make_ext4(&target, &tmp_image, size_mib, &step, scratch.path())?;
-    let (sha256, size) = fsutil::sha256_file(&tmp_image)?;
-    asset::retract_manifest(&manifest)?;
-    fsutil::publish(&tmp_image, &file)?;
-    let a = Asset::record(file, sha256, size, started, inputs);
-    asset::store_manifest(&manifest, &a)?;
-    step.finish();
-    Ok(a)
+    rootfs::publish_tree(
+        &target,
+        scratch.path(),
+        &name,
+        rootfs::Published {
+            file,
+            manifest,
+            started,
+            inputs,
+        },
+        &opts.progress,
+    )
 }
 
 /// Records beside the rootfs what `forkd image ls` says of it: the reference it was
@@ -336,11 +312,10 @@ fn customise(root: &Path, defaults: &ImageDefaults) -> Result<()> {
     if root.join("etc/passwd").is_file() {
         rootfs::add_user(root)?;
     }
-    let dir = root.join("etc/forkd");
-    fsutil::create_dir_all(&dir)?;
+    let path = image_config_path(root);
+    fsutil::create_dir_all(path.parent().unwrap_or(root))?;
     let json = serde_json::to_vec_pretty(defaults).expect("defaults serialize");
-    fs::write(root.join(IMAGE_CONFIG_PATH), json)
-        .map_err(|e| ImageError::io("write", root.join(IMAGE_CONFIG_PATH), e))
+    fs::write(&path, json).map_err(|e| ImageError::io("write", &path, e))
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use std::fmt;
 use std::fs;
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Instant;
 
@@ -135,21 +135,61 @@ pub fn ensure_rootfs(home: &Home, image: RootfsImage, opts: &BuildOptions) -> Re
     // would otherwise copy the host's /proc into the image.
     fsutil::unmount_under(&target)?;
     customise(&target)?;
-    let used = fsutil::tree_usage(&target)?;
-    let size_mib = image_size_mib(used);
     step.finish();
+    publish_tree(
+        &target,
+        scratch.path(),
+        name,
+        Published {
+            file,
+            manifest,
+            started,
+            inputs,
+        },
+        &opts.progress,
+    )
+}
 
-    let step = opts.progress.step(format!(
+/// Where a packed tree goes and what it is recorded with.
+pub(crate) struct Published {
+    /// The image file.
+    pub file: PathBuf,
+    /// Its manifest.
+    pub manifest: PathBuf,
+    /// When the build started.
+    pub started: Instant,
+    /// The digest of the build's inputs.
+    pub inputs: String,
+}
+
+/// Packs the finished tree `target` into an ext4 image sized for it (`mkfs.ext4 -d`, in
+/// `scratch`), hashes it, publishes it and its manifest.
+pub(crate) fn publish_tree(
+    target: &Path,
+    scratch: &Path,
+    name: &str,
+    to: Published,
+    progress: &crate::Progress,
+) -> Result<Asset> {
+    let used = fsutil::tree_usage(target)?;
+    let size_mib = image_size_mib(used);
+    let step = progress.step(format!(
         "rootfs {name}: mkfs.ext4 ({size_mib} MiB for {} MiB of files)",
         used.div_ceil(MIB)
     ));
-    let tmp_image = scratch.path().join(format!("{name}.ext4"));
-    make_ext4(&target, &tmp_image, size_mib, &step, scratch.path())?;
+    let tmp_image = scratch.join(format!("{name}.ext4"));
+    let mut cmd = MKFS_EXT4.command()?;
+    cmd.args(["-F", "-q", "-L", "forkd-root", "-d"])
+        .arg(target)
+        .arg(&tmp_image)
+        .arg(format!("{size_mib}M"));
+    MKFS_EXT4.run_logged(cmd, &step, &scratch.join("mkfs.log"))?;
+    step.message("hashing");
     let (sha256, size) = fsutil::sha256_file(&tmp_image)?;
-    asset::retract_manifest(&manifest)?;
-    fsutil::publish(&tmp_image, &file)?;
-    let a = Asset::record(file, sha256, size, started, inputs);
-    asset::store_manifest(&manifest, &a)?;
+    asset::retract_manifest(&to.manifest)?;
+    fsutil::publish(&tmp_image, &to.file)?;
+    let a = Asset::record(to.file, sha256, size, to.started, to.inputs);
+    asset::store_manifest(&to.manifest, &a)?;
     step.finish();
     Ok(a)
 }
@@ -166,28 +206,9 @@ fn check_free_space(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Packs the tree `target` into the ext4 image `image` of `size_mib` MiB (its log in
-/// `log_dir`), then says it is hashing.
-pub(crate) fn make_ext4(
-    target: &Path,
-    image: &Path,
-    size_mib: u64,
-    step: &crate::progress::Step,
-    log_dir: &Path,
-) -> Result<()> {
-    let mut cmd = MKFS_EXT4.command()?;
-    cmd.args(["-F", "-q", "-L", "forkd-root", "-d"])
-        .arg(target)
-        .arg(image)
-        .arg(format!("{size_mib}M"));
-    MKFS_EXT4.run_logged(cmd, step, &log_dir.join("mkfs.log"))?;
-    step.message("hashing");
-    Ok(())
-}
-
 /// The tree's size plus a quarter (ext4 metadata, journal, slack) plus headroom
 /// for the guest to write, in whole MiB.
-pub(crate) fn image_size_mib(used: u64) -> u64 {
+fn image_size_mib(used: u64) -> u64 {
     (used + used / 4 + HEADROOM_BYTES).div_ceil(MIB)
 }
 

@@ -15,6 +15,7 @@ pub mod exec;
 pub mod files;
 pub mod frame;
 pub mod handshake;
+pub mod image;
 pub mod io;
 pub mod limits;
 pub mod routes;

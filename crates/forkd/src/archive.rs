@@ -34,7 +34,8 @@ pub struct UnpackArgs {
     pub tag: Option<String>,
 }
 
-fn bar(len: u64, what: &str) -> indicatif::ProgressBar {
+/// A bytes progress bar on a terminal's stderr (hidden elsewhere).
+pub(crate) fn bar(len: u64, what: &str) -> indicatif::ProgressBar {
     let bar = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         indicatif::ProgressBar::new(len)
     } else {

@@ -91,17 +91,7 @@ pub(crate) async fn follow(client: &Client, op: &Value, what: &str) -> Result<Va
     let id = op["id"]
         .as_str()
         .context("the daemon answered without an operation")?;
-    let bar = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-        indicatif::ProgressBar::new(0)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(&format!(
-            "{what} {{bar:30}} {{bytes}}/{{total_bytes}} ({{elapsed}})"
-        ))
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    let bar = crate::archive::bar(0, what);
     let path = format!("/v1/operations/{id}");
     loop {
         let v: Value = client.json(Method::GET, &path, None).await?;

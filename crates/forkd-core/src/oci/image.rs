@@ -178,17 +178,8 @@ impl<'a> Fetcher<'a> {
         Ok(match src {
             ImageSource::Registry(r) => {
                 let reference = registry::parse_reference(r)?;
-                let client = registry::client(&reference, opts);
-                let auth = registry::credentials(reference.resolve_registry(), opts)?;
-                client
-                    .auth(&reference, &auth, RegistryOperation::Pull)
-                    .await
-                    .map_err(|e| {
-                        registry::registry_error(
-                            &format!("authenticating with {}", reference.resolve_registry()),
-                            e,
-                        )
-                    })?;
+                let (client, auth) =
+                    registry::connect(&reference, opts, RegistryOperation::Pull).await?;
                 Fetcher::Registry {
                     client,
                     reference,
@@ -236,16 +227,7 @@ impl<'a> Fetcher<'a> {
                 ..
             } => {
                 let (bytes, digest) = client
-                    .pull_manifest_raw(
-                        reference,
-                        auth,
-                        &[
-                            oci_client::manifest::OCI_IMAGE_MEDIA_TYPE,
-                            oci_client::manifest::OCI_IMAGE_INDEX_MEDIA_TYPE,
-                            oci_client::manifest::IMAGE_MANIFEST_MEDIA_TYPE,
-                            oci_client::manifest::IMAGE_MANIFEST_LIST_MEDIA_TYPE,
-                        ],
-                    )
+                    .pull_manifest_raw(reference, auth, &registry::MANIFEST_TYPES)
                     .await
                     .map_err(|e| {
                         registry::registry_error(&format!("fetching {}", reference.whole()), e)

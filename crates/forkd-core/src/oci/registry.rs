@@ -99,6 +99,35 @@ pub(crate) fn client(reference: &Reference, opts: &RegistryOptions) -> Client {
     })
 }
 
+/// A client of `reference`'s registry, authenticated for `operation` with the auth
+/// file's credentials (a token fetched where the registry asks for one).
+pub(crate) async fn connect(
+    reference: &Reference,
+    opts: &RegistryOptions,
+    operation: RegistryOperation,
+) -> Result<(Client, RegistryAuth), ArchiveError> {
+    let client = client(reference, opts);
+    let auth = credentials(reference.resolve_registry(), opts)?;
+    client
+        .auth(reference, &auth, operation)
+        .await
+        .map_err(|e| {
+            registry_error(
+                &format!("authenticating with {}", reference.resolve_registry()),
+                e,
+            )
+        })?;
+    Ok((client, auth))
+}
+
+/// What a pull accepts as a manifest: OCI and Docker image manifests and indexes.
+pub(crate) const MANIFEST_TYPES: [&str; 4] = [
+    oci_client::manifest::OCI_IMAGE_MEDIA_TYPE,
+    oci_client::manifest::OCI_IMAGE_INDEX_MEDIA_TYPE,
+    oci_client::manifest::IMAGE_MANIFEST_MEDIA_TYPE,
+    oci_client::manifest::IMAGE_MANIFEST_LIST_MEDIA_TYPE,
+];
+
 /// The credentials for `registry` in the docker-style auth file, else anonymous.
 pub fn credentials(registry: &str, opts: &RegistryOptions) -> Result<RegistryAuth, ArchiveError> {
     let Some(path) = super::auth::auth_file(opts.auth_file.as_deref()) else {
@@ -135,17 +164,7 @@ pub async fn push(
         .iter()
         .map(|(_, digest)| layout.artifact(digest, None))
         .collect::<Result<_, _>>()?;
-    let client = client(&target, opts);
-    let auth = credentials(target.resolve_registry(), opts)?;
-    client
-        .auth(&target, &auth, RegistryOperation::Push)
-        .await
-        .map_err(|e| {
-            registry_error(
-                &format!("authenticating with {}", target.resolve_registry()),
-                e,
-            )
-        })?;
+    let (client, _) = connect(&target, opts, RegistryOperation::Push).await?;
     let total = packed.blob_bytes;
     let mut report = Pushed {
         reference: target.whole(),
@@ -239,17 +258,7 @@ pub async fn pull(
     progress: Progress<'_>,
 ) -> Result<Unpacked, ArchiveError> {
     let source = parse_reference(reference)?;
-    let client = client(&source, opts);
-    let auth = credentials(source.resolve_registry(), opts)?;
-    client
-        .auth(&source, &auth, RegistryOperation::Pull)
-        .await
-        .map_err(|e| {
-            registry_error(
-                &format!("authenticating with {}", source.resolve_registry()),
-                e,
-            )
-        })?;
+    let (client, auth) = connect(&source, opts, RegistryOperation::Pull).await?;
     let layout = Layout::new(store, "pull")?;
     let mut at = source.clone();
     let mut chain = Vec::new();
@@ -259,16 +268,7 @@ pub async fn pull(
             return Err(refused(format!("{reference}: its chain is too deep")));
         }
         let (body, digest) = client
-            .pull_manifest_raw(
-                &at,
-                &auth,
-                &[
-                    oci_client::manifest::OCI_IMAGE_MEDIA_TYPE,
-                    oci_client::manifest::OCI_IMAGE_INDEX_MEDIA_TYPE,
-                    oci_client::manifest::IMAGE_MANIFEST_MEDIA_TYPE,
-                    oci_client::manifest::IMAGE_MANIFEST_LIST_MEDIA_TYPE,
-                ],
-            )
+            .pull_manifest_raw(&at, &auth, &MANIFEST_TYPES)
             .await
             .map_err(|e| registry_error(&format!("fetching the manifest of {}", at.whole()), e))?;
         if body.len() as u64 > super::MAX_DOCUMENT {
