@@ -14,8 +14,6 @@ pub struct Packed {
     pub layout: Layout,
     /// The snapshots, root first, with the digest of each one's OCI manifest.
     pub snapshots: Vec<(String, String)>,
-    /// The bytes of every part, as stored (apparent sizes).
-    pub parts_bytes: u64,
     /// The bytes of every blob.
     pub blob_bytes: u64,
 }
@@ -35,12 +33,11 @@ pub fn pack(store: &Store, tag: &Tag, progress: &dyn Fn(&str)) -> Result<Packed,
     let mut done: BTreeMap<String, OciDescriptor> = BTreeMap::new();
     let mut entries = Vec::new();
     let mut snapshots = Vec::new();
-    let (mut parts_bytes, mut parent_digest) = (0u64, None::<String>);
+    let mut parent_digest = None::<String>;
     for snap in &snaps {
         let mut layers = Vec::new();
         for name in carried_parts(&snap.manifest) {
             let want = &snap.manifest.parts[name];
-            parts_bytes += want.size;
             let desc = match done.get(&want.sha256) {
                 Some(d) => d.clone(),
                 None => {
@@ -106,7 +103,6 @@ pub fn pack(store: &Store, tag: &Tag, progress: &dyn Fn(&str)) -> Result<Packed,
     Ok(Packed {
         layout,
         snapshots,
-        parts_bytes,
         blob_bytes,
     })
 }

@@ -61,7 +61,7 @@ pub async fn push(
         )
         .await
         .map(|p| serde_json::to_value(p).unwrap_or_default());
-        finish(&app, &id, r);
+        finish(&app, &id, &known, r);
     });
     Ok((StatusCode::ACCEPTED, Json(op)))
 }
@@ -102,6 +102,7 @@ pub async fn pull(
         finish(
             &app,
             &id,
+            &known,
             r.map(|u| serde_json::to_value(u).unwrap_or_default()),
         );
     });
@@ -134,20 +135,21 @@ fn progress(
     app.registry.set_progress(id, done);
 }
 
-fn finish(app: &App, id: &str, r: Result<serde_json::Value, forkd_core::oci::ArchiveError>) {
+/// Records how the operation ended: on success everything was done; the total is the
+/// last one [`progress`] heard.
+fn finish(
+    app: &App,
+    id: &str,
+    known: &std::sync::atomic::AtomicU64,
+    r: Result<serde_json::Value, forkd_core::oci::ArchiveError>,
+) {
     let done = app.registry.progress(id).unwrap_or(0);
     let (status, error, result) = match &r {
         Ok(v) => ("succeeded", None, v.clone()),
         Err(e) => ("failed", Some(e.to_string()), serde_json::Value::Null),
     };
     tracing::info!(op = %id, "{status}{}", error.as_deref().map(|e| format!(": {e}")).unwrap_or_default());
-    let total = app
-        .registry
-        .state()
-        .operation(id)
-        .ok()
-        .flatten()
-        .map_or(done, |o| o.total.max(done));
+    let total = known.load(std::sync::atomic::Ordering::SeqCst).max(done);
     let end = OperationEnd {
         status,
         error: error.as_deref(),
