@@ -90,18 +90,21 @@ impl Client {
         method: Method,
         path: &str,
         content_type: &str,
-        len: u64,
+        len: Option<u64>,
         body: B,
     ) -> Result<Response<Incoming>>
     where
         B: hyper::body::Body<Data = Bytes> + Send + 'static,
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        let req = self
+        let mut req = self
             .request(method, path)
-            .header(hyper::header::CONTENT_TYPE, content_type)
-            .header(hyper::header::CONTENT_LENGTH, len)
-            .body(body)?;
+            .header(hyper::header::CONTENT_TYPE, content_type);
+        // Without a length (a pipe), hyper sends the body chunked.
+        if let Some(len) = len {
+            req = req.header(hyper::header::CONTENT_LENGTH, len);
+        }
+        let req = req.body(body)?;
         self.dispatch(req).await
     }
 

@@ -19,7 +19,8 @@ use tokio::io::AsyncWriteExt;
 pub struct PackArgs {
     /// The snapshot; a branch is packed with its ancestors.
     pub tag: String,
-    /// The archive to write (replaced if it exists).
+    /// The archive to write (replaced if it exists); `-` writes it to standard output,
+    /// e.g. into `forkd unpack -` on another host.
     #[arg(short, long)]
     pub output: PathBuf,
 }
@@ -27,34 +28,61 @@ pub struct PackArgs {
 /// `forkd unpack`.
 #[derive(clap::Args)]
 pub struct UnpackArgs {
-    /// The archive (written by `forkd pack`).
+    /// The archive (written by `forkd pack`); `-` reads it from standard input.
     pub file: PathBuf,
     /// Install the archive's snapshot under this tag (its ancestors keep theirs).
     #[arg(long)]
     pub tag: Option<String>,
 }
 
-/// A bytes progress bar on a terminal's stderr (hidden elsewhere).
-pub(crate) fn bar(len: u64, what: &str) -> indicatif::ProgressBar {
-    let bar = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+/// A bytes progress bar on a terminal's stderr (hidden elsewhere); without a length
+/// (a pipe), a count of bytes.
+pub(crate) fn bar(len: Option<u64>, what: &str) -> indicatif::ProgressBar {
+    let bar = if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        indicatif::ProgressBar::hidden()
+    } else if let Some(len) = len {
         indicatif::ProgressBar::new(len)
     } else {
-        indicatif::ProgressBar::hidden()
+        indicatif::ProgressBar::no_length()
+    };
+    let template = match len {
+        Some(_) => format!("{what} {{bar:30}} {{bytes}}/{{total_bytes}} ({{elapsed}})"),
+        None => format!("{what} {{bytes}} ({{elapsed}})"),
     };
     bar.set_style(
-        indicatif::ProgressStyle::with_template(&format!(
-            "{what} {{bar:30}} {{bytes}}/{{total_bytes}} ({{elapsed}})"
-        ))
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template(&template)
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     bar
+}
+
+/// The path that names standard input or output.
+fn is_std(path: &std::path::Path) -> bool {
+    path.as_os_str() == "-"
 }
 
 /// Writes the archive of `args.tag` to `args.output`.
 pub async fn pack(client: &Client, args: PackArgs) -> Result<()> {
     let tag = Tag::parse(&args.tag)?;
+    let to_stdout = is_std(&args.output);
+    if to_stdout && std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+        bail!("not writing an archive to a terminal: redirect standard output or give a file");
+    }
     if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         eprintln!("packing {tag}: compressing its parts...");
+    }
+    if to_stdout {
+        let (resp, len, snapshots) = request_archive(client, &tag).await?;
+        let written = receive(
+            resp.into_body(),
+            tokio::io::stdout(),
+            "standard output",
+            len,
+        )
+        .await?;
+        // Standard output carries the archive: the summary goes to standard error.
+        eprintln!("wrote {}: {}", human_size(written), snapshots.join(", "));
+        return Ok(());
     }
     let (written, snapshots) = download(client, &tag, &args.output).await?;
     println!(
@@ -66,13 +94,12 @@ pub async fn pack(client: &Client, args: PackArgs) -> Result<()> {
     Ok(())
 }
 
-/// Writes the archive of `tag` to `output` (through `output.partial`, renamed when
-/// whole); returns its size and the snapshots in it, root first.
-pub async fn download(
+/// Asks the daemon for the archive of `tag`; returns the response (its body unread),
+/// its length and the snapshots in it, root first.
+async fn request_archive(
     client: &Client,
     tag: &Tag,
-    output: &std::path::Path,
-) -> Result<(u64, Vec<String>)> {
+) -> Result<(hyper::Response<hyper::body::Incoming>, u64, Vec<String>)> {
     let path = format!("/v1/snapshots/{tag}/archive");
     let resp = client.send(Method::GET, &path, None).await?;
     if !resp.status().is_success() {
@@ -93,10 +120,33 @@ pub async fn download(
         .filter(|s| !s.is_empty())
         .map(str::to_owned)
         .collect();
+    Ok((resp, len, snapshots))
+}
+
+/// Writes the archive of `tag` to `output` (through `output.partial`, renamed when
+/// whole); returns its size and the snapshots in it, root first.
+pub async fn download(
+    client: &Client,
+    tag: &Tag,
+    output: &std::path::Path,
+) -> Result<(u64, Vec<String>)> {
+    let (resp, len, snapshots) = request_archive(client, tag).await?;
     let mut partial = output.to_owned().into_os_string();
     partial.push(".partial");
     let partial = PathBuf::from(partial);
-    let written = match receive(resp.into_body(), &partial, len).await {
+    let written = async {
+        let file = tokio::fs::File::create(&partial)
+            .await
+            .with_context(|| format!("creating {}", partial.display()))?;
+        let shown = partial.display().to_string();
+        let (n, file) = receive_into(resp.into_body(), file, &shown, len).await?;
+        file.sync_all()
+            .await
+            .with_context(|| format!("writing {shown}"))?;
+        anyhow::Ok(n)
+    }
+    .await;
+    let written = match written {
         Ok(n) => n,
         Err(e) => {
             let _ = std::fs::remove_file(&partial);
@@ -108,18 +158,31 @@ pub async fn download(
     Ok((written, snapshots))
 }
 
-async fn receive(mut body: hyper::body::Incoming, to: &std::path::Path, len: u64) -> Result<u64> {
-    let mut file = tokio::fs::File::create(to)
-        .await
-        .with_context(|| format!("creating {}", to.display()))?;
-    let progress = bar(len, "receiving");
+/// Writes the archive `body` (`len` bytes) to `out`, named `shown` in errors.
+async fn receive(
+    body: hyper::body::Incoming,
+    out: impl tokio::io::AsyncWrite + Unpin,
+    shown: &str,
+    len: u64,
+) -> Result<u64> {
+    receive_into(body, out, shown, len).await.map(|(n, _)| n)
+}
+
+/// [`receive`], handing `out` back (to be synced).
+async fn receive_into<W: tokio::io::AsyncWrite + Unpin>(
+    mut body: hyper::body::Incoming,
+    mut out: W,
+    shown: &str,
+    len: u64,
+) -> Result<(u64, W)> {
+    let progress = bar(Some(len), "receiving");
     let mut written = 0u64;
     while let Some(frame) = body.frame().await {
         let frame = frame.context("the archive stream broke off (see the daemon's log)")?;
         if let Ok(data) = frame.into_data() {
-            file.write_all(&data)
+            out.write_all(&data)
                 .await
-                .with_context(|| format!("writing {}", to.display()))?;
+                .with_context(|| format!("writing {shown}"))?;
             written += data.len() as u64;
             progress.set_position(written);
         }
@@ -128,10 +191,10 @@ async fn receive(mut body: hyper::body::Incoming, to: &std::path::Path, len: u64
     if written != len {
         bail!("the archive ended after {written} of {len} bytes (see the daemon's log)");
     }
-    file.sync_all()
+    out.flush()
         .await
-        .with_context(|| format!("writing {}", to.display()))?;
-    Ok(written)
+        .with_context(|| format!("writing {shown}"))?;
+    Ok((written, out))
 }
 
 /// Sends `args.file` to the daemon to install.
@@ -171,13 +234,22 @@ pub async fn upload(
     tag: Option<&Tag>,
 ) -> Result<serde_json::Value> {
     let query = tag.map(|t| format!("?tag={t}")).unwrap_or_default();
-    let f = tokio::fs::File::open(file)
-        .await
-        .with_context(|| format!("opening {}", file.display()))?;
-    let len = f.metadata().await?.len();
+    let (source, len): (Box<dyn tokio::io::AsyncRead + Send + Unpin>, Option<u64>) = if is_std(file)
+    {
+        if std::io::IsTerminal::is_terminal(&std::io::stdin()) {
+            bail!("standard input is a terminal: pipe an archive into `forkd unpack -`");
+        }
+        (Box::new(tokio::io::stdin()), None)
+    } else {
+        let f = tokio::fs::File::open(file)
+            .await
+            .with_context(|| format!("opening {}", file.display()))?;
+        let len = f.metadata().await?.len();
+        (Box::new(f), Some(len))
+    };
     let progress = bar(len, "sending");
     let sent = progress.clone();
-    let stream = tokio_util::io::ReaderStream::with_capacity(f, 1 << 20).map(move |chunk| {
+    let stream = tokio_util::io::ReaderStream::with_capacity(source, 1 << 20).map(move |chunk| {
         chunk.map(|data: Bytes| {
             sent.inc(data.len() as u64);
             hyper::body::Frame::data(data)

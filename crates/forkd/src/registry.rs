@@ -91,7 +91,7 @@ pub(crate) async fn follow(client: &Client, op: &Value, what: &str) -> Result<Va
     let id = op["id"]
         .as_str()
         .context("the daemon answered without an operation")?;
-    let bar = crate::archive::bar(0, what);
+    let bar = crate::archive::bar(Some(0), what);
     let path = format!("/v1/operations/{id}");
     loop {
         let v: Value = client.json(Method::GET, &path, None).await?;

@@ -405,40 +405,74 @@ fn chains_are_shown_kept_removed_and_compacted(
     );
 }
 
-/// `forkd pack` of d2 (depth 2: d2, b-live, py) and `forkd unpack` into a second
+/// `forkd pack` of d2 (depth 2: d2, b-live, py) piped into `forkd unpack` of a second
 /// daemon's data directory: the chain arrives whole, its children have the branch's
-/// state and the template's warm context; a cut archive installs nothing.
+/// state and the template's warm context; a cut archive installs nothing. (Through a
+/// pipe, as between two hosts: no archive file takes this machine's disk twice.)
 fn archives_carry_a_chain_to_another_data_directory(d: &Daemon, rt: &tokio::runtime::Runtime) {
-    let archive = d.home.path().join("d2.tar");
-    let file = archive.to_str().unwrap();
-    let (out, _) = cli(d, &["pack", "d2", "-o", file], true);
-    assert!(
-        out.contains("d2") && out.contains("b-live") && out.contains("py"),
-        "{out}"
-    );
+    use std::io::Read;
+    use std::process::Stdio;
+    let pack = || {
+        d.forkd()
+            .args(["pack", "d2", "-o", "-"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
     let other = Daemon::start(&[]);
     let c2 = other.unix();
     // Cut short: refused, nothing installed.
-    let bytes = std::fs::read(&archive).unwrap();
+    let mut cut_short = pack();
+    let mut head = vec![0u8; 32 << 20];
+    cut_short
+        .stdout
+        .take()
+        .unwrap()
+        .read_exact(&mut head)
+        .unwrap();
+    let _ = cut_short.wait();
     let cut = other.home.path().join("cut.tar");
-    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    std::fs::write(&cut, &head).unwrap();
     let (_, err) = cli(&other, &["unpack", cut.to_str().unwrap()], false);
     assert!(
         err.contains("truncated") && err.contains("nothing was installed"),
         "{err}"
     );
     assert!(rt.block_on(snapshot_tags(&c2)).is_empty());
+    std::fs::remove_file(&cut).unwrap();
 
-    let (out, _) = cli(&other, &["unpack", file], true);
-    assert!(out.contains("installed py, b-live, d2"), "{out}");
+    let unpack = |args: &[&str]| {
+        let mut packing = pack();
+        let out = other
+            .forkd()
+            .args(args)
+            .stdin(packing.stdout.take().unwrap())
+            .output()
+            .unwrap();
+        let packed = packing.wait_with_output().unwrap();
+        let said = String::from_utf8_lossy(&packed.stderr).into_owned();
+        assert!(packed.status.success(), "{said}");
+        assert!(
+            said.contains("wrote") && said.contains("py, b-live, d2"),
+            "{said}"
+        );
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, out, err) = unpack(&["unpack", "-"]);
+    assert!(ok && out.contains("installed py, b-live, d2"), "{out}{err}");
     let (show, _) = cli(&other, &["snapshot", "show", "d2", "--json"], true);
     let v: Value = serde_json::from_str(&show).unwrap();
     assert_eq!(v["chain"]["ancestors"], json!(["b-live", "py"]), "{v}");
     cli(&other, &["snapshot", "verify", "d2"], true);
-    let (out, _) = cli(&other, &["unpack", file], true);
-    assert!(out.contains("d2 is here already"), "{out}");
-    let (_, err) = cli(&other, &["unpack", file, "--tag", "py"], false);
-    assert!(err.contains("already exists"), "{err}");
+    let (ok, out, err) = unpack(&["unpack", "-"]);
+    assert!(ok && out.contains("d2 is here already"), "{out}{err}");
+    let (ok, _, err) = unpack(&["unpack", "-", "--tag", "py"]);
+    assert!(!ok && err.contains("already exists"), "{err}");
     rt.block_on(async {
         let child = fork(&c2, "d2", 1).await.remove(0);
         assert_eq!(
@@ -455,7 +489,6 @@ fn archives_carry_a_chain_to_another_data_directory(d: &Daemon, rt: &tokio::runt
         );
         kill(&c2, &child).await;
     });
-    std::fs::remove_file(&archive).unwrap();
 
     // Through a registry: push from the first daemon, pull into the second after its d2
     // is removed. Only d2 is installed; its ancestors are here already.

@@ -8,7 +8,7 @@ use crate::snapshot::manifest::{parts, BuildTimes, Machine, Manifest, Versions};
 use crate::snapshot::{chain, memory_diff, Store, Tag, MANIFEST};
 use forkd_hypervisor::qemu::qcow2;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 const MEMORY_MIB: u32 = 4;
 
@@ -139,6 +139,13 @@ fn a_chain_round_trips_into_another_store() {
             .as_deref(),
         base_disk.to_str(),
         "the link's layer names its parent where it is now"
+    );
+    // The guest assets the chain shares are written once.
+    use std::os::unix::fs::MetadataExt;
+    let inode = |p: PathBuf| std::fs::metadata(p).unwrap().ino();
+    assert_eq!(
+        inode(link.part(parts::ROOTFS)),
+        inode(base_disk.with_file_name(parts::ROOTFS))
     );
     // The memory image was made again from the parent's and the diff.
     let want = crate::snapshot::sha256_file(&dir.path().join("a/link/memory.ram")).unwrap();

@@ -25,6 +25,9 @@ pub struct Compressed {
     pub part_sha256: String,
     /// The part's size.
     pub part_size: u64,
+    /// Bytes of its non-zero pages: what [`decompress`] writes back (the rest are
+    /// holes), so what unpacking it takes on disk.
+    pub stored: u64,
     /// Hex sha256 of the blob.
     pub blob_sha256: String,
     /// The blob's size.
@@ -72,10 +75,12 @@ pub fn compress(src: &Path, dst: &Path) -> io::Result<Compressed> {
     let mut buf = vec![0u8; CHUNK];
     let zeros = vec![0u8; CHUNK];
     let mut off = 0u64;
+    let mut stored = 0u64;
     while off < size {
         let len = usize::try_from((size - off).min(CHUNK as u64)).unwrap_or(CHUNK);
         let chunk = if has_data(&input, off, len)? {
             input.read_exact_at(&mut buf[..len], off)?;
+            stored += non_zero_pages(&buf[..len]);
             &buf[..len]
         } else {
             &zeros[..len]
@@ -93,6 +98,7 @@ pub fn compress(src: &Path, dst: &Path) -> io::Result<Compressed> {
     Ok(Compressed {
         part_sha256: hex::encode(part_hash.finalize()),
         part_size: size,
+        stored,
         blob_sha256: hex::encode(sink.hash.finalize()),
         blob_size: sink.len,
     })
@@ -165,6 +171,14 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
     Ok(n)
 }
 
+/// Bytes of the pages of `data` that are not all zeros.
+fn non_zero_pages(data: &[u8]) -> u64 {
+    data.chunks(PAGE)
+        .filter(|page| page.iter().any(|b| *b != 0))
+        .map(|page| page.len() as u64)
+        .sum()
+}
+
 /// Writes the runs of non-zero pages of `data` at `off`; zero pages are skipped.
 fn write_sparse(f: &File, data: &[u8], off: u64) -> io::Result<()> {
     let mut run: Option<usize> = None;
@@ -202,6 +216,11 @@ mod tests {
         let blob = dir.path().join("blob");
         let c = compress(&part, &blob).unwrap();
         assert_eq!(c.part_size, 64 << 20);
+        assert_eq!(
+            c.stored,
+            4 * PAGE as u64,
+            "three pages of 7s and the last one"
+        );
         assert!(
             c.blob_size < 64 << 10,
             "holes cost nothing: {}",

@@ -6,7 +6,7 @@
 use super::{hex_of, io, ArchiveError, MAX_DOCUMENT};
 use crate::snapshot::manifest::parts;
 use crate::snapshot::{Manifest, Store};
-use oci_client::manifest::{ImageIndexEntry, OciImageIndex, OciImageManifest};
+use oci_client::manifest::{ImageIndexEntry, OciDescriptor, OciImageIndex, OciImageManifest};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
@@ -38,6 +38,12 @@ pub struct PartBlob {
     pub hex: String,
     /// The blob's size.
     pub size: u64,
+    /// Whether the layout holds it (a pull leaves out the parts of snapshots this
+    /// host has; [`super::unpack::install`] refuses any other that is missing).
+    pub present: bool,
+    /// What the part takes unpacked, as its layer's annotation gives it (archives
+    /// from elsewhere may lack it or lie: only a space estimate).
+    pub stored: Option<u64>,
 }
 
 /// A snapshot's OCI manifest, read from a layout with everything it names checked: its
@@ -362,6 +368,22 @@ impl Layout {
         std::fs::read(self.blob_path(hex)).map_err(io(format!("reading {digest}")))
     }
 
+    /// Reads the config blob `config` as a forkd snapshot manifest.
+    pub fn snapshot_manifest(&self, config: &OciDescriptor) -> Result<Manifest, ArchiveError> {
+        let bytes = self.document(&config.digest, Some(config.size))?;
+        let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
+            ArchiveError::Refused(format!("its config is not a forkd snapshot manifest: {e}"))
+        })?;
+        if manifest.format != crate::snapshot::manifest::FORMAT {
+            return Err(ArchiveError::Refused(format!(
+                "snapshot manifest format {} is not the supported {}",
+                manifest.format,
+                crate::snapshot::manifest::FORMAT
+            )));
+        }
+        Ok(manifest)
+    }
+
     /// Reads and checks the snapshot manifest `digest` (see [`Artifact`]).
     pub fn artifact(&self, digest: &str, size: Option<i64>) -> Result<Artifact, ArchiveError> {
         let refused = |m: String| ArchiveError::Refused(format!("manifest {digest}: {m}"));
@@ -374,16 +396,10 @@ impl Layout {
                 "{digest} is not a forkd snapshot (its config is {config_media:?}; a container image is pulled with `forkd image pull`)"
             )));
         }
-        let config = self.document(&oci.config.digest, Some(oci.config.size))?;
-        let manifest: Manifest = serde_json::from_slice(&config)
-            .map_err(|e| refused(format!("its config is not a forkd snapshot manifest: {e}")))?;
-        if manifest.format != crate::snapshot::manifest::FORMAT {
-            return Err(refused(format!(
-                "snapshot manifest format {} is not the supported {}",
-                manifest.format,
-                crate::snapshot::manifest::FORMAT
-            )));
-        }
+        let manifest = self.snapshot_manifest(&oci.config).map_err(|e| match e {
+            ArchiveError::Refused(m) => refused(m),
+            e => e,
+        })?;
         let expected = carried_parts(&manifest);
         let mut parts = BTreeMap::new();
         for layer in &oci.layers {
@@ -410,21 +426,28 @@ impl Layout {
                     layer.digest
                 ))
             })?;
-            let have = self.blob_size(hex).ok_or_else(|| {
-                refused(format!("part {name}'s blob {} is missing", layer.digest))
-            })?;
-            if u64::try_from(layer.size).ok() != Some(have) {
+            let size = u64::try_from(layer.size)
+                .map_err(|_| refused(format!("part {name}'s size {} is negative", layer.size)))?;
+            let have = self.blob_size(hex);
+            if have.is_some_and(|have| have != size) {
                 return Err(refused(format!(
-                    "part {name}'s blob is {have} bytes, its descriptor says {}",
-                    layer.size
+                    "part {name}'s blob is {} bytes, its descriptor says {size}",
+                    have.unwrap_or_default()
                 )));
             }
             if !manifest.parts.contains_key(*name) {
                 return Err(refused(format!("its config does not list part {name}")));
             }
+            let stored = layer
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(super::STORED_ANNOTATION))
+                .and_then(|v| v.parse().ok());
             let blob = PartBlob {
                 hex: hex.to_owned(),
-                size: have,
+                size,
+                present: have.is_some(),
+                stored,
             };
             if parts.insert((*name).to_owned(), blob).is_some() {
                 return Err(refused(format!("part {name} appears twice")));

@@ -53,6 +53,10 @@ pub const REF_NAME: &str = "org.opencontainers.image.ref.name";
 pub const TAG_ANNOTATION: &str = "dev.forkd.snapshot.tag";
 /// Annotation on a chain link's manifest: the digest of its parent's OCI manifest.
 pub const PARENT_ANNOTATION: &str = "dev.forkd.snapshot.parent";
+/// Annotation on a part's layer: the bytes of its non-zero pages, which is what
+/// unpacking it writes (the rest stay holes). Only a space estimate: what is written is
+/// bounded by the part's size whatever it says.
+pub const STORED_ANNOTATION: &str = "dev.forkd.snapshot.part.stored";
 /// Annotation: when the snapshot was made.
 pub const CREATED: &str = "org.opencontainers.image.created";
 

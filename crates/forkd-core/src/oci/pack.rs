@@ -25,8 +25,7 @@ pub fn pack(store: &Store, tag: &Tag, progress: &dyn Fn(&str)) -> Result<Packed,
     let mut snaps = chain::ancestors(store, &head)?;
     snaps.reverse();
     snaps.push(head);
-    // The blobs take at most what the parts take on disk (holes compress to nothing).
-    let needed = snaps.iter().map(Snapshot::disk_usage).sum();
+    let needed = space_needed(&snaps);
     crate::space::ensure_room(store.root(), needed, &format!("packing snapshot {tag}"))?;
     let layout = Layout::new(store, &format!("pack-{tag}"))?;
     // Part digest -> its blob: the guest assets a chain shares are compressed once.
@@ -53,7 +52,9 @@ pub fn pack(store: &Store, tag: &Tag, progress: &dyn Fn(&str)) -> Result<Packed,
                 }
             };
             let mut d = desc;
-            d.annotations = Some(BTreeMap::from([(super::TITLE.to_owned(), name.to_owned())]));
+            d.annotations
+                .get_or_insert_with(BTreeMap::new)
+                .insert(super::TITLE.to_owned(), name.to_owned());
             layers.push(d);
         }
         let config = std::fs::read(snap.dir.join(MANIFEST))
@@ -108,6 +109,22 @@ pub fn pack(store: &Store, tag: &Tag, progress: &dyn Fn(&str)) -> Result<Packed,
 }
 
 /// Compresses one part of `snap` into the layout, checking it against its digest.
+/// What the blobs of `snaps` may take: each distinct part once (a chain's links share
+/// its guest assets), at most what it takes on disk (holes compress to nothing).
+fn space_needed(snaps: &[Snapshot]) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut seen = std::collections::BTreeSet::new();
+    let mut needed = 0;
+    for snap in snaps {
+        for name in carried_parts(&snap.manifest) {
+            if seen.insert(&snap.manifest.parts[name].sha256) {
+                needed += std::fs::metadata(snap.part(name)).map_or(0, |m| m.blocks() * 512);
+            }
+        }
+    }
+    needed
+}
+
 fn compress_part(
     layout: &Layout,
     snap: &Snapshot,
@@ -133,7 +150,10 @@ fn compress_part(
         digest: digest_of(&c.blob_sha256),
         size: c.blob_size as i64,
         urls: None,
-        annotations: None,
+        annotations: Some(BTreeMap::from([(
+            super::STORED_ANNOTATION.to_owned(),
+            c.stored.to_string(),
+        )])),
         artifact_type: None,
     })
 }

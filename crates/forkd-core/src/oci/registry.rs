@@ -12,6 +12,7 @@ use super::unpack::{self, Unpacked};
 use super::{hex_of, io, pack, ArchiveError};
 use crate::snapshot::{Store, Tag};
 use futures::StreamExt;
+use oci_client::manifest::OciDescriptor;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference, RegistryOperation};
 use std::path::PathBuf;
@@ -248,8 +249,20 @@ pub async fn push(
     Ok(report)
 }
 
+/// One snapshot of a chain being pulled: its OCI manifest, where it was found, and
+/// whether this host has it already.
+struct Pulled {
+    at: Reference,
+    digest: String,
+    oci: oci_client::manifest::OciImageManifest,
+    snapshot: crate::snapshot::Manifest,
+    here: bool,
+}
+
 /// Pulls the snapshot at `reference` (and its ancestors) and installs it, under
-/// `rename` if given.
+/// `rename` if given. Only what this host lacks is downloaded: no part of a snapshot
+/// it has, and no part a snapshot shares with its parent (a chain's guest assets),
+/// which is linked from the parent when installed.
 pub async fn pull(
     store: &Store,
     reference: &str,
@@ -260,75 +273,74 @@ pub async fn pull(
     let source = parse_reference(reference)?;
     let (client, auth) = connect(&source, opts, RegistryOperation::Pull).await?;
     let layout = Layout::new(store, "pull")?;
+    // The manifests and configs first (small), head to root.
+    let mut chain: Vec<Pulled> = Vec::new();
     let mut at = source.clone();
-    let mut chain = Vec::new();
-    let (mut done, mut total) = (0u64, 0u64);
     loop {
         if chain.len() > crate::snapshot::chain::MAX_DEPTH {
             return Err(refused(format!("{reference}: its chain is too deep")));
         }
-        let (body, digest) = client
-            .pull_manifest_raw(&at, &auth, &MANIFEST_TYPES)
-            .await
-            .map_err(|e| registry_error(&format!("fetching the manifest of {}", at.whole()), e))?;
-        if body.len() as u64 > super::MAX_DOCUMENT {
-            return Err(refused(format!(
-                "{}: its manifest is {} bytes",
-                at.whole(),
-                body.len()
-            )));
-        }
-        let hex = layout.add_bytes(&body)?;
-        let computed = super::digest_of(&hex);
-        if digest != computed || at.digest().is_some_and(|d| d != computed) {
-            return Err(refused(format!(
-                "{}: the manifest served does not match its digest",
-                at.whole()
-            )));
-        }
-        let manifest: serde_json::Value = serde_json::from_slice(&body)
-            .map_err(|e| refused(format!("{}: its manifest is not JSON: {e}", at.whole())))?;
-        if manifest["config"]["mediaType"] != super::CONFIG_MEDIA_TYPE {
-            return Err(refused(format!(
-                "{} is not a forkd snapshot (a container image is pulled with `forkd image pull` and built on with `from` in a recipe)",
-                at.whole()
-            )));
-        }
-        let oci: oci_client::manifest::OciImageManifest = serde_json::from_value(manifest)
-            .map_err(|e| refused(format!("{}: {e}", at.whole())))?;
-        total += oci.layers.iter().map(|l| l.size.max(0) as u64).sum::<u64>();
-        for desc in std::iter::once(&oci.config).chain(oci.layers.iter()) {
-            let Some(hex) = hex_of(&desc.digest) else {
-                return Err(refused(format!(
-                    "{}: a blob digest {:?} is not sha256",
-                    at.whole(),
-                    desc.digest
-                )));
-            };
-            if layout.blob_size(hex).is_some() {
-                continue;
-            }
-            let size = u64::try_from(desc.size)
-                .map_err(|_| refused(format!("{}: a negative size", at.whole())))?;
-            crate::space::ensure_room(store.root(), size, &format!("pulling {}", at.whole()))?;
-            let title = desc
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(super::TITLE))
-                .map_or("config", String::as_str);
-            progress(done, total, &format!("downloading {title}"));
-            fetch_blob(&client, &at, desc, &layout).await?;
-            done += size;
-        }
-        let artifact = layout.artifact(&computed, None)?;
-        let parent = artifact.parent.clone();
-        chain.push(artifact);
+        let (oci, digest) = fetch_snapshot_manifest(&client, &auth, &at, &layout).await?;
+        fetch_blob(&client, &at, &oci.config, &layout).await?;
+        let snapshot = layout.snapshot_manifest(&oci.config)?;
+        let tag = match rename.filter(|_| chain.is_empty()) {
+            Some(t) => Some(t.clone()),
+            None => Tag::parse(&snapshot.tag).ok(),
+        };
+        let here = tag.is_some_and(|t| unpack::is_here(store, &t, &snapshot));
+        let parent = oci
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(super::PARENT_ANNOTATION))
+            .cloned();
+        chain.push(Pulled {
+            at: at.clone(),
+            digest,
+            oci,
+            snapshot,
+            here,
+        });
         match parent {
             Some(p) => at = source.clone_with_digest(p),
             None => break,
         }
     }
-    let head = chain.remove(0);
+    // Then the parts still needed.
+    let mut wanted: Vec<(&Reference, &OciDescriptor, u64)> = Vec::new();
+    for (i, p) in chain.iter().enumerate().filter(|(_, p)| !p.here) {
+        let parent = chain.get(i + 1).map(|p| &p.snapshot);
+        for desc in &p.oci.layers {
+            let title = desc.annotations.as_ref().and_then(|a| a.get(super::TITLE));
+            let shared = title.is_some_and(|t| unpack::linked_from_parent(t, &p.snapshot, parent));
+            let Some(hex) = hex_of(&desc.digest) else {
+                return Err(refused(format!(
+                    "{}: a blob digest {:?} is not sha256",
+                    p.at.whole(),
+                    desc.digest
+                )));
+            };
+            let size = u64::try_from(desc.size)
+                .map_err(|_| refused(format!("{}: a negative size", p.at.whole())))?;
+            let listed = wanted.iter().any(|(_, d, _)| d.digest == desc.digest);
+            if !shared && !listed && layout.blob_size(hex).is_none() {
+                wanted.push((&p.at, desc, size));
+            }
+        }
+    }
+    let total = wanted.iter().map(|(_, _, size)| size).sum::<u64>();
+    crate::space::ensure_room(store.root(), total, &format!("pulling {reference}"))?;
+    let mut done = 0;
+    for (at, desc, size) in wanted {
+        let title = desc
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(super::TITLE))
+            .map_or("a part", String::as_str);
+        progress(done, total, &format!("downloading {title}"));
+        fetch_blob(&client, at, desc, &layout).await?;
+        done += size;
+    }
+    let head = layout.artifact(&chain[0].digest, None)?;
     let chain = layout.chain(head)?;
     progress(total, total, "installing");
     let store = store.clone();
@@ -338,6 +350,53 @@ pub async fn pull(
     })
     .await
     .map_err(|e| io("installing")(std::io::Error::other(e)))?
+}
+
+/// Fetches the OCI manifest at `at` into the layout, checks it against its digest
+/// and that it is a forkd snapshot's, and returns it with its digest.
+async fn fetch_snapshot_manifest(
+    client: &Client,
+    auth: &RegistryAuth,
+    at: &Reference,
+    layout: &Layout,
+) -> Result<(oci_client::manifest::OciImageManifest, String), ArchiveError> {
+    let (body, digest) = client
+        .pull_manifest_raw(at, auth, &MANIFEST_TYPES)
+        .await
+        .map_err(|e| registry_error(&format!("fetching the manifest of {}", at.whole()), e))?;
+    if body.len() as u64 > super::MAX_DOCUMENT {
+        return Err(refused(format!(
+            "{}: its manifest is {} bytes",
+            at.whole(),
+            body.len()
+        )));
+    }
+    let hex = layout.add_bytes(&body)?;
+    let computed = super::digest_of(&hex);
+    if digest != computed || at.digest().is_some_and(|d| d != computed) {
+        return Err(refused(format!(
+            "{}: the manifest served does not match its digest",
+            at.whole()
+        )));
+    }
+    let manifest: serde_json::Value = serde_json::from_slice(&body)
+        .map_err(|e| refused(format!("{}: its manifest is not JSON: {e}", at.whole())))?;
+    if manifest["config"]["mediaType"] != super::CONFIG_MEDIA_TYPE {
+        return Err(refused(format!(
+            "{} is not a forkd snapshot (a container image is pulled with `forkd image pull` and built on with `from` in a recipe)",
+            at.whole()
+        )));
+    }
+    let oci: oci_client::manifest::OciImageManifest =
+        serde_json::from_value(manifest).map_err(|e| refused(format!("{}: {e}", at.whole())))?;
+    if oci.config.size < 0 || oci.config.size as u64 > super::MAX_DOCUMENT {
+        return Err(refused(format!(
+            "{}: its config is {} bytes",
+            at.whole(),
+            oci.config.size
+        )));
+    }
+    Ok((oci, computed))
 }
 
 /// Downloads one blob into the layout (see [`fetch_blob_to`]).

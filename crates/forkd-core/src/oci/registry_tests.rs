@@ -3,6 +3,7 @@
 //! snapshots made of real parts (see `archive_tests`).
 
 use super::archive_tests::chain_of_two;
+use super::pack;
 use super::registry::{self, RegistryOptions};
 use crate::snapshot::{chain, Store, Tag};
 use base64::Engine;
@@ -141,7 +142,13 @@ async fn a_chain_is_pushed_once_and_pulled_into_another_store() {
     assert!(raw["annotations"][super::PARENT_ANNOTATION].is_string());
 
     let b = Store::at(dir.path().join("b"));
-    let got = registry::pull(&b, &reference, None, &opts, &quiet)
+    let downloads = std::sync::Mutex::new(Vec::new());
+    let counted = |_: u64, total: u64, what: &str| {
+        if what == "installing" {
+            downloads.lock().unwrap().push(total);
+        }
+    };
+    let got = registry::pull(&b, &reference, None, &opts, &counted)
         .await
         .unwrap();
     assert_eq!(
@@ -149,15 +156,30 @@ async fn a_chain_is_pushed_once_and_pulled_into_another_store() {
         ("link", vec!["base".into(), "link".into()])
     );
     chain::verify(&b, &link).unwrap();
-    // Under another tag, on the base that is here now.
+    // Under another tag, on the base that is here now: only the link's own parts
+    // (its state, memory diff and disk layer) are downloaded.
     let other = Tag::parse("other").unwrap();
-    let got = registry::pull(&b, &reference, Some(&other), &opts, &quiet)
+    let got = registry::pull(&b, &reference, Some(&other), &opts, &counted)
         .await
         .unwrap();
     assert_eq!(
         (got.installed, got.present),
         (vec!["other".into()], vec!["base".into()])
     );
+    let own: u64 = {
+        let layout = pack::pack(&a, &link, &|_| {}).unwrap().layout;
+        let chain = layout.index_chain().unwrap();
+        chain[1]
+            .parts
+            .iter()
+            .filter(|(name, _)| ["state.bin", "memory.diff", "disk.qcow2"].contains(&name.as_str()))
+            .map(|(_, b)| b.size)
+            .sum()
+    };
+    let downloads = downloads.into_inner().unwrap();
+    assert_eq!(downloads.len(), 2);
+    assert!(downloads[0] > own, "{downloads:?}");
+    assert_eq!(downloads[1], own, "{downloads:?}");
     assert_eq!(tags(&dir.path().join("b")), ["base", "link", "other"]);
 
     // What is not there, or not a snapshot, is refused and installs nothing.

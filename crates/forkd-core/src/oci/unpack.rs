@@ -8,10 +8,11 @@
 //! parent's disk by path, and its manifest names its parent by tag and manifest digest.
 
 use super::layout::{Artifact, Layout};
-use super::{blob, ArchiveError};
+use super::{blob, io, ArchiveError};
 use crate::snapshot::manifest::parts;
 use crate::snapshot::{memory_diff, Manifest, Snapshot, Store, Tag, MANIFEST};
 use std::io::Read;
+use std::path::PathBuf;
 
 /// Most vCPUs a snapshot from elsewhere may ask for.
 const MAX_VCPUS: u32 = 256;
@@ -77,6 +78,16 @@ pub fn install(
         } else {
             None
         };
+        if present.is_none() {
+            let parent = i.checked_sub(1).map(|p| &chain[p].manifest);
+            let needed = |name: &str| !linked_from_parent(name, &a.manifest, parent);
+            if let Some((name, b)) = a.parts.iter().find(|(n, b)| !b.present && needed(n)) {
+                return Err(ArchiveError::Refused(format!(
+                    "snapshot {}: part {name}'s blob sha256:{} is missing",
+                    a.manifest.tag, b.hex
+                )));
+            }
+        }
         plan.push((tag, present));
     }
     let mut installed: Vec<Tag> = Vec::new();
@@ -110,6 +121,26 @@ pub fn install(
     })
 }
 
+/// Whether the part `name` of `m` is installed as a link to its parent's (whose
+/// manifest is `parent`): the same bytes (a chain's guest assets), so its blob is
+/// neither read nor needed.
+pub fn linked_from_parent(name: &str, m: &Manifest, parent: Option<&Manifest>) -> bool {
+    let Some(p) = parent else {
+        return false;
+    };
+    name != parts::DISK
+        && name != parts::MEMORY_DIFF
+        && p.parts.get(name).map(|x| &x.sha256) == m.parts.get(name).map(|x| &x.sha256)
+}
+
+/// Whether the store holds `m` under `tag` already: a pull does not fetch its parts.
+pub fn is_here(store: &Store, tag: &Tag, m: &Manifest) -> bool {
+    store.exists(tag)
+        && store
+            .open(tag)
+            .is_ok_and(|have| same_snapshot(&have.manifest, m))
+}
+
 /// Two snapshots are the same if they froze the same device state over the same memory.
 fn same_snapshot(a: &Manifest, b: &Manifest) -> bool {
     [parts::STATE, parts::MEMORY]
@@ -133,6 +164,34 @@ fn check_machine(m: &Manifest) -> Result<(), ArchiveError> {
     Ok(())
 }
 
+/// What installing `a` may write: each part it does not link from its parent, at
+/// most its size (what its layer's annotation says when it says less: holes are not
+/// written), and for a link the memory image made from its parent's.
+fn space_needed(
+    a: &Artifact,
+    parent: Option<&Snapshot>,
+    same_as_parent: &dyn Fn(&str) -> Option<PathBuf>,
+) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let written: u64 = a
+        .parts
+        .iter()
+        .filter(|(name, _)| same_as_parent(name).is_none())
+        .map(|(name, b)| {
+            let size = a.manifest.parts[name].size;
+            b.stored.map_or(size, |s| s.min(size))
+        })
+        .sum();
+    let memory = parent.map_or(0, |p| {
+        std::fs::metadata(p.part(parts::MEMORY)).map_or(0, |m| m.blocks() * 512)
+            + a.manifest
+                .parts
+                .get(parts::MEMORY_DIFF)
+                .map_or(0, |d| d.size)
+    });
+    written + memory
+}
+
 fn install_one(
     store: &Store,
     layout: &Layout,
@@ -142,12 +201,22 @@ fn install_one(
     progress: &dyn Fn(&str),
 ) -> Result<Snapshot, ArchiveError> {
     let refused = |m: String| ArchiveError::Refused(format!("snapshot {}: {m}", a.manifest.tag));
-    // Apparent sizes: more than sparse parts take, never less.
-    let needed = a.manifest.parts.values().map(|p| p.size).sum::<u64>();
+    let same_as_parent = |name: &str| -> Option<PathBuf> {
+        let p = parent?;
+        linked_from_parent(name, &a.manifest, Some(&p.manifest)).then(|| p.part(name))
+    };
+    let needed = space_needed(a, parent, &same_as_parent);
     crate::space::ensure_room(store.root(), needed, &format!("unpacking snapshot {tag}"))?;
     let mut staging = store.stage(tag)?;
     for (name, b) in &a.parts {
         let want = &a.manifest.parts[name];
+        if let Some(src) = same_as_parent(name) {
+            std::fs::hard_link(&src, staging.part(name))
+                .or_else(|_| std::fs::copy(&src, staging.part(name)).map(drop))
+                .map_err(io(format!("linking {}", src.display())))?;
+            staging.know(name, want.clone());
+            continue;
+        }
         progress(&format!(
             "writing {name} of {tag} ({} MiB)",
             want.size >> 20
