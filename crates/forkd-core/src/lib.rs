@@ -9,6 +9,7 @@ pub mod agent;
 pub mod branch;
 pub mod catalog;
 pub mod compact;
+pub mod customise;
 pub mod error;
 pub mod failpoint;
 pub mod fork;

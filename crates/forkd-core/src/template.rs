@@ -55,6 +55,17 @@ pub struct Recipe {
     /// Guest RAM of the parent, MiB.
     #[serde(default = "default_memory")]
     pub memory_mib: u32,
+    /// Debian packages installed into its root filesystem at build time (see
+    /// [`crate::customise`]).
+    #[serde(default)]
+    pub packages: Vec<String>,
+    /// Files copied into its root filesystem from the recipe's directory.
+    #[serde(default)]
+    pub files: Vec<FileRecipe>,
+    /// Commands run once at build time, after the packages and files, whose changes to
+    /// the disk become part of its root filesystem (`[[build]] run = "..."`).
+    #[serde(default)]
+    pub build: Vec<WarmupStep>,
     /// Commands run in the parent, in order, before the contexts start.
     #[serde(default)]
     pub warmup: Vec<WarmupStep>,
@@ -65,9 +76,79 @@ pub struct Recipe {
     /// API can change it).
     #[serde(default)]
     pub pool: u32,
+    /// The directory it was read from, which its `files` are relative to.
+    #[serde(skip)]
+    pub dir: Option<PathBuf>,
 }
 
-/// One warm-up command.
+/// A file a recipe copies into its root filesystem.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FileRecipe {
+    /// Its path relative to the recipe's directory (never outside it).
+    pub src: String,
+    /// Where it goes in the guest (absolute).
+    pub dest: String,
+    /// Its mode in octal (default `0644`).
+    #[serde(default)]
+    pub mode: Option<String>,
+}
+
+impl FileRecipe {
+    /// Its mode.
+    pub fn mode(&self) -> u32 {
+        self.mode
+            .as_deref()
+            .and_then(|m| u32::from_str_radix(m.trim_start_matches("0o"), 8).ok())
+            .unwrap_or(0o644)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let src = Path::new(&self.src);
+        if self.src.is_empty()
+            || src.is_absolute()
+            || src
+                .components()
+                .any(|c| !matches!(c, std::path::Component::Normal(_)))
+        {
+            return Err(format!(
+                "file src {:?} must be a path inside the recipe's directory (relative, no `..`)",
+                self.src
+            ));
+        }
+        let dest = Path::new(&self.dest);
+        if !dest.is_absolute()
+            || dest
+                .components()
+                .any(|c| matches!(c, std::path::Component::ParentDir))
+            || self.dest.ends_with('/')
+        {
+            return Err(format!(
+                "file dest {:?} must be an absolute file path in the guest (no `..`)",
+                self.dest
+            ));
+        }
+        if let Some(m) = &self.mode {
+            match u32::from_str_radix(m.trim_start_matches("0o"), 8) {
+                Ok(v) if v <= 0o7777 => {}
+                _ => {
+                    return Err(format!(
+                        "file mode {m:?} is not an octal mode like \"0644\""
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The contents of a recipe's `files`, by `src`.
+pub type RecipeFiles = std::collections::BTreeMap<String, Vec<u8>>;
+
+/// The most a recipe's files may hold together (they travel in the build request).
+pub const MAX_RECIPE_FILES: u64 = 512 << 10;
+
+/// One command: a warm-up step, or a build step (`[[build]]`).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct WarmupStep {
@@ -133,6 +214,19 @@ impl Recipe {
                 r.memory_mib
             )));
         }
+        if let Some(p) = r
+            .packages
+            .iter()
+            .find(|p| !forkd_image::packages::valid_package(p))
+        {
+            return Err(bad(format!("{p:?} is not a Debian package name")));
+        }
+        for f in &r.files {
+            f.check().map_err(bad)?;
+        }
+        if let Some(i) = r.build.iter().position(|b| b.run.trim().is_empty()) {
+            return Err(bad(format!("build step {} has nothing to run", i + 1)));
+        }
         if r.pool as usize > crate::fork::MAX_POOL {
             return Err(bad(format!(
                 "pool = {} is above {}",
@@ -155,6 +249,7 @@ impl Recipe {
             source,
         })?;
         let mut r = Recipe::parse(&name, &text)?;
+        r.dir = Some(path.parent().unwrap_or(Path::new(".")).to_path_buf());
         // A layout named by a relative path is the recipe's neighbour.
         if let Some(rest) = r
             .from
@@ -201,6 +296,56 @@ impl Recipe {
             (Some(image), None) => Base::Builtin(image.parse().expect("checked when parsed")),
             (None, None) => unreachable!("checked when parsed"),
         }
+    }
+
+    /// Whether it changes its base (packages, files or build steps), which then gets a
+    /// root filesystem of its own.
+    pub fn customises(&self) -> bool {
+        !(self.packages.is_empty() && self.files.is_empty() && self.build.is_empty())
+    }
+
+    /// Reads its `files` from the directory it was read from; each must be a regular
+    /// file that is inside it (after symbolic links are followed).
+    pub fn read_files(&self) -> Result<RecipeFiles, SandboxError> {
+        let bad = |detail: String| SandboxError::Template {
+            name: self.name.clone(),
+            detail,
+        };
+        let mut out = RecipeFiles::new();
+        if self.files.is_empty() {
+            return Ok(out);
+        }
+        let dir = self.dir.as_deref().ok_or_else(|| {
+            bad("its files are read from the recipe's directory: give the recipe as a file".into())
+        })?;
+        let root = dir
+            .canonicalize()
+            .map_err(|e| bad(format!("reading {}: {e}", dir.display())))?;
+        let mut total = 0u64;
+        for f in &self.files {
+            let path = root.join(&f.src);
+            let real = path
+                .canonicalize()
+                .map_err(|e| bad(format!("file {}: {e}", f.src)))?;
+            if !real.starts_with(&root) || !real.is_file() {
+                return Err(bad(format!(
+                    "file {} is not a regular file inside {}",
+                    f.src,
+                    root.display()
+                )));
+            }
+            let bytes =
+                std::fs::read(&real).map_err(|e| bad(format!("reading file {}: {e}", f.src)))?;
+            total += bytes.len() as u64;
+            if total > MAX_RECIPE_FILES {
+                return Err(bad(format!(
+                    "its files hold more than {} KiB; copy big things in with a [[build]] step or put them in the image",
+                    MAX_RECIPE_FILES >> 10
+                )));
+            }
+            out.insert(f.src.clone(), bytes);
+        }
+        Ok(out)
     }
 
     /// The built-in rootfs image it needs, if it is built on one.
@@ -493,19 +638,22 @@ async fn warm(
 }
 
 /// What a warm-up step left: its exit and the end of its output.
-struct StepOutput {
-    status: forkd_proto::exec::ExitStatus,
-    stdout: OutputTail,
-    stderr: OutputTail,
+pub(crate) struct StepOutput {
+    pub(crate) status: forkd_proto::exec::ExitStatus,
+    pub(crate) stdout: OutputTail,
+    pub(crate) stderr: OutputTail,
     /// Bytes of output not kept, both streams together.
-    dropped: u64,
+    pub(crate) dropped: u64,
     /// Bytes kept per stream.
-    cap: u64,
+    pub(crate) cap: u64,
 }
 
 /// Runs one warm-up step, keeping only the end of its output (`FORKD_WARMUP_OUTPUT_CAP`
 /// bytes of each stream): a step that prints gigabytes costs no memory.
-async fn run_step(parent: &Sandbox, req: ExecRequest) -> Result<StepOutput, SandboxError> {
+pub(crate) async fn run_step(
+    parent: &Sandbox,
+    req: ExecRequest,
+) -> Result<StepOutput, SandboxError> {
     let cap = forkd_proto::limits::get().warmup_output;
     let keep = usize::try_from(cap).unwrap_or(usize::MAX);
     let (mut stdout, mut stderr) = (OutputTail::new(keep), OutputTail::new(keep));
@@ -625,6 +773,53 @@ mod tests {
             let e = Recipe::parse("t", both_or_none).unwrap_err().to_string();
             assert!(e.contains("give one of `image`"), "{e}");
         }
+    }
+
+    #[test]
+    fn customisations_are_checked_and_files_stay_in_the_recipe_s_directory() {
+        let bad = |extra: &str| {
+            Recipe::parse("t", &format!("image = \"minimal\"\n{extra}"))
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(bad("packages = [\"-o\"]").contains("not a Debian package name"));
+        for src in ["../x", "/etc/passwd", "a/../../b", ""] {
+            let e = bad(&format!("files = [{{ src = \"{src}\", dest = \"/x\" }}]"));
+            assert!(e.contains("inside the recipe's directory"), "{src}: {e}");
+        }
+        for dest in ["rel", "/a/../b", "/dir/"] {
+            let e = bad(&format!("files = [{{ src = \"a\", dest = \"{dest}\" }}]"));
+            assert!(e.contains("absolute file path"), "{dest}: {e}");
+        }
+        let e = bad("files = [{ src = \"a\", dest = \"/a\", mode = \"999\" }]");
+        assert!(e.contains("octal"), "{e}");
+        assert!(bad("[[build]]\nrun = \" \"").contains("nothing to run"));
+
+        let dir = tempfile::tempdir().unwrap();
+        let recipes = dir.path().join("recipes");
+        std::fs::create_dir(&recipes).unwrap();
+        std::fs::write(dir.path().join("secret"), "outside").unwrap();
+        std::fs::write(recipes.join("app.conf"), "inside").unwrap();
+        std::os::unix::fs::symlink("../secret", recipes.join("link")).unwrap();
+        let path = recipes.join("app.toml");
+        let write = |src: &str| {
+            std::fs::write(
+                &path,
+                format!("image = \"minimal\"\nfiles = [{{ src = \"{src}\", dest = \"/etc/app\", mode = \"0600\" }}]"),
+            )
+            .unwrap();
+            Recipe::load(&path).unwrap()
+        };
+        let r = write("app.conf");
+        assert!(r.customises());
+        assert_eq!(r.files[0].mode(), 0o600);
+        assert_eq!(r.read_files().unwrap()["app.conf"], b"inside");
+        let e = write("link").read_files().unwrap_err().to_string();
+        assert!(e.contains("not a regular file inside"), "{e}");
+        // Given as text (no directory), its files cannot be read here.
+        let mut r = write("app.conf");
+        r.dir = None;
+        assert!(r.read_files().is_err());
     }
 
     #[test]

@@ -81,6 +81,10 @@ pub enum ImageError {
     #[error("building {what} needs root (debootstrap creates device nodes and files owned by other users); run it as root")]
     NeedRoot { what: String },
 
+    /// packages cannot be installed: {detail}
+    #[error("packages cannot be installed: {detail}")]
+    Package { detail: String },
+
     /// unknown rootfs image {0:?}; use one of: minimal, python
     #[error("unknown rootfs image {0:?}; use one of: minimal, python")]
     UnknownImage(String),

@@ -225,7 +225,7 @@ fn unescape_octal(s: &str) -> String {
 
 /// A scratch directory under the images tmp dir, removed (mount-safely) on drop,
 /// whether the build succeeded or not.
-pub(crate) struct ScratchDir {
+pub struct ScratchDir {
     path: PathBuf,
 }
 
@@ -240,7 +240,8 @@ impl ScratchDir {
         Ok(ScratchDir { path: dir.keep() })
     }
 
-    pub(crate) fn path(&self) -> &Path {
+    /// The directory.
+    pub fn path(&self) -> &Path {
         &self.path
     }
 }

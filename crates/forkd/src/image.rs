@@ -19,8 +19,8 @@ pub enum ImageCommand {
         #[arg(long)]
         insecure: bool,
     },
-    /// Remove the root filesystem made from a pulled image (its name in `forkd image ls`,
-    /// `oci-...`).
+    /// Remove the root filesystem made from a pulled image (`oci-...`) or for a recipe's
+    /// packages, files and build steps (`custom-...`), by its name in `forkd image ls`.
     Rm {
         /// The name.
         name: String,
@@ -116,9 +116,9 @@ pub async fn run(home: &Home, cmd: ImageCommand) -> Result<()> {
             Ok(())
         }
         ImageCommand::Rm { name } => {
-            if !name.starts_with("oci-") || name.contains('/') {
+            if !(name.starts_with("oci-") || name.starts_with("custom-")) || name.contains('/') {
                 anyhow::bail!(
-                    "{name:?} is not a pulled image's root filesystem (oci-..., see forkd image ls)"
+                    "{name:?} is neither a pulled image's root filesystem (oci-...) nor a recipe's (custom-...); see forkd image ls"
                 );
             }
             let dir = home.rootfs_dir();

@@ -129,9 +129,19 @@ pub async fn build_template(
 ) -> Result<Value> {
     let t0 = Instant::now();
     let mut body = if name.ends_with(".toml") || name.contains('/') {
+        use base64::Engine;
         let recipe = Recipe::load(&PathBuf::from(name))?;
         let text = std::fs::read_to_string(name).with_context(|| format!("reading {name}"))?;
-        json!({ "template": recipe.name, "recipe": text })
+        // Its files go along: the daemon may be on another host.
+        let files: serde_json::Map<String, Value> = recipe
+            .read_files()?
+            .into_iter()
+            .map(|(src, bytes)| {
+                let text = base64::engine::general_purpose::STANDARD.encode(bytes);
+                (src, Value::String(text))
+            })
+            .collect();
+        json!({ "template": recipe.name, "recipe": text, "files": files })
     } else {
         json!({ "template": name })
     };

@@ -208,4 +208,162 @@ fn a_template_from_a_container_image_forks_with_the_image_s_files_and_defaults()
         let (s, _) = call(&c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
         assert_eq!(s, StatusCode::NO_CONTENT);
     });
+    // Packages come from Debian's archive: a busybox image has none to take.
+    let (ok, _, err) = template_build(
+        &d,
+        &recipe_dir(
+            &format!("from = \"{reference}\"\npackages = [\"jq\"]\n"),
+            &[],
+        ),
+        "bb-jq",
+    );
+    assert!(!ok && err.contains("is not Debian"), "{err}");
+    recipes_customise_their_base_and_rebuild_only_on_change(&d);
+}
+
+/// A recipe directory holding `recipe.toml` with `text` and the `files` given.
+fn recipe_dir(text: &str, files: &[(&str, &str)]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("recipe.toml"), text).unwrap();
+    for (name, contents) in files {
+        std::fs::write(dir.path().join(name), contents).unwrap();
+    }
+    dir
+}
+
+/// `forkd template build DIR/recipe.toml --tag TAG`: whether it succeeded, and its
+/// stdout and stderr.
+fn template_build(d: &Daemon, dir: &tempfile::TempDir, tag: &str) -> (bool, String, String) {
+    let out = d
+        .forkd()
+        .args(["template", "build", "--tag", tag])
+        .arg(dir.path().join("recipe.toml"))
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The recipe's own root filesystems in the image cache.
+fn custom_images(d: &Daemon) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(d.home.path().join("images/rootfs"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter_map(|n| n.strip_suffix(".ext4").map(str::to_owned))
+        .filter(|n| n.starts_with("custom-"))
+        .collect();
+    v.sort();
+    v
+}
+
+/// `packages`, `files` and `[[build]]` on the minimal Debian image: the child has them;
+/// the same inputs reuse the root filesystem, a changed file makes a new one.
+fn recipes_customise_their_base_and_rebuild_only_on_change(d: &Daemon) {
+    // A file unique to this run, so that a root filesystem of an earlier run (the image
+    // cache outlives the test) is never what is found.
+    let nonce = format!(
+        "{:x}",
+        Sha256::digest(d.home.path().to_string_lossy().as_bytes())
+    );
+    let text = "image = \"minimal\"\nmemory_mib = 256\npackages = [\"jq\"]\nfiles = [{ src = \"conf/hello.txt\", dest = \"/opt/app/hello.txt\", mode = \"0640\" }]\n[[build]]\nrun = \"jq -n '1 + 1' > /opt/app/built && cat /opt/app/hello.txt >> /opt/app/built\"\n";
+    let dir = recipe_dir(text, &[]);
+    std::fs::create_dir(dir.path().join("conf")).unwrap();
+    std::fs::write(
+        dir.path().join("conf/hello.txt"),
+        format!("hello {nonce}\n"),
+    )
+    .unwrap();
+    let before = custom_images(d);
+
+    let (ok, out, err) = template_build(d, &dir, "custom");
+    assert!(ok, "{out}{err}\n{}", d.log());
+    let made = custom_images(d);
+    let new: Vec<_> = made
+        .iter()
+        .filter(|n| !before.contains(n))
+        .cloned()
+        .collect();
+    assert_eq!(new.len(), 1, "{before:?} -> {made:?}");
+    let c = d.unix();
+    let check = |tag: &str, hello: &str| {
+        runtime().block_on(async {
+            let id = create(&c, tag, 1).await.remove(0);
+            assert_eq!(sh(&c, &id, "jq -n '[1,2] | length'").await, "2");
+            assert_eq!(sh(&c, &id, "cat /opt/app/hello.txt").await, hello);
+            assert_eq!(sh(&c, &id, "stat -c %a /opt/app/hello.txt").await, "640");
+            assert_eq!(
+                sh(&c, &id, "cat /opt/app/built").await,
+                format!("2\n{hello}")
+            );
+            assert_eq!(
+                sh(&c, &id, "test -e /var/cache/forkd-packages || echo gone").await,
+                "gone"
+            );
+            let (s, _) = call(&c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+            assert_eq!(s, StatusCode::NO_CONTENT);
+        })
+    };
+    check("custom", &format!("hello {nonce}"));
+
+    // Nothing changed (another tag, another warm-up): the same root filesystem.
+    let image = d.home.path().join(format!("images/rootfs/{}.ext4", new[0]));
+    let inode = |p: &Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
+    let first = inode(&image);
+    std::fs::write(
+        dir.path().join("recipe.toml"),
+        format!("{text}[[warmup]]\nrun = \"true\"\n"),
+    )
+    .unwrap();
+    let (ok, out, err) = template_build(d, &dir, "custom-again");
+    assert!(ok, "{out}{err}");
+    assert_eq!(custom_images(d), made, "nothing was made again");
+    assert_eq!(inode(&image), first);
+
+    // A file changed: a new root filesystem, with it.
+    std::fs::write(
+        dir.path().join("conf/hello.txt"),
+        format!("changed {nonce}\n"),
+    )
+    .unwrap();
+    let (ok, out, err) = template_build(d, &dir, "custom-changed");
+    assert!(ok, "{out}{err}");
+    let after = custom_images(d);
+    assert_eq!(after.len(), made.len() + 1, "{after:?}");
+    check("custom-changed", &format!("changed {nonce}"));
+
+    // A file outside the recipe's directory is refused before anything is built.
+    let (ok, _, err) = template_build(
+        d,
+        &recipe_dir(
+            "image = \"minimal\"\nfiles = [{ src = \"../x\", dest = \"/x\" }]\n",
+            &[],
+        ),
+        "escape",
+    );
+    assert!(
+        !ok && err.contains("inside the recipe's directory"),
+        "{err}"
+    );
+
+    for tag in ["custom", "custom-again", "custom-changed"] {
+        let out = d.forkd().args(["rmi", tag]).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    for name in after.iter().filter(|n| !before.contains(n)) {
+        let out = d.forkd().args(["image", "rm", name]).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert_eq!(custom_images(d), before);
 }

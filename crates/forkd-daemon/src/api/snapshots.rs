@@ -261,9 +261,17 @@ pub async fn build(
     State(app): State<App>,
     JsonBody(b): JsonBody<BuildSnapshotBody>,
 ) -> Result<(StatusCode, Json<OperationRow>), ApiError> {
-    let recipe = match &b.recipe {
-        Some(text) => Recipe::parse(&b.template, text)?,
-        None => Recipe::find(&b.template, &[app.config.home.root().join("templates")])?,
+    let (recipe, files) = match &b.recipe {
+        Some(text) => {
+            let recipe = Recipe::parse(&b.template, text)?;
+            let files = sent_files(&recipe, &b.files)?;
+            (recipe, files)
+        }
+        None => {
+            let recipe = Recipe::find(&b.template, &[app.config.home.root().join("templates")])?;
+            let files = recipe.read_files()?;
+            (recipe, files)
+        }
     };
     let tag = Tag::parse(b.tag.as_deref().unwrap_or(&recipe.name))?;
     if app.registry.store().exists(&tag) {
@@ -290,7 +298,7 @@ pub async fn build(
     let app2 = app.clone();
     let op_id = op.id.clone();
     tokio::spawn(async move {
-        let r = build_snapshot(&app2, &recipe, &tag).await;
+        let r = build_snapshot(&app2, &recipe, &files, &tag).await;
         let (status, error) = match &r {
             Ok(()) => ("succeeded", None),
             Err(e) => ("failed", Some(e.to_string())),
@@ -308,7 +316,43 @@ pub async fn build(
     Ok((StatusCode::ACCEPTED, Json(op)))
 }
 
-async fn build_snapshot(app: &App, recipe: &Recipe, tag: &Tag) -> anyhow::Result<()> {
+/// The recipe's `files` as the request carried them (base64 by `src`): each one, and
+/// nothing else.
+fn sent_files(
+    recipe: &Recipe,
+    sent: &std::collections::BTreeMap<String, String>,
+) -> Result<template::RecipeFiles, ApiError> {
+    use base64::Engine;
+    if let Some(extra) = sent
+        .keys()
+        .find(|k| !recipe.files.iter().any(|f| &f.src == *k))
+    {
+        return Err(ApiError::bad_request(format!(
+            "file {extra:?} was sent but the recipe does not copy it"
+        )));
+    }
+    let mut files = template::RecipeFiles::new();
+    for f in &recipe.files {
+        let text = sent.get(&f.src).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "the recipe copies {} but its contents were not sent (`files` of the request)",
+                f.src
+            ))
+        })?;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(text)
+            .map_err(|e| ApiError::bad_request(format!("file {}: not base64: {e}", f.src)))?;
+        files.insert(f.src.clone(), bytes);
+    }
+    Ok(files)
+}
+
+async fn build_snapshot(
+    app: &App,
+    recipe: &Recipe,
+    files: &template::RecipeFiles,
+    tag: &Tag,
+) -> anyhow::Result<()> {
     let home = app.config.home.clone();
     let assets = match recipe.base() {
         template::Base::Builtin(image) => {
@@ -347,6 +391,18 @@ async fn build_snapshot(app: &App, recipe: &Recipe, tag: &Tag) -> anyhow::Result
         }
     };
     let id = tag.to_string();
+    let opts = template::BuildOptions::default();
+    let progress = |m: &str| tracing::info!(tag = %id, "{m}");
+    let assets = forkd_core::customise::ensure(
+        app.registry.hypervisor().as_ref(),
+        &app.config.home,
+        &assets,
+        recipe,
+        files,
+        &opts,
+        &progress,
+    )
+    .await?;
     template::build(
         app.registry.hypervisor().as_ref(),
         &app.config.home,
@@ -354,8 +410,8 @@ async fn build_snapshot(app: &App, recipe: &Recipe, tag: &Tag) -> anyhow::Result
         recipe,
         tag,
         &assets,
-        &template::BuildOptions::default(),
-        &|m| tracing::info!(tag = %id, "{m}"),
+        &opts,
+        &progress,
     )
     .await?;
     Ok(())

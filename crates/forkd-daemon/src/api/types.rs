@@ -489,6 +489,10 @@ pub struct BuildSnapshotBody {
     #[serde(default)]
     #[schema(pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
     pub tag: Option<String>,
+    /// With `recipe`: the contents of its `files`, base64, by their `src` (the daemon
+    /// may be on another host than the recipe's directory).
+    #[serde(default)]
+    pub files: std::collections::BTreeMap<String, String>,
 }
 
 /// `POST /v1/snapshots/{tag}/verify`: every part re-hashed against its digest.

@@ -320,6 +320,36 @@ pub fn create_overlay(
     f.sync_data()
 }
 
+/// Writes `out`, a raw image (sparse where the disk reads zeros) with the contents of
+/// the layered disk `top`: a build VM's disk turned into a root filesystem image of its
+/// own, by `qemu-img convert`.
+pub async fn to_raw(top: &Path, out: &Path) -> Result<(), crate::HypervisorError> {
+    let program = std::env::var_os("FORKD_QEMU_IMG").unwrap_or_else(|| "qemu-img".into());
+    let output = tokio::process::Command::new(&program)
+        .args(["convert", "-q", "-f", "qcow2", "-O", "raw", "-S", "4k"])
+        .arg(top)
+        .arg(out)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|source| crate::HypervisorError::Spawn {
+            program: program.to_string_lossy().into_owned(),
+            source,
+        })?;
+    if !output.status.success() {
+        let _ = std::fs::remove_file(out);
+        return Err(crate::HypervisorError::Io {
+            context: format!("converting {} into {}", top.display(), out.display()),
+            source: std::io::Error::other(
+                String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+            ),
+        });
+    }
+    std::fs::File::open(out)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| crate::HypervisorError::io(format!("syncing {}", out.display()), e))
+}
+
 /// Writes `out`, a qcow2 layer over the raw image `base` (named relative to `out`'s
 /// directory) with the contents of the layered disk `top`: a copy of `top` that
 /// `qemu-img rebase` (`$FORKD_QEMU_IMG`, else from `PATH`) fills with what the layers
