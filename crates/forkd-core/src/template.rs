@@ -45,8 +45,9 @@ pub struct Recipe {
     /// The built-in rootfs image (`minimal`, `python`); or
     #[serde(default)]
     pub image: Option<String>,
-    /// a container image: `REGISTRY/REPO:TAG`, `REGISTRY/REPO@sha256:...` or
-    /// `oci-layout:PATH[:TAG]` (a path relative to the recipe's directory).
+    /// a container image: `REGISTRY/REPO:TAG`, `REGISTRY/REPO@sha256:...`,
+    /// `oci-layout:PATH[:TAG]` or `docker-archive:FILE[:REPO:TAG]` (paths relative to
+    /// the recipe's directory).
     #[serde(default)]
     pub from: Option<String>,
     /// vCPUs of the parent (and so of every child).
@@ -250,15 +251,13 @@ impl Recipe {
         })?;
         let mut r = Recipe::parse(&name, &text)?;
         r.dir = Some(path.parent().unwrap_or(Path::new(".")).to_path_buf());
-        // A layout named by a relative path is the recipe's neighbour.
-        if let Some(rest) = r
-            .from
-            .as_deref()
-            .and_then(|f| f.strip_prefix("oci-layout:"))
-        {
-            if !rest.starts_with('/') {
-                let dir = path.parent().unwrap_or(Path::new("."));
-                r.from = Some(format!("oci-layout:{}", dir.join(rest).display()));
+        // A layout or archive named by a relative path is the recipe's neighbour.
+        for kind in ["oci-layout:", "docker-archive:"] {
+            if let Some(rest) = r.from.as_deref().and_then(|f| f.strip_prefix(kind)) {
+                if !rest.starts_with('/') {
+                    let dir = path.parent().unwrap_or(Path::new("."));
+                    r.from = Some(format!("{kind}{}", dir.join(rest).display()));
+                }
             }
         }
         Ok(r)

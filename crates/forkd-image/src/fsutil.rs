@@ -230,7 +230,8 @@ pub struct ScratchDir {
 }
 
 impl ScratchDir {
-    pub(crate) fn new(parent: &Path, prefix: &str) -> Result<ScratchDir> {
+    /// A new directory in `parent`, its name starting with `prefix`.
+    pub fn new(parent: &Path, prefix: &str) -> Result<ScratchDir> {
         create_dir_all(parent)?;
         let dir = tempfile::Builder::new()
             .prefix(prefix)

@@ -9,9 +9,9 @@ use std::path::PathBuf;
 pub enum ImageCommand {
     /// Build (or check, when up to date) the kernel, the initramfs and rootfs images.
     Build(BuildArgs),
-    /// Pull a container image (REGISTRY/REPO:TAG, REGISTRY/REPO@sha256:..., or
-    /// oci-layout:PATH[:TAG]) and make its root filesystem, for recipes that say
-    /// `from = "..."`.
+    /// Pull a container image (REGISTRY/REPO:TAG, REGISTRY/REPO@sha256:...,
+    /// oci-layout:PATH[:TAG] or docker-archive:FILE[:REPO:TAG]) and make its root
+    /// filesystem, for recipes that say `from = "..."`.
     Pull {
         /// The image.
         reference: String,

@@ -208,6 +208,44 @@ fn a_template_from_a_container_image_forks_with_the_image_s_files_and_defaults()
         let (s, _) = call(&c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
         assert_eq!(s, StatusCode::NO_CONTENT);
     });
+    // The same image as `docker save` would write it.
+    let saved = work.path().join("bb.tar");
+    let out = std::process::Command::new("skopeo")
+        .args(["copy", "--quiet"])
+        .arg(format!("oci:{}:v1", layout.display()))
+        .arg(format!(
+            "docker-archive:{}:forkd-test/busybox:v1",
+            saved.display()
+        ))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "skopeo: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let source = format!("docker-archive:{}", saved.display());
+    let out = d.forkd().args(["image", "pull", &source]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let recipe = format!("from = \"{source}:forkd-test/busybox:v1\"\nmemory_mib = 256\n");
+    let dir = recipe_dir(&recipe, &[]);
+    let (ok, out, err) = template_build(&d, &dir, "bb-saved");
+    assert!(ok, "{out}{err}");
+    runtime().block_on(async {
+        let id = create(&c, "bb-saved", 1).await.remove(0);
+        assert_eq!(sh(&c, &id, "cat kept.txt").await, "from the upper layer");
+        assert_eq!(
+            sh(&c, &id, "test -e /data/gone.txt || echo absent").await,
+            "absent"
+        );
+        let (s, _) = call(&c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+        assert_eq!(s, StatusCode::NO_CONTENT);
+    });
+
     // Packages come from Debian's archive: a busybox image has none to take.
     let (ok, _, err) = template_build(
         &d,

@@ -27,10 +27,19 @@ pub enum ImageSource {
         /// The tag.
         tag: Option<String>,
     },
+    /// An archive `docker save` writes, and the `REPO:TAG` of the image in it (the only
+    /// one when not given).
+    DockerArchive {
+        /// The archive.
+        file: PathBuf,
+        /// The image's `REPO:TAG`.
+        tag: Option<String>,
+    },
 }
 
 impl ImageSource {
-    /// `oci-layout:PATH[:TAG]`, else a registry reference.
+    /// `oci-layout:PATH[:TAG]`, `docker-archive:FILE[:REPO:TAG]`, else a registry
+    /// reference.
     pub fn parse(s: &str) -> Result<ImageSource, ArchiveError> {
         if let Some(rest) = s.strip_prefix("oci-layout:") {
             let (dir, tag) = match rest.rsplit_once(':') {
@@ -42,10 +51,15 @@ impl ImageSource {
                 tag,
             });
         }
-        if s.starts_with("docker-archive:") {
-            return Err(ArchiveError::Refused(
-                "docker-archive: sources are not supported; load the archive into a registry or convert it to an OCI layout (skopeo copy docker-archive:F oci:DIR:TAG)".into(),
-            ));
+        if let Some(rest) = s.strip_prefix("docker-archive:") {
+            let (file, tag) = match rest.split_once(':') {
+                Some((f, t)) => (f, Some(t.to_owned())),
+                None => (rest, None),
+            };
+            return Ok(ImageSource::DockerArchive {
+                file: PathBuf::from(file),
+                tag,
+            });
         }
         registry::parse_reference(s)?;
         Ok(ImageSource::Registry(s.to_owned()))
@@ -73,9 +87,30 @@ pub async fn pull_image(
     opts: &RegistryOptions,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<PulledImage, ArchiveError> {
-    let src = ImageSource::parse(source)?;
+    let mut src = ImageSource::parse(source)?;
     let blobs = blob_dir(home);
     std::fs::create_dir_all(&blobs).map_err(io(format!("creating {}", blobs.display())))?;
+    // A docker archive is read through a layout made of it, kept until the blobs are in
+    // the cache.
+    let _converted = match &src {
+        ImageSource::DockerArchive { file, tag } => {
+            progress(&format!("{source}: reading the archive"));
+            let scratch = forkd_image::ScratchDir::new(&home.tmp_dir(), "docker-archive-")
+                .map_err(|e| io("making a scratch directory")(std::io::Error::other(e)))?;
+            let (file, tag, dir) = (file.clone(), tag.clone(), scratch.path().to_owned());
+            tokio::task::spawn_blocking(move || {
+                super::docker_archive::to_layout(&file, tag.as_deref(), &dir)
+            })
+            .await
+            .map_err(|e| io("reading the archive")(std::io::Error::other(e)))??;
+            src = ImageSource::Layout {
+                dir: scratch.path().to_owned(),
+                tag: None,
+            };
+            Some(scratch)
+        }
+        _ => None,
+    };
     let fetcher = Fetcher::new(&src, opts, &blobs).await?;
     let (manifest_bytes, digest) = fetcher.manifest().await?;
     let manifest: OciImageManifest = serde_json::from_slice(&manifest_bytes)
@@ -192,6 +227,9 @@ impl<'a> Fetcher<'a> {
                 tag: tag.clone(),
                 cache,
             },
+            ImageSource::DockerArchive { .. } => {
+                unreachable!("read through the layout made of it")
+            }
         })
     }
 
@@ -418,10 +456,20 @@ mod tests {
             ImageSource::parse("127.0.0.1:5000/team/app:1").unwrap(),
             ImageSource::Registry("127.0.0.1:5000/team/app:1".into())
         );
-        let e = ImageSource::parse("docker-archive:/tmp/x.tar")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("skopeo copy"), "{e}");
+        assert_eq!(
+            ImageSource::parse("docker-archive:/tmp/x.tar:team/app:1").unwrap(),
+            ImageSource::DockerArchive {
+                file: "/tmp/x.tar".into(),
+                tag: Some("team/app:1".into())
+            }
+        );
+        assert_eq!(
+            ImageSource::parse("docker-archive:x.tar").unwrap(),
+            ImageSource::DockerArchive {
+                file: "x.tar".into(),
+                tag: None
+            }
+        );
         assert!(ImageSource::parse("Not A Reference").is_err());
     }
 }

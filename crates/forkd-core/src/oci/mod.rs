@@ -26,6 +26,7 @@
 
 pub mod auth;
 pub mod blob;
+pub mod docker_archive;
 pub mod image;
 pub mod layout;
 pub mod pack;
