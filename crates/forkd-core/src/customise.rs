@@ -110,6 +110,7 @@ pub async fn ensure(
         memory_mib: recipe.memory_mib,
         memory: MemoryBackend::Anonymous,
         accel,
+        cpu: recipe.cpu_model(accel),
         clock: clock_for(accel),
         seccomp: opts.seccomp,
         detached: false,

@@ -400,6 +400,7 @@ pub fn plan(
             shared: false,
         },
         accel: m.accel,
+        cpu: m.cpu.clone(),
         clock: m.clock,
         seccomp: opts.seccomp,
         detached: opts.detached,

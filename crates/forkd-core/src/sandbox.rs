@@ -160,6 +160,7 @@ impl Sandbox {
             memory_mib: opts.memory_mib,
             memory: MemoryBackend::Anonymous,
             accel,
+            cpu: accel.default_cpu_model().to_owned(),
             clock: clock_for(accel),
             seccomp: opts.seccomp,
             detached: false,

@@ -73,6 +73,11 @@ pub struct Recipe {
     /// Code contexts started in the parent; every child inherits them warm.
     #[serde(default)]
     pub contexts: Vec<ContextRecipe>,
+    /// The guest CPU model (a QEMU model name) its snapshot is pinned to; by default
+    /// the accelerator's ([`Accel::default_cpu_model`]). `host` or `max` take whatever
+    /// the machine offers, and such a snapshot may not fork on another host.
+    #[serde(default)]
+    pub cpu: Option<String>,
     /// Children a daemon keeps prepared for forks of the snapshot (its warm pool; the
     /// API can change it).
     #[serde(default)]
@@ -228,6 +233,16 @@ impl Recipe {
         if let Some(i) = r.build.iter().position(|b| b.run.trim().is_empty()) {
             return Err(bad(format!("build step {} has nothing to run", i + 1)));
         }
+        if let Some(cpu) = &r.cpu {
+            let named = !cpu.is_empty()
+                && cpu.len() <= 64
+                && cpu
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
+            if !named {
+                return Err(bad(format!("cpu = {cpu:?} is not a QEMU CPU model name")));
+            }
+        }
         if r.pool as usize > crate::fork::MAX_POOL {
             return Err(bad(format!(
                 "pool = {} is above {}",
@@ -295,6 +310,13 @@ impl Recipe {
             (Some(image), None) => Base::Builtin(image.parse().expect("checked when parsed")),
             (None, None) => unreachable!("checked when parsed"),
         }
+    }
+
+    /// The guest CPU model its VMs run with under `accel`.
+    pub fn cpu_model(&self, accel: Accel) -> String {
+        self.cpu
+            .clone()
+            .unwrap_or_else(|| accel.default_cpu_model().to_owned())
     }
 
     /// Whether it changes its base (packages, files or build steps), which then gets a
@@ -444,6 +466,7 @@ pub async fn build(
             shared: true,
         },
         accel,
+        cpu: recipe.cpu_model(accel),
         clock: crate::sandbox::clock_for(accel),
         seccomp: opts.seccomp,
         detached: false,
@@ -494,10 +517,7 @@ pub async fn build(
             vcpus: recipe.vcpus,
             memory_mib: recipe.memory_mib,
             accel,
-            cpu: match accel {
-                Accel::Kvm => "host".into(),
-                Accel::Tcg => "max".into(),
-            },
+            cpu: config.cpu.clone(),
             cmdline: config.cmdline.clone(),
             clock: config.clock,
         },

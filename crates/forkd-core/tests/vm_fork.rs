@@ -16,6 +16,9 @@ async fn five_children_of_minimal_are_isolated_and_leave_the_template_untouched(
     let ts = TestStore::new();
     let recipe = Recipe::find("minimal", &[]).unwrap();
     let snap = build_template(&ts.store, &recipe, "minimal-five").await;
+    // Pinned to the accelerator's named model, which its children run with too.
+    let m = &snap.manifest.machine;
+    assert_eq!(m.cpu, m.accel.default_cpu_model());
     let disk_before = common::sha256(&snap.part(parts::DISK));
     let memory_before = common::sha256(&snap.part(parts::MEMORY));
 
@@ -145,6 +148,48 @@ async fn damaged_snapshots_and_bad_tags_are_refused_before_any_child_starts() {
         assert!(e.to_string().starts_with("invalid snapshot tag"), "{e}");
     }
     assert!(children_of(&snap2.tag).is_empty());
+}
+
+/// A guest CPU model the host cannot provide (or QEMU does not know) stops the VM at
+/// its start with an error naming the model and what is missing: what a snapshot made
+/// on a richer host gets when forked here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cpu_model_the_host_lacks_is_refused_by_name() {
+    let ts = TestStore::new();
+    let assets = common::assets(forkd_image::RootfsImage::Minimal).await;
+    let accel = forkd_hypervisor::accel::resolve(Default::default()).unwrap();
+    let mut models = vec![("Nonexistent-v9", "QEMU does not know it")];
+    if accel == forkd_hypervisor::Accel::Tcg {
+        // Haswell asks for the TSC deadline timer and PCID, which TCG lacks.
+        models.push(("Haswell-v4", "missing"));
+    }
+    for (model, why) in models {
+        let recipe = Recipe::parse(
+            "pinned",
+            &format!("image = \"minimal\"\ncpu = \"{model}\"\n"),
+        )
+        .unwrap();
+        let err = forkd_core::template::build(
+            common::hv().as_ref(),
+            &home(),
+            &ts.store,
+            &recipe,
+            &Tag::parse("pinned").unwrap(),
+            &assets,
+            &Default::default(),
+            &|_| {},
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains(&format!(
+                "the guest CPU model {model} is not available with {accel}"
+            )) && err.contains(why),
+            "{err}"
+        );
+        assert!(!ts.store.exists(&Tag::parse("pinned").unwrap()));
+    }
 }
 
 /// Children share the template's memory image: what each one copies on write stays

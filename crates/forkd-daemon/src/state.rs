@@ -751,6 +751,7 @@ mod tests {
                     shared: false,
                 },
                 accel: Accel::Tcg,
+                cpu: "Westmere-v1".into(),
                 clock: Default::default(),
                 seccomp: true,
                 detached: true,

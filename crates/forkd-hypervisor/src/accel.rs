@@ -20,6 +20,28 @@ pub enum Accel {
 }
 
 impl Accel {
+    /// The guest CPU model a new template is pinned to. A named model, so that a
+    /// snapshot's guest sees the same CPU features wherever it is restored (`host` and
+    /// `max` follow the machine); the newest the accelerator provides whole, checked by
+    /// QEMU (`enforce`) at every start. Under TCG, Westmere: QEMU 7.2 and 10.0 emulate
+    /// all of it (Sandy Bridge and later ask for the TSC deadline timer and PCID, which
+    /// TCG lacks). Under KVM, Haswell without TSX: AVX2 and FMA, on any x86-64 server
+    /// of the last decade.
+    pub fn default_cpu_model(self) -> &'static str {
+        match self {
+            Accel::Kvm => "Haswell-v4",
+            Accel::Tcg => "Westmere-v1",
+        }
+    }
+
+    /// The model of guests that take whatever CPU the accelerator offers.
+    pub fn unpinned_cpu_model(self) -> &'static str {
+        match self {
+            Accel::Kvm => "host",
+            Accel::Tcg => "max",
+        }
+    }
+
     /// The value of QEMU's `-accel`.
     pub fn qemu_name(self) -> &'static str {
         match self {

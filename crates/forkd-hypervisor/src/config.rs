@@ -45,6 +45,11 @@ pub struct VmConfig {
     pub memory: MemoryBackend,
     /// KVM or TCG.
     pub accel: Accel,
+    /// The guest CPU model: a QEMU model name, which QEMU must provide whole
+    /// (`enforce`); `host` or `max` (or empty, in records made before it was kept) take
+    /// what the accelerator offers.
+    #[serde(default)]
+    pub cpu: String,
     /// How a TCG guest keeps time (records made before it are icount guests).
     #[serde(default)]
     pub clock: crate::GuestClock,

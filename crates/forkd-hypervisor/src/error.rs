@@ -21,6 +21,16 @@ pub enum HypervisorError {
         /// The tail of QEMU's stderr.
         stderr: String,
     },
+    /// the guest CPU model {model} is not available with {accel} on this host ({missing})
+    #[error("the guest CPU model {model} is not available with {accel} on this host ({missing}); a snapshot forks only where its CPU model is: build the template on this host, or give its recipe a `cpu` this host has")]
+    CpuModel {
+        /// The model.
+        model: String,
+        /// The accelerator.
+        accel: crate::Accel,
+        /// What QEMU said is missing.
+        missing: String,
+    },
     /// QEMU's control socket {path} did not answer within {secs} s
     #[error("QEMU's control socket {} did not answer within {secs} s", path.display())]
     QmpTimeout {

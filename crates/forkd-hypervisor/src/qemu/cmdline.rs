@@ -15,6 +15,16 @@ pub const SECCOMP: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,re
 /// Id of the guest-RAM memory backend object.
 pub const MEMORY_ID: &str = "mem";
 
+/// The value of `-cpu`: a named model with `enforce` (QEMU refuses to start rather
+/// than leave a feature out), else what the accelerator offers.
+pub fn cpu_arg(config: &VmConfig) -> String {
+    match config.cpu.as_str() {
+        "" => config.accel.unpinned_cpu_model().to_owned(),
+        "host" | "max" => config.cpu.clone(),
+        named => format!("{named},enforce"),
+    }
+}
+
 /// Builds the argument vector (without the program name). `backing_levels` is how many
 /// images lie below the root disk's top layer (see [`super::qcow2::backing_depth`]).
 pub fn build(config: &VmConfig, backing_levels: usize) -> Vec<OsString> {
@@ -25,19 +35,14 @@ pub fn build(config: &VmConfig, backing_levels: usize) -> Vec<OsString> {
         machine.push_str(MEMORY_ID);
     }
     args.push("-M").push(machine);
-    match config.accel {
-        Accel::Kvm => args.push("-accel").push("kvm").push("-cpu").push("host"),
-        // Under TCG the 6.1 cloud kernel on microvm cannot calibrate against the PIT
-        // (jiffies stuck at zero): either QEMU counts instructions, or the kernel is told
-        // the TSC rate (see `clock.rs`; the latter costs half the idle CPU).
-        Accel::Tcg => {
-            args.push("-accel").push("tcg").push("-cpu").push("max");
-            if config.clock == GuestClock::Icount {
-                args.push("-icount").push("shift=auto");
-            }
-            &mut args
-        }
-    };
+    args.push("-accel").push(config.accel.qemu_name());
+    args.push("-cpu").push(cpu_arg(config));
+    // Under TCG the 6.1 cloud kernel on microvm cannot calibrate against the PIT (jiffies
+    // stuck at zero): either QEMU counts instructions, or the kernel is told the TSC rate
+    // (see `clock.rs`; the latter costs half the idle CPU).
+    if config.accel == Accel::Tcg && config.clock == GuestClock::Icount {
+        args.push("-icount").push("shift=auto");
+    }
     args.push("-m").push(format!("{}M", config.memory_mib));
     args.push("-smp").push(config.vcpus.to_string());
     if let MemoryBackend::File { path, shared } = &config.memory {
@@ -179,10 +184,30 @@ mod tests {
             memory_mib: 512,
             memory: MemoryBackend::Anonymous,
             accel: Accel::Tcg,
+            cpu: String::new(),
             clock: GuestClock::Icount,
             seccomp: true,
             detached: false,
         }
+    }
+
+    #[test]
+    fn a_named_cpu_model_is_enforced_and_an_old_record_takes_the_accelerator_s() {
+        let mut c = config();
+        assert!(joined(&c).contains("-accel tcg -cpu max -icount shift=auto"));
+        c.cpu = "Westmere-v1".into();
+        assert!(
+            joined(&c).contains("-cpu Westmere-v1,enforce"),
+            "{}",
+            joined(&c)
+        );
+        c.accel = Accel::Kvm;
+        c.cpu = "host".into();
+        let args = joined(&c);
+        assert!(
+            args.contains("-accel kvm -cpu host") && !args.contains("icount"),
+            "{args}"
+        );
     }
 
     fn joined(c: &VmConfig) -> String {

@@ -365,6 +365,7 @@ impl QemuVm {
             }
         })
         .await;
+        let qmp = qmp.map_err(|e| cpu_model_error(config, e));
         match qmp {
             Ok(qmp) => Ok(QemuVm {
                 binary: binary.to_owned(),
@@ -387,10 +388,13 @@ impl QemuVm {
                     (
                         HypervisorError::QmpClosed(_) | HypervisorError::QmpTimeout { .. },
                         Some(status),
-                    ) => HypervisorError::EarlyExit {
-                        status,
-                        stderr: tail(&log_path, 20),
-                    },
+                    ) => cpu_model_error(
+                        config,
+                        HypervisorError::EarlyExit {
+                            status,
+                            stderr: tail(&log_path, 20),
+                        },
+                    ),
                     (other, _) => other,
                 })
             }
@@ -726,4 +730,31 @@ fn read_console(config: &VmConfig) -> (console::Reader, tokio::task::JoinHandle<
         config.console_log(),
         forkd_proto::limits::get().console_cap,
     )
+}
+
+/// QEMU refusing to start because the host cannot provide the guest's (enforced) CPU
+/// model, said as such: the usual reason a snapshot from another host does not fork.
+fn cpu_model_error(config: &VmConfig, e: HypervisorError) -> HypervisorError {
+    let HypervisorError::EarlyExit { stderr, .. } = &e else {
+        return e;
+    };
+    let refused = stderr.contains("doesn't support requested feature")
+        || stderr.contains("unable to find CPU model");
+    if !refused || matches!(config.cpu.as_str(), "" | "host" | "max") {
+        return e;
+    }
+    let features: Vec<&str> = stderr
+        .lines()
+        .filter_map(|l| l.split_once("requested feature: ").map(|(_, f)| f.trim()))
+        .collect();
+    let missing = if features.is_empty() {
+        "QEMU does not know it".to_owned()
+    } else {
+        format!("missing {}", features.join(", "))
+    };
+    HypervisorError::CpuModel {
+        model: config.cpu.clone(),
+        accel: config.accel,
+        missing,
+    }
 }
