@@ -27,6 +27,10 @@ pub struct DaemonConfig {
     pub tls: Option<TlsFiles>,
     /// Bearer token required on TCP (the unix socket is guarded by its file mode).
     pub token: Option<String>,
+    /// Serve TCP off loopback without TLS (every listener): said explicitly, never a
+    /// default, since the token and everything the API carries would cross the network
+    /// in clear.
+    pub insecure_plaintext: bool,
     /// Most live sandboxes; creating more answers 503.
     pub max_sandboxes: usize,
     /// Most children a fork restores at once.
@@ -81,10 +85,24 @@ pub enum ConfigError {
     #[error("--e2b-listen needs --token-file: the token is the API key E2B's SDKs send")]
     E2bNoToken,
     /// Off loopback the E2B listener needs TLS.
-    #[error("refusing to serve E2B's API on {addr} without TLS: its API key and access tokens would cross the network in clear; pass --tls-cert and --tls-key (or listen on a loopback address)")]
+    #[error("refusing to serve E2B's API on {addr} without TLS: its API key and access tokens would cross the network in clear; pass --tls-cert and --tls-key (or listen on a loopback address, or say --insecure-plaintext)")]
     E2bNoTls {
         /// The address.
         addr: SocketAddr,
+    },
+    /// Off loopback the API needs TLS.
+    #[error("refusing to serve the API on {addr} without TLS: the token and everything the API carries would cross the network in clear; pass --tls-cert and --tls-key (or listen on a loopback address, or say --insecure-plaintext)")]
+    NoTls {
+        /// The address.
+        addr: SocketAddr,
+    },
+    /// A token file others can read.
+    #[error("refusing the token file {path}: its mode {mode:04o} lets other users read it; `chmod 600 {path}`")]
+    TokenReadable {
+        /// The token file.
+        path: String,
+        /// Its mode.
+        mode: u32,
     },
     /// The overcommit must be a positive number.
     #[error("--memory-overcommit must be a number above 0 (1 admits what fits in the available memory), not {0}")]
@@ -101,6 +119,7 @@ impl DaemonConfig {
             listen: None,
             tls: None,
             token: None,
+            insecure_plaintext: false,
             max_sandboxes: DEFAULT_MAX_SANDBOXES,
             fork_parallelism: forkd_core::fork::default_parallel(),
             memory_overcommit: 1.0,
@@ -109,12 +128,22 @@ impl DaemonConfig {
         }
     }
 
-    /// Reads a token file: its content, trimmed of surrounding white space.
+    /// Reads a token file: its content, trimmed of surrounding white space. A file that
+    /// its group or other users may read is refused: the token is the key to the API.
     pub fn read_token(path: &Path) -> Result<String, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        use std::os::unix::fs::PermissionsExt;
+        let read = |source| ConfigError::Read {
             path: path.display().to_string(),
             source,
-        })?;
+        };
+        let mode = std::fs::metadata(path).map_err(read)?.permissions().mode() & 0o7777;
+        if mode & 0o077 != 0 {
+            return Err(ConfigError::TokenReadable {
+                path: path.display().to_string(),
+                mode,
+            });
+        }
+        let text = std::fs::read_to_string(path).map_err(read)?;
         let token = text.trim().to_owned();
         if token.len() < MIN_TOKEN_LEN {
             return Err(ConfigError::ShortToken {
@@ -137,12 +166,15 @@ impl DaemonConfig {
             if !addr.ip().is_loopback() && self.token.is_none() {
                 return Err(ConfigError::NoToken { addr });
             }
+            if !addr.ip().is_loopback() && self.tls.is_none() && !self.insecure_plaintext {
+                return Err(ConfigError::NoTls { addr });
+            }
         }
         if let Some(e2b) = &self.e2b {
             if self.token.is_none() {
                 return Err(ConfigError::E2bNoToken);
             }
-            if !e2b.listen.ip().is_loopback() && self.tls.is_none() {
+            if !e2b.listen.ip().is_loopback() && self.tls.is_none() && !self.insecure_plaintext {
                 return Err(ConfigError::E2bNoTls { addr: e2b.listen });
             }
         }
@@ -183,7 +215,21 @@ mod tests {
             "{e}"
         );
         c.token = Some("x".repeat(32));
+        // And TLS, unless plain text is asked for by name.
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("without TLS") && e.contains("--insecure-plaintext"),
+            "{e}"
+        );
+        c.insecure_plaintext = true;
         c.validate().unwrap();
+        c.insecure_plaintext = false;
+        c.tls = Some(TlsFiles {
+            cert: "cert.pem".into(),
+            key: "key.pem".into(),
+        });
+        c.validate().unwrap();
+        c.tls = None;
         c.token = None;
         c.listen = Some("127.0.0.1:7070".parse().unwrap());
         c.validate().unwrap();
@@ -204,6 +250,9 @@ mod tests {
         c.e2b = Some(crate::e2b::E2bConfig::new("0.0.0.0:443".parse().unwrap()));
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("without TLS"), "{e}");
+        c.insecure_plaintext = true;
+        c.validate().unwrap();
+        c.insecure_plaintext = false;
         c.tls = Some(TlsFiles {
             cert: "cert.pem".into(),
             key: "key.pem".into(),
@@ -212,9 +261,20 @@ mod tests {
     }
 
     #[test]
-    fn short_tokens_are_refused() {
+    fn short_tokens_and_tokens_others_can_read_are_refused() {
+        use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("token");
+        std::fs::write(&p, format!("{}\n", "a".repeat(40))).unwrap();
+        for mode in [0o644, 0o640, 0o604] {
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = DaemonConfig::read_token(&p).unwrap_err().to_string();
+            assert!(
+                e.contains("lets other users read it") && e.contains("chmod 600"),
+                "{e}"
+            );
+        }
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         std::fs::write(&p, "short\n").unwrap();
         let e = DaemonConfig::read_token(&p).unwrap_err().to_string();
         assert!(e.contains("is 5 bytes; at least 32"), "{e}");

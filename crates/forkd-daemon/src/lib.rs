@@ -18,6 +18,7 @@
 pub mod admission;
 pub mod api;
 pub mod audit;
+pub mod auth_failures;
 pub mod branch;
 pub mod client;
 pub mod config;

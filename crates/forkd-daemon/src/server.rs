@@ -70,6 +70,7 @@ pub async fn run(
     config.validate()?;
     let root = config.home.root().to_owned();
     std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
+    tighten_data_directory(&config)?;
     // Before anything of the directory is read or touched: a second daemon must not
     // adopt (and so break) the first one's sandboxes.
     let _owner = crate::owner::OwnerLock::acquire(&root, &config.socket)?;
@@ -158,7 +159,8 @@ pub async fn run(
     let filler = tokio::spawn(fill_pools(app.clone()));
     // The audit and metrics layer is the outermost one, so that refused
     // authentications are recorded too.
-    let observed = axum::middleware::from_fn_with_state((app.clone(), audit), observe);
+    let failures = Arc::new(crate::auth_failures::AuthFailures::default());
+    let observed = axum::middleware::from_fn_with_state((app.clone(), audit, failures), observe);
     let base = api::router(app.clone())
         .merge(extra.clone())
         .layer(observed.clone());
@@ -298,13 +300,59 @@ async fn serve_watched<S>(
     }
 }
 
-/// Binds the unix socket: refuses when another daemon answers on it, replaces a stale
-/// socket file, and gives it mode 0660 (and `group`).
+/// Closes the data directory to other users, whatever the umask made of it: it holds
+/// templates' memory images, children's disks, logs and the database. Mode 0700, or
+/// 0710 with the socket's group when the socket is inside it (so that the group can
+/// reach the socket, and only the socket, whose own mode lets it in). Its state
+/// database and audit log are 0600.
+fn tighten_data_directory(config: &DaemonConfig) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let root = config.home.root();
+    let group = match config.socket_group.as_deref() {
+        Some(g) if config.socket.starts_with(root) => Some(
+            nix::unistd::Group::from_name(g)
+                .with_context(|| format!("looking up group {g}"))?
+                .with_context(|| format!("there is no group {g}"))?
+                .gid,
+        ),
+        _ => None,
+    };
+    if let Some(gid) = group {
+        nix::unistd::chown(root, None, Some(gid))
+            .with_context(|| format!("giving {} to the socket's group", root.display()))?;
+    }
+    let mode = if group.is_some() { 0o710 } else { 0o700 };
+    std::fs::set_permissions(root, std::fs::Permissions::from_mode(mode))
+        .with_context(|| format!("setting the mode of {}", root.display()))?;
+    for file in [config.database(), config.audit_log()] {
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&file)
+            .with_context(|| format!("opening {}", file.display()))?;
+        f.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .with_context(|| format!("setting the mode of {}", file.display()))?;
+    }
+    Ok(())
+}
+
+/// Binds the unix socket: refuses when another daemon answers on it or the path is not
+/// a socket (never removing anything else), replaces a stale socket, and gives it mode
+/// 0660 (and `group`). It is created under the daemon's umask (077), so it is never
+/// more open than that on its way there.
 async fn bind_unix(path: &Path, group: Option<&str>) -> Result<UnixListener> {
+    use std::os::unix::fs::FileTypeExt;
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    if path.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            bail!(
+                "{} exists and is not a socket; refusing to replace it (give --socket a path of its own)",
+                path.display()
+            );
+        }
         if tokio::net::UnixStream::connect(path).await.is_ok() {
             bail!(
                 "another forkd daemon is already listening on {} (stop it first)",
@@ -314,8 +362,12 @@ async fn bind_unix(path: &Path, group: Option<&str>) -> Result<UnixListener> {
         std::fs::remove_file(path)
             .with_context(|| format!("removing the stale socket {}", path.display()))?;
     }
-    let listener =
-        UnixListener::bind(path).with_context(|| format!("listening on {}", path.display()))?;
+    // Created 0600 (umask 177 while it is bound), then opened to its group: never more
+    // open than it ends up. (Nothing else creates files at this point of the start.)
+    let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
+    let bound = UnixListener::bind(path);
+    nix::sys::stat::umask(old);
+    let listener = bound.with_context(|| format!("listening on {}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
         .with_context(|| format!("setting the mode of {}", path.display()))?;
     if let Some(g) = group {
@@ -361,20 +413,42 @@ fn unauthorized(msg: &str) -> Response {
     r
 }
 
-/// Counts errors by kind and appends an audit record for every mutating request.
+/// The longest request path an audit record keeps (the rest is counted, not kept).
+const AUDITED_PATH: usize = 256;
+
+/// Counts errors by kind and appends an audit record for every mutating request. A TCP
+/// client whose authentications keep failing is answered 429 unseen (see
+/// [`crate::auth_failures`]).
 async fn observe(
-    axum::extract::State((app, audit)): axum::extract::State<(App, Arc<AuditLog>)>,
+    axum::extract::State((app, audit, failures)): axum::extract::State<(
+        App,
+        Arc<AuditLog>,
+        Arc<crate::auth_failures::AuthFailures>,
+    )>,
     req: Request,
     next: Next,
 ) -> Response {
     let started = Instant::now();
     let method = req.method().clone();
-    let path = req.uri().path().to_owned();
+    let path = bounded(req.uri().path(), AUDITED_PATH);
     let principal = req
         .extensions()
         .get::<Principal>()
         .map(|p| p.0.clone())
         .unwrap_or_else(|| "unknown".into());
+    let peer = crate::auth_failures::peer_ip(&principal);
+    if peer.is_some_and(|ip| failures.is_blocked(ip, started)) {
+        app.metrics.error("rate_limited");
+        let mut r = ApiError::new(
+            axum::http::StatusCode::TOO_MANY_REQUESTS,
+            "rate_limited",
+            "too many failed authentications from this address; wait and send a valid token",
+        )
+        .into_response();
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        return r;
+    }
     // A handler that panics would take the connection down before anything is
     // recorded: answer 500 instead, so that the request is still audited and counted.
     let response = match AssertUnwindSafe(next.run(req)).catch_unwind().await {
@@ -394,6 +468,9 @@ async fn observe(
     };
     if let Some(kind) = response.extensions().get::<ErrorKind>() {
         app.metrics.error(kind.0);
+    }
+    if let (Some(ip), axum::http::StatusCode::UNAUTHORIZED) = (peer, response.status()) {
+        failures.failed(ip, started);
     }
     if matches!(
         method,
@@ -430,6 +507,18 @@ async fn observe(
         }
     }
     response
+}
+
+/// `s` cut to at most `max` bytes (on a character boundary), saying how long it was.
+fn bounded(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...[{} bytes]", &s[..end], s.len())
 }
 
 /// The sandbox ids and snapshot tags a path names (`/v1/sandboxes/{id}/...`,

@@ -16,9 +16,14 @@ pub struct DaemonArgs {
     /// Group that owns the socket (mode 0660).
     #[arg(long)]
     socket_group: Option<String>,
-    /// Also serve on TCP at ADDR:PORT (a non-loopback address needs --token-file).
+    /// Also serve on TCP at ADDR:PORT (a non-loopback address needs --token-file and
+    /// TLS).
     #[arg(long)]
     listen: Option<SocketAddr>,
+    /// Serve TCP off loopback without TLS (this listener and the E2B one): the token
+    /// and everything the API carries cross the network in clear.
+    #[arg(long)]
+    insecure_plaintext: bool,
     /// File holding the bearer token TCP clients must send (at least 32 bytes).
     #[arg(long)]
     token_file: Option<PathBuf>,
@@ -82,6 +87,7 @@ pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
     }
     config.socket_group = args.socket_group;
     config.listen = args.listen;
+    config.insecure_plaintext = args.insecure_plaintext;
     config.max_sandboxes = args.max_sandboxes;
     config.memory_overcommit = args.memory_overcommit;
     config.registries.insecure = args.insecure_registry;

@@ -76,7 +76,7 @@ fn the_sdks_and_the_mcp_server_work_against_a_real_daemon() {
     let token = "mcp-test-token-0123456789abcdef0123456789";
     let token_dir = tempfile::tempdir().unwrap();
     let token_file = token_dir.path().join("token");
-    std::fs::write(&token_file, token).unwrap();
+    common::write_secret(&token_file, token);
     let port = common::free_port();
     let e2b_port = common::free_port();
     let mut d = Daemon::start(&[

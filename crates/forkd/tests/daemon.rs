@@ -107,7 +107,7 @@ fn api_round_trip_over_unix_socket_and_tcp_with_a_token() {
     let port = free_port();
     let home_probe = tempfile::tempdir().unwrap();
     let token_file = home_probe.path().join("token");
-    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    common::write_secret(&token_file, &format!("{TOKEN}\n"));
     let d = Daemon::start(&[
         "--listen",
         &port,
@@ -432,8 +432,36 @@ fn a_public_address_without_a_token_is_refused() {
     );
 
     let dir = tempfile::tempdir().unwrap();
-    let short = dir.path().join("token");
-    std::fs::write(&short, "too-short").unwrap();
+    // Off loopback, a token is not enough: TLS too, unless plain text is asked for.
+    let token = dir.path().join("token");
+    common::write_secret(&token, TOKEN);
+    let daemon = |args: &[&str], file: &std::path::Path| {
+        let out = Command::new(env!("CARGO_BIN_EXE_forkd"))
+            .arg("daemon")
+            .args(args)
+            .arg("--token-file")
+            .arg(file)
+            .arg("--socket")
+            .arg(dir.path().join("s.sock"))
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = daemon(&["--listen", "0.0.0.0:0"], &token);
+    assert!(
+        err.contains("without TLS") && err.contains("--insecure-plaintext"),
+        "{err}"
+    );
+    // A token file others can read is refused, whatever else is asked.
+    let shared = dir.path().join("shared-token");
+    std::fs::write(&shared, TOKEN).unwrap();
+    std::fs::set_permissions(&shared, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let err = daemon(&["--listen", "127.0.0.1:0"], &shared);
+    assert!(err.contains("lets other users read it"), "{err}");
+
+    let short = dir.path().join("short-token");
+    common::write_secret(&short, "too-short");
     let out = Command::new(env!("CARGO_BIN_EXE_forkd"))
         .args(["daemon", "--listen", "127.0.0.1:0", "--token-file"])
         .arg(&short)
@@ -525,7 +553,7 @@ fn tls_listener_with_a_token() {
     );
     std::fs::write(&cert, certified.cert.pem()).unwrap();
     std::fs::write(&key, certified.signing_key.serialize_pem()).unwrap();
-    std::fs::write(&token, TOKEN).unwrap();
+    common::write_secret(&token, TOKEN);
     let port = free_port().rsplit_once(':').unwrap().1.to_owned();
     let listen = format!("127.0.0.1:{port}");
     let d = Daemon::start(&[
@@ -730,4 +758,160 @@ fn a_guest_flooding_console_and_stdout_leaves_the_daemon_small() {
         "{}",
         console_bytes(&dir)
     );
+}
+
+/// `cmd` run as the unprivileged user `nobody`: whether it succeeded, and its stderr.
+fn as_nobody(cmd: &[&str]) -> (bool, String) {
+    let out = Command::new("runuser")
+        .args(["-u", "nobody", "--"])
+        .args(cmd)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The data directory is closed to other users whatever modes it had (its database and
+/// audit log 0600, the socket 0660), `--socket` never replaces what is not a socket, and
+/// a TCP client whose tokens keep failing is answered 429 without filling the audit log.
+#[test]
+fn the_data_directory_is_closed_to_others_and_failed_tokens_are_rate_limited() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let home = tempfile::tempdir().unwrap();
+    let root = home.path().to_owned();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+    let set =
+        |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap();
+    // As a permissive umask would have left them.
+    set(&root, 0o755);
+    for f in ["forkd.db", "audit.jsonl"] {
+        std::fs::write(root.join(f), b"").unwrap();
+        set(&root.join(f), 0o644);
+    }
+    let root_user = nix::unistd::geteuid().is_root();
+    if root_user {
+        // The probe below can succeed: another user reads the database as it was.
+        let (ok, err) = as_nobody(&["cat", root.join("forkd.db").to_str().unwrap()]);
+        assert!(ok, "{err}");
+    }
+
+    // A --socket that names a regular file is refused and the file kept.
+    let precious = root.join("notes.txt");
+    std::fs::write(&precious, "keep me").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_forkd"))
+        .args(["daemon", "--socket"])
+        .arg(&precious)
+        .env("FORKD_HOME", &root)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("is not a socket; refusing to replace it"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_to_string(&precious).unwrap(), "keep me");
+
+    let token = root.join("token");
+    common::write_secret(&token, TOKEN);
+    let port = free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_forkd"))
+        .args(["daemon", "--listen", &port, "--token-file"])
+        .arg(&token)
+        .env("FORKD_HOME", &root)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let socket = root.join("forkd.sock");
+    common::wait_until_serving(&socket, &mut child, 60).unwrap();
+    assert_eq!(mode(&root), 0o700);
+    assert_eq!(mode(&root.join("forkd.db")), 0o600);
+    assert_eq!(mode(&root.join("audit.jsonl")), 0o600);
+    assert_eq!(mode(&socket), 0o660);
+    if root_user {
+        let (ok, err) = as_nobody(&["cat", root.join("forkd.db").to_str().unwrap()]);
+        assert!(!ok && err.contains("Permission denied"), "{err}");
+        let connect = format!(
+            "import socket; socket.socket(socket.AF_UNIX).connect({:?})",
+            socket.to_str().unwrap()
+        );
+        let (ok, err) = as_nobody(&["python3", "-c", &connect]);
+        assert!(!ok && err.contains("PermissionError"), "{err}");
+    } else {
+        eprintln!("not root: the probes as another user are left out");
+    }
+
+    runtime().block_on(async {
+        let tcp = |t: &str| {
+            Client::new(
+                forkd_daemon::client::Endpoint::Tcp(port.clone()),
+                Some(t.to_owned()),
+            )
+        };
+        let audit_before = std::fs::metadata(root.join("audit.jsonl")).unwrap().len();
+        let long = format!("/v1/sandboxes/{}", "x".repeat(60_000));
+        let mut statuses = Vec::new();
+        for _ in 0..40 {
+            let (s, _) = call(
+                &tcp("wrong-token-wrong-token-wrong-token"),
+                Method::POST,
+                &long,
+                None,
+            )
+            .await;
+            statuses.push(s.as_u16());
+        }
+        let refused = statuses.iter().filter(|s| **s == 401).count();
+        let limited = statuses.iter().filter(|s| **s == 429).count();
+        assert_eq!(refused + limited, 40, "{statuses:?}");
+        // A burst of 20 failures, then 429s (the bucket refills 2 a second meanwhile).
+        assert!(refused >= 20 && limited >= 10, "{statuses:?}");
+        // Each refusal is audited, its path cut short; the limited ones are not.
+        let records: Vec<Value> = std::fs::read_to_string(root.join("audit.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(records.len(), refused, "{records:?}");
+        let grew = std::fs::metadata(root.join("audit.jsonl")).unwrap().len() - audit_before;
+        assert!(
+            grew < 1024 * refused as u64,
+            "the audit log grew by {grew} bytes"
+        );
+        let path = records[0]["path"].as_str().unwrap();
+        assert!(
+            path.ends_with("...[60014 bytes]") && path.len() < 300,
+            "{path}"
+        );
+        // While the address is blocked, even the right token is turned away; then let in.
+        let mut blocked = false;
+        for _ in 0..50 {
+            let (s, _) = call(
+                &tcp("wrong-token-wrong-token-wrong-token"),
+                Method::POST,
+                "/v1/sandboxes",
+                None,
+            )
+            .await;
+            if s == StatusCode::TOO_MANY_REQUESTS {
+                blocked = true;
+                break;
+            }
+        }
+        assert!(blocked);
+        let (s, _) = call(&tcp(TOKEN), Method::GET, "/v1/sandboxes", None).await;
+        assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let (s, v) = call(&tcp(TOKEN), Method::GET, "/v1/sandboxes", None).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+    });
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = child.wait();
 }

@@ -397,3 +397,10 @@ impl Drop for Registry {
         let _ = self.child.wait();
     }
 }
+
+/// Writes a secret (a token file) as the daemon wants it: readable by its owner only.
+pub fn write_secret(path: &std::path::Path, contents: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, contents).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}

@@ -1,0 +1,80 @@
+//! A budget of failed authentications per client address. Each 401 spends from its
+//! address's bucket, which refills with time; while it is empty, that address is
+//! answered 429 before anything else runs and nothing is appended to the audit log, so
+//! a client guessing tokens (or sending megabytes of path to fill the disk) costs the
+//! daemon a map lookup, and the log a bounded number of records per second.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// Failures an address may have in a burst.
+pub const BURST: f64 = 20.0;
+/// Failures per second it gets back.
+pub const REFILL_PER_S: f64 = 2.0;
+/// Addresses remembered at most (the fullest buckets are forgotten first).
+const MAX_TRACKED: usize = 4096;
+
+/// The buckets, by address.
+#[derive(Debug, Default)]
+pub struct AuthFailures {
+    buckets: Mutex<HashMap<IpAddr, (f64, Instant)>>,
+}
+
+impl AuthFailures {
+    /// Whether `ip` has spent its budget: its requests are then refused unseen.
+    pub fn is_blocked(&self, ip: IpAddr, now: Instant) -> bool {
+        let buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        buckets
+            .get(&ip)
+            .is_some_and(|&(left, at)| refilled(left, at, now) < 1.0)
+    }
+
+    /// Spends one failure of `ip`'s budget.
+    pub fn failed(&self, ip: IpAddr, now: Instant) {
+        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        if buckets.len() >= MAX_TRACKED && !buckets.contains_key(&ip) {
+            buckets.retain(|_, &mut (left, at)| refilled(left, at, now) < BURST);
+        }
+        let (left, at) = buckets.get(&ip).copied().unwrap_or((BURST, now));
+        buckets.insert(ip, ((refilled(left, at, now) - 1.0).max(0.0), now));
+    }
+}
+
+fn refilled(left: f64, at: Instant, now: Instant) -> f64 {
+    (left + now.saturating_duration_since(at).as_secs_f64() * REFILL_PER_S).min(BURST)
+}
+
+/// The address of a TCP principal (`tcp:ADDR:PORT`); `None` for the unix socket.
+pub fn peer_ip(principal: &str) -> Option<IpAddr> {
+    let addr: std::net::SocketAddr = principal.strip_prefix("tcp:")?.parse().ok()?;
+    Some(addr.ip())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_burst_empties_the_bucket_and_time_refills_it() {
+        let f = AuthFailures::default();
+        let (a, b): (IpAddr, IpAddr) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        let t0 = Instant::now();
+        for _ in 0..BURST as usize {
+            assert!(!f.is_blocked(a, t0));
+            f.failed(a, t0);
+        }
+        assert!(f.is_blocked(a, t0));
+        assert!(!f.is_blocked(b, t0), "another address keeps its own budget");
+        let later = t0 + Duration::from_secs_f64(1.0 / REFILL_PER_S);
+        assert!(!f.is_blocked(a, later));
+        assert_eq!(
+            peer_ip("tcp:127.0.0.1:4242"),
+            Some("127.0.0.1".parse().unwrap())
+        );
+        assert_eq!(peer_ip("tcp:[::1]:80"), Some("::1".parse().unwrap()));
+        assert_eq!(peer_ip("unix:uid=0"), None);
+    }
+}
