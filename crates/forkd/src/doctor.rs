@@ -67,6 +67,8 @@ pub fn run(home: &Home, args: DoctorArgs) -> Result<i32> {
         check_tool("dpkg-deb", &["--version"], "dpkg-deb comes with dpkg: forkd needs a Debian-based host"),
         check_tool("apt-get", &["--version"], "forkd fetches the guest kernel with apt-get download: use a Debian-based host or pass --kernel-deb"),
         check_cgroups(),
+        check_data_directory(home),
+        check_isolation(),
         check_disk(home),
         check_agent(),
         check_assets(home),
@@ -262,6 +264,7 @@ fn check_cgroups() -> Check {
     }
     v1.sort();
     v1.dedup();
+    // What the host has; forkd does not place sandboxes in cgroups yet (see isolation).
     if v2_root {
         ok("cgroups", "cgroup v2 (unified) at /sys/fs/cgroup")
     } else if !v1.is_empty() {
@@ -269,7 +272,7 @@ fn check_cgroups() -> Check {
             "cgroups",
             Level::Warn,
             format!(
-                "cgroup v1{} with controllers {}: per-sandbox limits will use the v1 hierarchies",
+                "cgroup v1{} with controllers {}",
                 if v2_unified { "/v2 hybrid" } else { "" },
                 v1.join(",")
             ),
@@ -283,6 +286,54 @@ fn check_cgroups() -> Check {
             "mount cgroup2 at /sys/fs/cgroup",
         )
     }
+}
+
+/// Whether other users are kept out of the data directory (the daemon makes it 0700 at
+/// start; a directory made by other means may be open).
+fn check_data_directory(home: &Home) -> Check {
+    use std::os::unix::fs::PermissionsExt;
+    let root = home.root();
+    match std::fs::metadata(root) {
+        Err(_) => ok(
+            "data dir",
+            format!("{} does not exist yet; the daemon makes it 0700", root.display()),
+        ),
+        Ok(m) if m.permissions().mode() & 0o007 == 0 => ok(
+            "data dir",
+            format!(
+                "{} is mode {:04o}: other users cannot read snapshots, disks or logs",
+                root.display(),
+                m.permissions().mode() & 0o7777
+            ),
+        ),
+        Ok(m) => bad(
+            "data dir",
+            Level::Warn,
+            format!(
+                "{} is mode {:04o}: other users may read templates' memory, children's disks and logs",
+                root.display(),
+                m.permissions().mode() & 0o7777
+            ),
+            format!("start the daemon (it closes it), or chmod 700 {}", root.display()),
+        ),
+    }
+}
+
+/// What stands between a guest and the host, said plainly, with what is not there yet.
+fn check_isolation() -> Check {
+    let user = if nix::unistd::geteuid().is_root() {
+        "root"
+    } else {
+        "this user"
+    };
+    bad(
+        "isolation",
+        Level::Warn,
+        format!(
+            "each sandbox is its own QEMU VM with QEMU's seccomp filter, running as {user}; sandboxes have no network device; not yet: per-sandbox cgroups (memory, CPU, pids beyond the guest's own RAM and vCPUs), an unprivileged jailed QEMU, network namespaces with an egress policy"
+        ),
+        "under TCG, QEMU is not a security boundary: run untrusted code on a host that holds nothing else of value",
+    )
 }
 
 fn check_disk(home: &Home) -> Check {

@@ -102,6 +102,8 @@ fn doctor_reports_every_check() {
         "debootstrap",
         "mkfs.ext4",
         "cgroups",
+        "data dir",
+        "isolation",
         "disk",
     ] {
         assert!(names.contains(&n), "missing check {n}: {names:?}");
