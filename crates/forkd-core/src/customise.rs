@@ -11,13 +11,13 @@
 
 use crate::agent::WriteOptions;
 use crate::error::SandboxError;
-use crate::sandbox::{clock_for, kernel_cmdline, new_sandbox_dir, Launch, Sandbox, SandboxOptions};
-use crate::template::{run_step, BuildOptions, Recipe, RecipeFiles};
-use forkd_hypervisor::{accel, DiskFormat, DiskLayer, Hypervisor, MemoryBackend, VmConfig};
+use crate::sandbox::Sandbox;
+use crate::template::{boot_vm, run_step, BootDisk, BuildOptions, Recipe, RecipeFiles};
+use forkd_hypervisor::{DiskFormat, DiskLayer, Hypervisor, MemoryBackend};
 use forkd_image::{custom_rootfs, packages, GuestAssets, Home};
 use forkd_proto::exec::{Command, ExecRequest};
 use sha2::{Digest, Sha256};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Where the .debs wait in the guest until `dpkg -i` installs them.
 const GUEST_DEBS: &str = "/var/cache/forkd-packages";
@@ -97,38 +97,23 @@ pub async fn ensure(
         named: None,
     })
     .await?;
-    let accel = accel::resolve(opts.accel)?;
-    let (id, dir, guard) = new_sandbox_dir(home)?;
-    let config = VmConfig {
-        id: id.clone(),
-        dir,
-        kernel: assets.kernel.vmlinuz.path.clone(),
-        initramfs: assets.initramfs.path.clone(),
-        cmdline: kernel_cmdline(&id),
-        root_disk: disk.clone(),
-        vcpus: recipe.vcpus,
-        memory_mib: recipe.memory_mib,
-        memory: MemoryBackend::Anonymous,
-        accel,
-        cpu: recipe.cpu_model(accel),
-        clock: clock_for(accel),
-        seccomp: opts.seccomp,
-        detached: false,
-    };
-    let sopts = SandboxOptions {
-        vcpus: recipe.vcpus,
-        memory_mib: recipe.memory_mib,
-        accel: opts.accel,
-        boot_timeout: opts.boot_timeout,
-        agent_timeout: Duration::from_secs(60),
-        seccomp: opts.seccomp,
-        env: Default::default(),
-    };
     progress(&format!(
         "making root filesystem {name}: booting a build VM on {}",
         recipe.base_name()
     ));
-    let vm = Sandbox::launch(hv, config, Launch::Boot, &sopts, guard).await?;
+    let vm = boot_vm(
+        hv,
+        home,
+        recipe,
+        opts,
+        BootDisk {
+            kernel: assets.kernel.vmlinuz.path.clone(),
+            initramfs: assets.initramfs.path.clone(),
+            root_disk: disk.clone(),
+        },
+        MemoryBackend::Anonymous,
+    )
+    .await?;
     let applied = apply(&vm, recipe, files, scratch.path(), progress).await;
     // QEMU flushes the layer as it quits.
     let stopped = vm.destroy().await;
@@ -176,21 +161,7 @@ async fn apply(
             .cloned()
             .ok_or_else(|| fail(format!("file {} was not sent with the recipe", f.src)))?;
         progress(&format!("copying {} to {}", f.src, f.dest));
-        let dest = f.dest.clone();
-        let mode = f.mode();
-        vm.call(|a| async move {
-            a.write_file_bytes(
-                &dest,
-                data,
-                WriteOptions {
-                    mode: Some(mode),
-                    parents: true,
-                    owner: None,
-                },
-            )
-            .await
-        })
-        .await?;
+        write_guest_file(vm, &f.dest, data, f.mode()).await?;
     }
     for (i, step) in recipe.build.iter().enumerate() {
         progress(&format!("build step {}: {}", i + 1, step.run));
@@ -214,6 +185,29 @@ async fn apply(
     }
     vm.call(|a| async move { a.sync().await }).await?;
     Ok(())
+}
+
+/// Writes `data` to `dest` in the guest with `mode`, making its directories.
+async fn write_guest_file(
+    vm: &Sandbox,
+    dest: &str,
+    data: Vec<u8>,
+    mode: u32,
+) -> Result<(), SandboxError> {
+    vm.call(|a| async move {
+        a.write_file_bytes(
+            dest,
+            data,
+            WriteOptions {
+                mode: Some(mode),
+                parents: true,
+                owner: None,
+            },
+        )
+        .await
+    })
+    .await
+    .map(drop)
 }
 
 /// Downloads the recipe's packages on the host for the guest's release and installs
@@ -277,20 +271,7 @@ async fn install_packages(
             context: format!("reading {}", deb.display()),
             source,
         })?;
-        let d = dest.clone();
-        vm.call(|a| async move {
-            a.write_file_bytes(
-                &d,
-                data,
-                WriteOptions {
-                    mode: Some(0o644),
-                    parents: true,
-                    owner: None,
-                },
-            )
-            .await
-        })
-        .await?;
+        write_guest_file(vm, &dest, data, 0o644).await?;
         argv.push(dest);
     }
     progress(&format!("packages: dpkg -i ({} packages)", debs.len()));

@@ -451,40 +451,27 @@ pub async fn build(
     .await?;
 
     let accel = accel::resolve(opts.accel)?;
-    let (id, dir, guard) = new_sandbox_dir(home)?;
-    let config = VmConfig {
-        id: id.clone(),
-        dir: dir.clone(),
-        kernel: staging.part(parts::KERNEL),
-        initramfs: staging.part(parts::INITRAMFS),
-        cmdline: kernel_cmdline(&id),
-        root_disk: staging.part(parts::DISK),
-        vcpus: recipe.vcpus,
-        memory_mib: recipe.memory_mib,
-        memory: MemoryBackend::File {
-            path: staging.part(parts::MEMORY),
-            shared: true,
-        },
-        accel,
-        cpu: recipe.cpu_model(accel),
-        clock: crate::sandbox::clock_for(accel),
-        seccomp: opts.seccomp,
-        detached: false,
-    };
-    let sopts = SandboxOptions {
-        vcpus: recipe.vcpus,
-        memory_mib: recipe.memory_mib,
-        accel: opts.accel,
-        boot_timeout: opts.boot_timeout,
-        agent_timeout: Duration::from_secs(60),
-        seccomp: opts.seccomp,
-        env: Default::default(),
-    };
     progress(&format!(
         "booting the parent ({} vCPU, {} MiB, {accel})",
         recipe.vcpus, recipe.memory_mib
     ));
-    let parent = Sandbox::launch(hv, config.clone(), Launch::Boot, &sopts, guard).await?;
+    let parent = boot_vm(
+        hv,
+        home,
+        recipe,
+        opts,
+        BootDisk {
+            kernel: staging.part(parts::KERNEL),
+            initramfs: staging.part(parts::INITRAMFS),
+            root_disk: staging.part(parts::DISK),
+        },
+        MemoryBackend::File {
+            path: staging.part(parts::MEMORY),
+            shared: true,
+        },
+    )
+    .await?;
+    let config = parent.config().clone();
     let boot = t0.elapsed();
     let t_warm = Instant::now();
     let warmed = warm(&parent, recipe, progress).await;
@@ -558,6 +545,56 @@ pub async fn build(
         ms(freeze)
     ));
     Ok(snap)
+}
+
+/// What a recipe's VM boots from.
+pub(crate) struct BootDisk {
+    /// The kernel.
+    pub(crate) kernel: std::path::PathBuf,
+    /// The initramfs.
+    pub(crate) initramfs: std::path::PathBuf,
+    /// Its disk layer (qcow2, over the root filesystem).
+    pub(crate) root_disk: std::path::PathBuf,
+}
+
+/// Boots a VM of `recipe`'s shape (vCPUs, RAM, CPU model) from `disk` with its RAM in
+/// `memory`: a template's parent, or the build VM that customises its base.
+pub(crate) async fn boot_vm(
+    hv: &dyn Hypervisor,
+    home: &Home,
+    recipe: &Recipe,
+    opts: &BuildOptions,
+    disk: BootDisk,
+    memory: MemoryBackend,
+) -> Result<Sandbox, SandboxError> {
+    let accel = accel::resolve(opts.accel)?;
+    let (id, dir, guard) = new_sandbox_dir(home)?;
+    let config = VmConfig {
+        cmdline: kernel_cmdline(&id),
+        id,
+        dir,
+        kernel: disk.kernel,
+        initramfs: disk.initramfs,
+        root_disk: disk.root_disk,
+        vcpus: recipe.vcpus,
+        memory_mib: recipe.memory_mib,
+        memory,
+        accel,
+        cpu: recipe.cpu_model(accel),
+        clock: crate::sandbox::clock_for(accel),
+        seccomp: opts.seccomp,
+        detached: false,
+    };
+    let sopts = SandboxOptions {
+        vcpus: recipe.vcpus,
+        memory_mib: recipe.memory_mib,
+        accel: opts.accel,
+        boot_timeout: opts.boot_timeout,
+        agent_timeout: Duration::from_secs(60),
+        seccomp: opts.seccomp,
+        env: Default::default(),
+    };
+    Sandbox::launch(hv, config, Launch::Boot, &sopts, guard).await
 }
 
 /// Runs the warm-up commands and starts the contexts; returns the contexts.

@@ -324,22 +324,42 @@ pub fn create_overlay(
 /// the layered disk `top`: a build VM's disk turned into a root filesystem image of its
 /// own, by `qemu-img convert`.
 pub async fn to_raw(top: &Path, out: &Path) -> Result<(), crate::HypervisorError> {
-    let program = std::env::var_os("FORKD_QEMU_IMG").unwrap_or_else(|| "qemu-img".into());
-    let output = tokio::process::Command::new(&program)
-        .args(["convert", "-q", "-f", "qcow2", "-O", "raw", "-S", "4k"])
+    let mut cmd = qemu_img();
+    cmd.args(["convert", "-q", "-f", "qcow2", "-O", "raw", "-S", "4k"])
         .arg(top)
-        .arg(out)
+        .arg(out);
+    run_into(
+        cmd,
+        out,
+        &format!("converting {} into {}", top.display(), out.display()),
+    )
+    .await
+}
+
+/// `qemu-img`: `$FORKD_QEMU_IMG`, else from `PATH`.
+fn qemu_img() -> tokio::process::Command {
+    tokio::process::Command::new(
+        std::env::var_os("FORKD_QEMU_IMG").unwrap_or_else(|| "qemu-img".into()),
+    )
+}
+
+/// Runs `cmd`, which writes `out`: on failure `out` is removed and the error carries
+/// what the tool said; on success `out` is synced.
+async fn run_into(
+    mut cmd: tokio::process::Command,
+    out: &Path,
+    what: &str,
+) -> Result<(), crate::HypervisorError> {
+    let program = cmd.as_std().get_program().to_string_lossy().into_owned();
+    let output = cmd
         .stdin(std::process::Stdio::null())
         .output()
         .await
-        .map_err(|source| crate::HypervisorError::Spawn {
-            program: program.to_string_lossy().into_owned(),
-            source,
-        })?;
+        .map_err(|source| crate::HypervisorError::Spawn { program, source })?;
     if !output.status.success() {
         let _ = std::fs::remove_file(out);
         return Err(crate::HypervisorError::Io {
-            context: format!("converting {} into {}", top.display(), out.display()),
+            context: what.to_owned(),
             source: std::io::Error::other(
                 String::from_utf8_lossy(&output.stderr).trim().to_owned(),
             ),
@@ -359,32 +379,17 @@ pub async fn to_raw(top: &Path, out: &Path) -> Result<(), crate::HypervisorError
 pub async fn flatten(top: &Path, base: &Path, out: &Path) -> Result<(), crate::HypervisorError> {
     let io = |what: String| move |e: std::io::Error| crate::HypervisorError::io(what, e);
     std::fs::copy(top, out).map_err(io(format!("copying {}", top.display())))?;
-    let program = std::env::var_os("FORKD_QEMU_IMG").unwrap_or_else(|| "qemu-img".into());
-    let dir = out.parent().unwrap_or(Path::new("."));
-    let output = tokio::process::Command::new(&program)
-        .current_dir(dir)
+    let mut cmd = qemu_img();
+    cmd.current_dir(out.parent().unwrap_or(Path::new(".")))
         .args(["rebase", "-q", "-f", "qcow2", "-F", "raw", "-b"])
         .arg(base)
-        .arg(out)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .await
-        .map_err(|source| crate::HypervisorError::Spawn {
-            program: program.to_string_lossy().into_owned(),
-            source,
-        })?;
-    if !output.status.success() {
-        let _ = std::fs::remove_file(out);
-        return Err(crate::HypervisorError::Io {
-            context: format!("flattening {} into {}", top.display(), out.display()),
-            source: std::io::Error::other(
-                String::from_utf8_lossy(&output.stderr).trim().to_owned(),
-            ),
-        });
-    }
-    std::fs::File::open(out)
-        .and_then(|f| f.sync_all())
-        .map_err(io(format!("syncing {}", out.display())))
+        .arg(out);
+    run_into(
+        cmd,
+        out,
+        &format!("flattening {} into {}", top.display(), out.display()),
+    )
+    .await
 }
 
 #[cfg(test)]
