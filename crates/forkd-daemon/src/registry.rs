@@ -97,6 +97,9 @@ const COST_TTL: Duration = Duration::from_secs(10);
 /// How long to wait before trying again to take over an unattached sandbox.
 const REATTACH_EVERY: Duration = Duration::from_secs(10);
 
+/// Steps kept of one running operation.
+pub const MAX_STEPS: usize = 200;
+
 #[derive(Default)]
 pub(crate) struct Slots {
     live: HashMap<String, Entry>,
@@ -109,6 +112,8 @@ pub(crate) struct Slots {
     /// Children ready so far in the forks in progress, by operation id (kept in
     /// memory: written once, when the fork ends).
     progress: HashMap<String, u64>,
+    /// The steps each running operation has begun, in words (kept in memory).
+    steps: HashMap<String, Vec<String>>,
     /// The last measured cost of a child, by snapshot tag, and when it was measured.
     costs: HashMap<String, (u64, String, Instant)>,
     /// Slots promised to forks in progress.
@@ -439,6 +444,7 @@ impl Registry {
             done: 0,
             total: spec.count as u64,
             result: None,
+            steps: Vec::new(),
         };
         self.state.insert_operation(&op)?;
         let cancel = tokio_util::sync::CancellationToken::new();
@@ -545,7 +551,23 @@ impl Registry {
 
     /// Forgets a finished operation's progress (its row has the final figures).
     pub fn clear_progress(&self, op: &str) {
-        self.slots().progress.remove(op);
+        let mut slots = self.slots();
+        slots.progress.remove(op);
+        slots.steps.remove(op);
+    }
+
+    /// Records the step a running operation begins (the first [`MAX_STEPS`] are kept).
+    pub fn add_step(&self, op: &str, step: &str) {
+        let mut slots = self.slots();
+        let steps = slots.steps.entry(op.to_owned()).or_default();
+        if steps.len() < MAX_STEPS {
+            steps.push(step.to_owned());
+        }
+    }
+
+    /// The steps the running operation `op` has begun, oldest first.
+    pub fn steps(&self, op: &str) -> Vec<String> {
+        self.slots().steps.get(op).cloned().unwrap_or_default()
     }
 
     /// Records how a fork ended: its status, error and result (children and errors).

@@ -160,6 +160,7 @@ impl OperationRow {
             done: 0,
             total,
             result,
+            steps: Vec::new(),
         }
     }
 }
@@ -188,6 +189,10 @@ pub struct OperationRow {
     /// What it produced, once finished (a fork: `{"sandboxes": [ids], "errors": [..]}`).
     #[schema(value_type = Option<Object>)]
     pub result: Option<serde_json::Value>,
+    /// While it runs, the steps it has begun, in words, oldest first (a template
+    /// build's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub steps: Vec<String>,
 }
 
 /// The database. Calls are short (single-row reads and writes on a local file), so they
@@ -668,6 +673,7 @@ fn operation_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OperationRow> {
         result: r
             .get::<_, Option<String>>(9)?
             .and_then(|t| serde_json::from_str(&t).ok()),
+        steps: Vec::new(),
     })
 }
 
@@ -804,6 +810,7 @@ mod tests {
             done: 0,
             total: 0,
             result: None,
+            steps: Vec::new(),
         };
         s.insert_operation(&op).unwrap();
         let fork = OperationRow {
@@ -839,6 +846,7 @@ mod tests {
             kind: "branch".into(),
             target: "b1".into(),
             result: Some(serde_json::json!({"source": "sb-9"})),
+            steps: Vec::new(),
             ..op.clone()
         };
         s.insert_operation(&branch).unwrap();

@@ -172,7 +172,8 @@ pub async fn build_template(
         "building template {} as {tag} (operation {id})",
         body["template"].as_str().unwrap_or("")
     ));
-    let mut last_note = Instant::now();
+    // Each step the daemon reports is shown once.
+    let mut shown = 0;
     let op = loop {
         tokio::time::sleep(Duration::from_millis(250)).await;
         let op: Value = client
@@ -181,10 +182,14 @@ pub async fn build_template(
         if op["status"] != "running" {
             break op;
         }
-        if last_note.elapsed() > Duration::from_secs(5) {
-            say("still building: booting, warming up and freezing the parent");
-            last_note = Instant::now();
+        let steps = op["steps"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        for step in steps.iter().skip(shown).filter_map(Value::as_str) {
+            say(step);
         }
+        shown = shown.max(steps.len());
     };
     if op["status"] != "succeeded" {
         anyhow::bail!(

@@ -319,6 +319,11 @@ fn recipes_customise_their_base_and_rebuild_only_on_change(d: &Daemon) {
 
     let (ok, out, err) = template_build(d, &dir, "custom");
     assert!(ok, "{out}{err}\n{}", d.log());
+    // The CLI shows the build's steps as the daemon reports them.
+    assert!(
+        err.contains("packages: dpkg -i (") && err.contains("build step 1: jq"),
+        "{err}"
+    );
     let made = custom_images(d);
     let new: Vec<_> = made
         .iter()
@@ -358,6 +363,7 @@ fn recipes_customise_their_base_and_rebuild_only_on_change(d: &Daemon) {
     .unwrap();
     let (ok, out, err) = template_build(d, &dir, "custom-again");
     assert!(ok, "{out}{err}");
+    assert!(err.contains("reusing root filesystem custom-"), "{err}");
     assert_eq!(custom_images(d), made, "nothing was made again");
     assert_eq!(inode(&image), first);
 

@@ -298,7 +298,8 @@ pub async fn build(
     let app2 = app.clone();
     let op_id = op.id.clone();
     tokio::spawn(async move {
-        let r = build_snapshot(&app2, &recipe, &files, &tag).await;
+        let r = build_snapshot(&app2, &op_id, &recipe, &files, &tag).await;
+        app2.registry.clear_progress(&op_id);
         let (status, error) = match &r {
             Ok(()) => ("succeeded", None),
             Err(e) => ("failed", Some(e.to_string())),
@@ -349,6 +350,7 @@ fn sent_files(
 
 async fn build_snapshot(
     app: &App,
+    op: &str,
     recipe: &Recipe,
     files: &template::RecipeFiles,
     tag: &Tag,
@@ -392,7 +394,10 @@ async fn build_snapshot(
     };
     let id = tag.to_string();
     let opts = template::BuildOptions::default();
-    let progress = |m: &str| tracing::info!(tag = %id, "{m}");
+    let progress = |m: &str| {
+        tracing::info!(tag = %id, "{m}");
+        app.registry.add_step(op, m);
+    };
     let assets = forkd_core::customise::ensure(
         app.registry.hypervisor().as_ref(),
         &app.config.home,
@@ -458,9 +463,13 @@ pub async fn operation(
         .state()
         .operation(&id)?
         .ok_or_else(|| ApiError::not_found(format!("no operation {id}")))?;
-    // A running fork's progress is kept in memory, not written per child.
+    // A running fork's progress is kept in memory, not written per child, and so is
+    // what a running build is doing.
     if let Some(done) = app.registry.progress(&id) {
         op.done = done;
+    }
+    if op.status == "running" {
+        op.steps = app.registry.steps(&id);
     }
     Ok(Json(op))
 }
