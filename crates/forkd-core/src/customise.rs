@@ -19,6 +19,22 @@ use forkd_proto::exec::{Command, ExecRequest};
 use sha2::{Digest, Sha256};
 use std::time::Instant;
 
+/// Removes the scratch directories of customisations and docker-archive reads that a
+/// stopped process left in the images' scratch area. Only when none is in progress: at
+/// the daemon's start. (The image builders' own sweep leaves them alone: a build VM
+/// runs without their lock.)
+pub fn remove_leftovers(home: &Home) {
+    let Ok(entries) = std::fs::read_dir(home.tmp_dir()) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(custom_rootfs::SCRATCH_PREFIX) || name.starts_with("docker-archive-") {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 /// Where the .debs wait in the guest until `dpkg -i` installs them.
 const GUEST_DEBS: &str = "/var/cache/forkd-packages";
 
@@ -222,9 +238,11 @@ async fn install_packages(
         name: recipe.name.clone(),
         detail,
     };
-    let read = |path: &'static str| vm.call(move |a| async move { a.read_file_bytes(path).await });
+    let read = |path: &'static str, max: u64| {
+        vm.call(move |a| async move { a.read_file_capped(path, max).await })
+    };
     // An image without /etc/os-release says nothing of itself: not Debian, then.
-    let release = read("/etc/os-release")
+    let release = read("/etc/os-release", 64 << 10)
         .await
         .map(|b| packages::Release::parse(&String::from_utf8_lossy(&b)))
         .unwrap_or(packages::Release {
@@ -235,7 +253,7 @@ async fn install_packages(
         .debian_suite()
         .map_err(|e| fail(format!("packages: {e}")))?
         .to_owned();
-    let status = read("/var/lib/dpkg/status")
+    let status = read("/var/lib/dpkg/status", 64 << 20)
         .await
         .map_err(|e| fail(format!("packages: the image has no dpkg database ({e})")))?;
     progress(&format!(

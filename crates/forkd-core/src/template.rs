@@ -148,6 +148,15 @@ impl FileRecipe {
     }
 }
 
+/// Whether `s` can be a QEMU CPU model name (`Westmere-v1`, `host`): letters, digits,
+/// `.`, `_` and `-`, so that nothing else reaches `-cpu`.
+pub fn is_cpu_model_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+}
+
 /// The contents of a recipe's `files`, by `src`.
 pub type RecipeFiles = std::collections::BTreeMap<String, Vec<u8>>;
 
@@ -233,15 +242,8 @@ impl Recipe {
         if let Some(i) = r.build.iter().position(|b| b.run.trim().is_empty()) {
             return Err(bad(format!("build step {} has nothing to run", i + 1)));
         }
-        if let Some(cpu) = &r.cpu {
-            let named = !cpu.is_empty()
-                && cpu.len() <= 64
-                && cpu
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
-            if !named {
-                return Err(bad(format!("cpu = {cpu:?} is not a QEMU CPU model name")));
-            }
+        if let Some(cpu) = r.cpu.as_deref().filter(|c| !is_cpu_model_name(c)) {
+            return Err(bad(format!("cpu = {cpu:?} is not a QEMU CPU model name")));
         }
         if r.pool as usize > crate::fork::MAX_POOL {
             return Err(bad(format!(

@@ -1,8 +1,9 @@
-//! A budget of failed authentications per client address. Each 401 spends from its
-//! address's bucket, which refills with time; while it is empty, that address is
-//! answered 429 before anything else runs and nothing is appended to the audit log, so
-//! a client guessing tokens (or sending megabytes of path to fill the disk) costs the
-//! daemon a map lookup, and the log a bounded number of records per second.
+//! A budget of failed authentications per client address (an IPv6 client by its /64).
+//! Each 401 spends from its address's bucket, which refills with time; while it is
+//! empty, a request from that address without a valid token is answered 429 and not
+//! audited, so a client guessing tokens (or sending megabytes of path to fill the disk)
+//! costs the daemon a map lookup, and the log a bounded number of records per second.
+//! A request with the valid token always passes.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -23,22 +24,50 @@ pub struct AuthFailures {
 }
 
 impl AuthFailures {
-    /// Whether `ip` has spent its budget: its requests are then refused unseen.
+    /// Whether `ip` has spent its budget.
     pub fn is_blocked(&self, ip: IpAddr, now: Instant) -> bool {
         let buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
         buckets
-            .get(&ip)
+            .get(&key(ip))
             .is_some_and(|&(left, at)| refilled(left, at, now) < 1.0)
     }
 
     /// Spends one failure of `ip`'s budget.
     pub fn failed(&self, ip: IpAddr, now: Instant) {
+        let ip = key(ip);
         let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
         if buckets.len() >= MAX_TRACKED && !buckets.contains_key(&ip) {
+            // Full buckets need no memory; past that, the longest quiet one goes.
             buckets.retain(|_, &mut (left, at)| refilled(left, at, now) < BURST);
+            if buckets.len() >= MAX_TRACKED {
+                if let Some(oldest) = buckets
+                    .iter()
+                    .min_by_key(|(_, (_, at))| *at)
+                    .map(|(k, _)| *k)
+                {
+                    buckets.remove(&oldest);
+                }
+            }
         }
         let (left, at) = buckets.get(&ip).copied().unwrap_or((BURST, now));
         buckets.insert(ip, ((refilled(left, at, now) - 1.0).max(0.0), now));
+    }
+
+    /// Addresses tracked.
+    pub fn tracked(&self) -> usize {
+        self.buckets.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+/// The bucket an address spends from: an IPv6 address by its /64 (one host can have
+/// all of it).
+fn key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => {
+            let s = v6.segments();
+            IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+        }
     }
 }
 
@@ -68,6 +97,20 @@ mod tests {
         }
         assert!(f.is_blocked(a, t0));
         assert!(!f.is_blocked(b, t0), "another address keeps its own budget");
+        // One /64 is one budget.
+        let (v6a, v6b): (IpAddr, IpAddr) = (
+            "2001:db8::1".parse().unwrap(),
+            "2001:db8::ffff:2".parse().unwrap(),
+        );
+        for _ in 0..BURST as usize {
+            f.failed(v6a, t0);
+        }
+        assert!(f.is_blocked(v6b, t0));
+        // The map stays bounded whatever the number of addresses.
+        for i in 0..(MAX_TRACKED as u32 + 100) {
+            f.failed(IpAddr::V4(std::net::Ipv4Addr::from(0x0b00_0000 + i)), t0);
+        }
+        assert!(f.tracked() <= MAX_TRACKED);
         let later = t0 + Duration::from_secs_f64(1.0 / REFILL_PER_S);
         assert!(!f.is_blocked(a, later));
         assert_eq!(

@@ -70,14 +70,15 @@ pub async fn run(
     config.validate()?;
     let root = config.home.root().to_owned();
     std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
-    tighten_data_directory(&config)?;
     // Before anything of the directory is read or touched: a second daemon must not
     // adopt (and so break) the first one's sandboxes.
     let _owner = crate::owner::OwnerLock::acquire(&root, &config.socket)?;
+    tighten_data_directory(&config)?;
     let state = Arc::new(State::open(&config.database())?);
     let interrupted = state.interrupt_running_operations(&crate::now_rfc3339())?;
     let store = Store::of_home(&config.home);
     forkd_core::oci::layout::Layout::remove_leftovers(&store);
+    forkd_core::customise::remove_leftovers(&config.home);
     let mut branch_sources = Vec::new();
     for op in &interrupted {
         let (kind, target) = (&op.kind, &op.target);
@@ -160,14 +161,17 @@ pub async fn run(
     // The audit and metrics layer is the outermost one, so that refused
     // authentications are recorded too.
     let failures = Arc::new(crate::auth_failures::AuthFailures::default());
-    let observed = axum::middleware::from_fn_with_state((app.clone(), audit, failures), observe);
+    let observed = axum::middleware::from_fn_with_state((app.clone(), audit), observe);
     let base = api::router(app.clone())
         .merge(extra.clone())
         .layer(observed.clone());
     let token = config.token.clone().map(Arc::new);
     let tcp_router = api::router(app.clone())
         .merge(extra)
-        .layer(axum::middleware::from_fn_with_state(token, authenticate))
+        .layer(axum::middleware::from_fn_with_state(
+            (token, failures),
+            authenticate,
+        ))
         .layer(observed.clone());
 
     // E2B's API authenticates by its own rules (see `e2b`); it shares the audit and
@@ -304,10 +308,20 @@ async fn serve_watched<S>(
 /// templates' memory images, children's disks, logs and the database. Mode 0700, or
 /// 0710 with the socket's group when the socket is inside it (so that the group can
 /// reach the socket, and only the socket, whose own mode lets it in). Its state
-/// database and audit log are 0600.
+/// database and audit log are 0600. A directory of another user is left as it is.
 fn tighten_data_directory(config: &DaemonConfig) -> Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let root = config.home.root();
+    let owner = std::fs::metadata(root)
+        .with_context(|| format!("reading {}", root.display()))?
+        .uid();
+    if owner != nix::unistd::geteuid().as_raw() {
+        tracing::warn!(
+            "{} belongs to uid {owner}: its mode is left as it is",
+            root.display()
+        );
+        return Ok(());
+    }
     let group = match config.socket_group.as_deref() {
         Some(g) if config.socket.starts_with(root) => Some(
             nix::unistd::Group::from_name(g)
@@ -368,8 +382,7 @@ async fn bind_unix(path: &Path, group: Option<&str>) -> Result<UnixListener> {
     let bound = UnixListener::bind(path);
     nix::sys::stat::umask(old);
     let listener = bound.with_context(|| format!("listening on {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-        .with_context(|| format!("setting the mode of {}", path.display()))?;
+    // The group first, then the mode that lets it in.
     if let Some(g) = group {
         let gid = nix::unistd::Group::from_name(g)
             .with_context(|| format!("looking up group {g}"))?
@@ -378,13 +391,20 @@ async fn bind_unix(path: &Path, group: Option<&str>) -> Result<UnixListener> {
         nix::unistd::chown(path, None, Some(gid))
             .with_context(|| format!("giving {} to group {g}", path.display()))?;
     }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .with_context(|| format!("setting the mode of {}", path.display()))?;
     Ok(listener)
 }
 
 /// Bearer-token check for TCP listeners (constant-time comparison). Without a
-/// configured token (allowed on loopback only) every request passes.
+/// configured token (allowed on loopback only) every request passes. A request without
+/// the valid token from an address that has spent its budget of failures (see
+/// [`crate::auth_failures`]) is answered 429 and not audited.
 async fn authenticate(
-    axum::extract::State(token): axum::extract::State<Option<Arc<String>>>,
+    axum::extract::State((token, failures)): axum::extract::State<(
+        Option<Arc<String>>,
+        Arc<crate::auth_failures::AuthFailures>,
+    )>,
     req: Request,
     next: Next,
 ) -> Response {
@@ -396,12 +416,38 @@ async fn authenticate(
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
+    if given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(token.as_bytes()))) {
+        return next.run(req).await;
+    }
+    let now = Instant::now();
+    let peer = req
+        .extensions()
+        .get::<Principal>()
+        .and_then(|p| crate::auth_failures::peer_ip(&p.0));
+    if let Some(ip) = peer {
+        if failures.is_blocked(ip, now) {
+            let mut r = ApiError::new(
+                axum::http::StatusCode::TOO_MANY_REQUESTS,
+                "rate_limited",
+                "too many failed authentications from this address; wait, and send the valid token",
+            )
+            .into_response();
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+            r.extensions_mut().insert(Unaudited);
+            return r;
+        }
+        failures.failed(ip, now);
+    }
     match given {
-        Some(g) if bool::from(g.as_bytes().ct_eq(token.as_bytes())) => next.run(req).await,
         Some(_) => unauthorized("the bearer token is not valid"),
         None => unauthorized("this listener requires `Authorization: Bearer <token>`"),
     }
 }
+
+/// Marks a response the audit log does not record (a rate-limited refusal).
+#[derive(Debug, Clone, Copy)]
+struct Unaudited;
 
 fn unauthorized(msg: &str) -> Response {
     let mut r =
@@ -416,15 +462,10 @@ fn unauthorized(msg: &str) -> Response {
 /// The longest request path an audit record keeps (the rest is counted, not kept).
 const AUDITED_PATH: usize = 256;
 
-/// Counts errors by kind and appends an audit record for every mutating request. A TCP
-/// client whose authentications keep failing is answered 429 unseen (see
-/// [`crate::auth_failures`]).
+/// Counts errors by kind and appends an audit record for every mutating request
+/// (rate-limited refusals aside).
 async fn observe(
-    axum::extract::State((app, audit, failures)): axum::extract::State<(
-        App,
-        Arc<AuditLog>,
-        Arc<crate::auth_failures::AuthFailures>,
-    )>,
+    axum::extract::State((app, audit)): axum::extract::State<(App, Arc<AuditLog>)>,
     req: Request,
     next: Next,
 ) -> Response {
@@ -436,19 +477,6 @@ async fn observe(
         .get::<Principal>()
         .map(|p| p.0.clone())
         .unwrap_or_else(|| "unknown".into());
-    let peer = crate::auth_failures::peer_ip(&principal);
-    if peer.is_some_and(|ip| failures.is_blocked(ip, started)) {
-        app.metrics.error("rate_limited");
-        let mut r = ApiError::new(
-            axum::http::StatusCode::TOO_MANY_REQUESTS,
-            "rate_limited",
-            "too many failed authentications from this address; wait and send a valid token",
-        )
-        .into_response();
-        r.headers_mut()
-            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-        return r;
-    }
     // A handler that panics would take the connection down before anything is
     // recorded: answer 500 instead, so that the request is still audited and counted.
     let response = match AssertUnwindSafe(next.run(req)).catch_unwind().await {
@@ -469,13 +497,11 @@ async fn observe(
     if let Some(kind) = response.extensions().get::<ErrorKind>() {
         app.metrics.error(kind.0);
     }
-    if let (Some(ip), axum::http::StatusCode::UNAUTHORIZED) = (peer, response.status()) {
-        failures.failed(ip, started);
-    }
     if matches!(
         method,
         Method::POST | Method::PUT | Method::DELETE | Method::PATCH
-    ) {
+    ) && response.extensions().get::<Unaudited>().is_none()
+    {
         let record = Record {
             time: crate::now_rfc3339(),
             principal,

@@ -25,11 +25,12 @@ impl Accel {
     /// `max` follow the machine); the newest the accelerator provides whole, checked by
     /// QEMU (`enforce`) at every start. Under TCG, Westmere: QEMU 7.2 and 10.0 emulate
     /// all of it (Sandy Bridge and later ask for the TSC deadline timer and PCID, which
-    /// TCG lacks). Under KVM, Haswell without TSX: AVX2 and FMA, on any x86-64 server
-    /// of the last decade.
+    /// TCG lacks). Under KVM, Sandy Bridge: AVX, AES and the TSC deadline timer (which
+    /// KVM provides on any host), without the PCID and INVPCID that Haswell asks for
+    /// and some AMD hosts and nested hypervisors lack.
     pub fn default_cpu_model(self) -> &'static str {
         match self {
-            Accel::Kvm => "Haswell-v4",
+            Accel::Kvm => "SandyBridge-v1",
             Accel::Tcg => "Westmere-v1",
         }
     }

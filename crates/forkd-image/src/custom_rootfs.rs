@@ -11,6 +11,9 @@ use crate::error::Result;
 use crate::fsutil::{self, ScratchDir};
 use crate::home::Home;
 
+/// The prefix of a customisation's scratch directory in the images' scratch area.
+pub const SCRATCH_PREFIX: &str = "customising-";
+
 /// The name of the image made from `inputs` (a hex digest).
 pub fn name(inputs: &str) -> String {
     format!("custom-{}", &inputs[..inputs.len().min(16)])
@@ -27,10 +30,13 @@ pub fn current(home: &Home, inputs: &str) -> Option<Asset> {
     .filter(|a| a.is_current(inputs))
 }
 
-/// A scratch directory for making it (removed when dropped; a crashed build's is swept
-/// by the next image build).
+/// A scratch directory for making it (removed when dropped; a crashed build's by the
+/// next daemon's start).
 pub fn scratch(home: &Home, inputs: &str) -> Result<ScratchDir> {
-    ScratchDir::new(&home.tmp_dir(), &format!("{}-", name(inputs)))
+    ScratchDir::new(
+        &home.tmp_dir(),
+        &format!("{SCRATCH_PREFIX}{}-", name(inputs)),
+    )
 }
 
 /// Publishes the finished image file `image` as the image of `inputs`.

@@ -85,7 +85,7 @@ impl BuildLock {
 /// The prefixes of the builders' scratch directories (`ScratchDir`). Only those are
 /// swept: whatever else lives in the tmp directory (a test daemon's data directory,
 /// kept on the assets' filesystem so that snapshots hard-link them) is not a build's.
-const SCRATCH_PREFIXES: [&str; 5] = ["kernel-", "rootfs-", "initramfs-", "oci-", "custom-"];
+const SCRATCH_PREFIXES: [&str; 4] = ["kernel-", "rootfs-", "initramfs-", "oci-"];
 
 fn clear_stale_scratch(home: &Home) {
     let tmp = home.tmp_dir();

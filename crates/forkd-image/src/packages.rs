@@ -102,8 +102,23 @@ pub fn download(
             detail: format!("{bad:?} is not a Debian package name"),
         });
     }
+    if suite.is_empty()
+        || !suite
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+    {
+        return Err(ImageError::Package {
+            detail: format!("{suite:?} is not a Debian release name"),
+        });
+    }
     let mirror = debian_mirror(None, suite)?;
-    for sub in ["lists/partial", "archives/partial", "parts"] {
+    for sub in [
+        "lists/partial",
+        "archives/partial",
+        "parts",
+        "conf",
+        "preferences",
+    ] {
         crate::fsutil::create_dir_all(&dir.join(sub))?;
     }
     let write = |name: &str, bytes: &[u8]| {
@@ -120,12 +135,33 @@ pub fn download(
         format!("deb {signed}{mirror} {suite} main\n").as_bytes(),
     )?;
     write("status", status)?;
+    // Of the host's configuration only how it fetches (its proxy, say): none of its
+    // hooks (apt.conf.d's Pre- and Post-Invoke commands would run as root, and some
+    // clean the host's own cache), none of its pins.
+    write("conf/host-acquire.conf", &host_acquire_config())?;
+    write("empty.conf", b"")?;
+    // Read before anything else (APT_CONFIG): it points apt away from the host's
+    // apt.conf, apt.conf.d and preferences (options given with -o come too late for
+    // that: the host's files are read first).
+    let at = |name: &str| dir.join(name).display().to_string();
+    write(
+        "apt.conf",
+        format!(
+            "Dir::Etc::Parts \"{}\";\nDir::Etc::main \"{}\";\nDir::Etc::Preferences \"{}\";\nDir::Etc::PreferencesParts \"{}\";\n",
+            at("conf"),
+            at("empty.conf"),
+            at("empty.conf"),
+            at("preferences")
+        )
+        .as_bytes(),
+    )?;
     // apt with its state, lists and cache in `dir`, the guest's package database as the
-    // installed set, and the host's own configuration otherwise (its proxy, its keys).
+    // installed set, and the host's keys.
     let apt = |args: &[&str]| -> Result<std::process::Command> {
         let mut cmd = APT_GET.command()?;
         let set = |k: &str, v: &Path| format!("{k}={}", v.display());
-        cmd.arg("-q")
+        cmd.env("APT_CONFIG", dir.join("apt.conf"))
+            .arg("-q")
             .args(["-o", &set("Dir::State", dir)])
             .args(["-o", &set("Dir::State::Lists", &dir.join("lists"))])
             .args(["-o", &set("Dir::State::status", &dir.join("status"))])
@@ -168,6 +204,24 @@ pub fn download(
         .collect();
     debs.sort();
     Ok(debs)
+}
+
+/// The host's `Acquire::` settings (proxies, timeouts), as apt.conf text: what apt run
+/// with none of the host's configuration files still needs to reach the archive the
+/// way the host does. Index targets are left to apt's defaults.
+fn host_acquire_config() -> Vec<u8> {
+    let dump = std::process::Command::new("apt-config")
+        .arg("dump")
+        .env("LC_ALL", "C")
+        .output()
+        .map(|o| o.stdout)
+        .unwrap_or_default();
+    String::from_utf8_lossy(&dump)
+        .lines()
+        .filter(|l| l.starts_with("Acquire::") && !l.starts_with("Acquire::IndexTargets"))
+        .flat_map(|l| [l, "\n"])
+        .collect::<String>()
+        .into_bytes()
 }
 
 #[cfg(test)]

@@ -887,7 +887,8 @@ fn the_data_directory_is_closed_to_others_and_failed_tokens_are_rate_limited() {
             path.ends_with("...[60014 bytes]") && path.len() < 300,
             "{path}"
         );
-        // While the address is blocked, even the right token is turned away; then let in.
+        // While the address is blocked, a wrong token is turned away unseen; the right
+        // one is let in.
         let mut blocked = false;
         for _ in 0..50 {
             let (s, _) = call(
@@ -903,9 +904,6 @@ fn the_data_directory_is_closed_to_others_and_failed_tokens_are_rate_limited() {
             }
         }
         assert!(blocked);
-        let (s, _) = call(&tcp(TOKEN), Method::GET, "/v1/sandboxes", None).await;
-        assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);
-        tokio::time::sleep(Duration::from_millis(1100)).await;
         let (s, v) = call(&tcp(TOKEN), Method::GET, "/v1/sandboxes", None).await;
         assert_eq!(s, StatusCode::OK, "{v}");
     });

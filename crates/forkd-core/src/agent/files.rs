@@ -118,6 +118,25 @@ impl AgentClient {
         Ok(resp.into_body())
     }
 
+    /// Reads the file at `path` into memory, refusing one longer than `max` bytes (a
+    /// guest's file may be anything, `/dev/zero` included).
+    pub async fn read_file_capped(&self, path: &str, max: u64) -> Result<Vec<u8>, AgentError> {
+        let mut body = self.open_file(path).await?;
+        let mut out = Vec::new();
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame?.into_data() {
+                if (out.len() + data.len()) as u64 > max {
+                    return Err(AgentError::Io {
+                        context: format!("reading {path}"),
+                        source: std::io::Error::other(format!("it is longer than {max} bytes")),
+                    });
+                }
+                out.extend_from_slice(&data);
+            }
+        }
+        Ok(out)
+    }
+
     /// Reads the whole file at `path` into memory.
     pub async fn read_file_bytes(&self, path: &str) -> Result<Vec<u8>, AgentError> {
         let mut out = Vec::new();

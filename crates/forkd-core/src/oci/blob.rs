@@ -118,6 +118,9 @@ pub enum DecodeError {
         /// Bytes expected.
         want: u64,
     },
+    /// It has more data than its layer said (see [`super::STORED_ANNOTATION`]).
+    #[error("it holds more than the {0} bytes of data its layer said (refused before it could fill the disk)")]
+    MoreThanStated(u64),
     /// It is not valid zstd, or reading or writing failed.
     #[error("{0}")]
     Io(#[from] io::Error),
@@ -126,6 +129,17 @@ pub enum DecodeError {
 /// Decompresses `blob` into the new file `dst`, which must come out `size` bytes long;
 /// zero pages are left as holes. Returns the hex sha256 of what was written.
 pub fn decompress(blob: &Path, dst: &Path, size: u64) -> Result<String, DecodeError> {
+    decompress_bounded(blob, dst, size, None)
+}
+
+/// [`decompress`], also refusing more than `stored` bytes of non-zero pages (what the
+/// free space was checked against).
+pub fn decompress_bounded(
+    blob: &Path,
+    dst: &Path,
+    size: u64,
+    stored: Option<u64>,
+) -> Result<String, DecodeError> {
     let mut dec = zstd::stream::read::Decoder::new(File::open(blob)?)?;
     let out = std::fs::OpenOptions::new()
         .write(true)
@@ -134,6 +148,7 @@ pub fn decompress(blob: &Path, dst: &Path, size: u64) -> Result<String, DecodeEr
     let mut hash = Sha256::new();
     let mut buf = vec![0u8; CHUNK];
     let mut off = 0u64;
+    let mut written = 0u64;
     loop {
         let n = read_full(&mut dec, &mut buf)?;
         if n == 0 {
@@ -143,6 +158,12 @@ pub fn decompress(blob: &Path, dst: &Path, size: u64) -> Result<String, DecodeEr
             return Err(DecodeError::TooLong(size));
         }
         hash.update(&buf[..n]);
+        if let Some(limit) = stored {
+            written += non_zero_pages(&buf[..n]);
+            if written > limit {
+                return Err(DecodeError::MoreThanStated(limit));
+            }
+        }
         write_sparse(&out, &buf[..n], off)?;
         off += n as u64;
     }
@@ -251,6 +272,9 @@ mod tests {
         assert!(matches!(e, DecodeError::TooLong(_)), "{e}");
         let e = decompress(&blob, &dir.path().join("b"), 4 << 20).unwrap_err();
         assert!(matches!(e, DecodeError::TooShort { .. }), "{e}");
+        let e =
+            decompress_bounded(&blob, &dir.path().join("d"), 3 << 20, Some(1 << 20)).unwrap_err();
+        assert!(matches!(e, DecodeError::MoreThanStated(_)), "{e}");
         std::fs::write(&blob, b"not zstd at all").unwrap();
         assert!(decompress(&blob, &dir.path().join("c"), 3 << 20).is_err());
     }

@@ -95,6 +95,11 @@ pub async fn pull_image(
     let _converted = match &src {
         ImageSource::DockerArchive { file, tag } => {
             progress(&format!("{source}: reading the archive"));
+            // Every file of it is copied out (the layers of any other image in it too).
+            let size = std::fs::metadata(file)
+                .map_err(io(format!("reading {}", file.display())))?
+                .len();
+            crate::space::ensure_room(&home.tmp_dir(), size, &format!("reading {source}"))?;
             let scratch = forkd_image::ScratchDir::new(&home.tmp_dir(), "docker-archive-")
                 .map_err(|e| io("making a scratch directory")(std::io::Error::other(e)))?;
             let (file, tag, dir) = (file.clone(), tag.clone(), scratch.path().to_owned());

@@ -154,6 +154,13 @@ fn check_machine(m: &Manifest) -> Result<(), ArchiveError> {
     if m.machine.vcpus == 0 || m.machine.vcpus > MAX_VCPUS {
         return Err(refused(format!("{} vCPUs", m.machine.vcpus)));
     }
+    // A model name, not QEMU options smuggled after a comma.
+    if !crate::template::is_cpu_model_name(&m.machine.cpu) {
+        return Err(refused(format!(
+            "its CPU model {:?} is not a model name",
+            m.machine.cpu
+        )));
+    }
     let memory = m.parts.get(parts::MEMORY).map_or(0, |p| p.size);
     if memory != u64::from(m.machine.memory_mib) << 20 {
         return Err(refused(format!(
@@ -221,8 +228,13 @@ fn install_one(
             "writing {name} of {tag} ({} MiB)",
             want.size >> 20
         ));
-        let sha = blob::decompress(&layout.blob_path(&b.hex), &staging.part(name), want.size)
-            .map_err(|e| refused(format!("part {name}: {e}")))?;
+        let sha = blob::decompress_bounded(
+            &layout.blob_path(&b.hex),
+            &staging.part(name),
+            want.size,
+            b.stored,
+        )
+        .map_err(|e| refused(format!("part {name}: {e}")))?;
         if sha != want.sha256 {
             return Err(refused(format!(
                 "part {name} does not match its digest (expected sha256 {}, found {sha})",

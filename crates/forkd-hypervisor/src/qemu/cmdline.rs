@@ -73,11 +73,13 @@ pub fn build(config: &VmConfig, backing_levels: usize) -> Vec<OsString> {
     if let (Accel::Tcg, GuestClock::HostTsc { khz }) = (config.accel, config.clock) {
         append.push_str(&format!(" tsc_early_khz={khz}"));
     }
-    // TCG does not speculate, so the kernel's speculation mitigations protect nothing
-    // there, and they cost: a named Intel model (Westmere) makes the guest turn on page
-    // table isolation, a TLB flush at every kernel entry, which TCG pays for dearly
-    // (measured: a fork of 10 minimal children all answering took 1.4-1.8 s against
-    // 1.1 s without it). Under KVM the guest keeps its defaults.
+    // The guest kernel's speculation mitigations protect the guest's kernel from the
+    // guest's own processes, which in a sandbox run as root anyway; the host's side is
+    // the host kernel's and QEMU's business. Under TCG they cost a lot: a named Intel
+    // model (Westmere) makes the guest turn on page table isolation, a TLB flush at
+    // every kernel entry, which TCG pays for dearly (measured: a fork of 10 minimal
+    // children all answering took 1.4-1.8 s against 1.1 s without it). Under KVM the
+    // guest keeps its defaults.
     if config.accel == Accel::Tcg {
         append.push_str(" mitigations=off");
     }
