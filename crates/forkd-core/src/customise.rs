@@ -185,18 +185,7 @@ async fn apply(
         req.timeout_ms = Some(step.timeout_s.unwrap_or(600) * 1000);
         let out = run_step(vm, req).await?;
         if !out.status.success() {
-            return Err(fail(format!(
-                "build step {:?} failed (exit {}{}): {}{}",
-                step.run,
-                out.status.shell_code(),
-                if out.status.timed_out {
-                    ", timed out"
-                } else {
-                    ""
-                },
-                out.stdout.render(),
-                out.stderr.render()
-            )));
+            return Err(fail(out.failure(&format!("build step {:?}", step.run))));
         }
     }
     vm.call(|a| async move { a.sync().await }).await?;
@@ -299,12 +288,7 @@ async fn install_packages(
     req.timeout_ms = Some(1_800_000);
     let out = run_step(vm, req).await?;
     if !out.status.success() {
-        return Err(fail(format!(
-            "packages: dpkg -i failed (exit {}): {}{}",
-            out.status.shell_code(),
-            out.stdout.render(),
-            out.stderr.render()
-        )));
+        return Err(fail(out.failure("packages: dpkg -i")));
     }
     let done = vm
         .exec(

@@ -621,18 +621,9 @@ async fn warm(
             ));
         }
         if !out.status.success() {
-            return Err(fail(format!(
-                "warm-up command {:?} failed (exit {}{}): {}{}",
-                step.run,
-                out.status.shell_code(),
-                if out.status.timed_out {
-                    ", timed out"
-                } else {
-                    ""
-                },
-                out.stdout.render(),
-                out.stderr.render()
-            )));
+            return Err(fail(
+                out.failure(&format!("warm-up command {:?}", step.run)),
+            ));
         }
     }
     let mut contexts = Vec::new();
@@ -704,6 +695,23 @@ pub(crate) struct StepOutput {
     pub(crate) dropped: u64,
     /// Bytes kept per stream.
     pub(crate) cap: u64,
+}
+
+impl StepOutput {
+    /// `what` failed: how it exited and the end of what it printed.
+    pub(crate) fn failure(&self, what: &str) -> String {
+        format!(
+            "{what} failed (exit {}{}): {}{}",
+            self.status.shell_code(),
+            if self.status.timed_out {
+                ", timed out"
+            } else {
+                ""
+            },
+            self.stdout.render(),
+            self.stderr.render()
+        )
+    }
 }
 
 /// Runs one warm-up step, keeping only the end of its output (`FORKD_WARMUP_OUTPUT_CAP`
