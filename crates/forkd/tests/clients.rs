@@ -26,7 +26,13 @@ fn run(dir: &Path, program: &str, args: &[&str], env: &[(&str, String)]) -> Stri
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(out.status.success(), "{program} {args:?}:\n{report}");
+    // The status too: a client that printed its last line and still failed (a signal,
+    // an error at interpreter exit) says nothing else.
+    assert!(
+        out.status.success(),
+        "{program} {args:?} ({}):\n{report}",
+        out.status
+    );
     report
 }
 
