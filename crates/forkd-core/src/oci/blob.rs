@@ -34,11 +34,47 @@ pub struct Compressed {
     pub blob_size: u64,
 }
 
-/// A writer that hashes and counts what passes through.
-struct Hashing<W> {
+/// A writer that hashes and counts what passes through (the blob files of packs,
+/// archives received, docker archives read and image layouts copied).
+pub(crate) struct Hashing<W> {
     inner: W,
     hash: Sha256,
     len: u64,
+}
+
+impl<W: Write> Hashing<W> {
+    /// Hashes what is written to `inner`.
+    pub(crate) fn new(inner: W) -> Hashing<W> {
+        Hashing {
+            inner,
+            hash: Sha256::new(),
+            len: 0,
+        }
+    }
+
+    /// The writer back, the hex sha256 and the length of what was written.
+    pub(crate) fn finish(self) -> (W, String, u64) {
+        (self.inner, hex::encode(self.hash.finalize()), self.len)
+    }
+}
+
+impl Hashing<io::BufWriter<File>> {
+    /// Writes to the new file `path`, buffered.
+    pub(crate) fn create(path: &Path) -> io::Result<Self> {
+        Ok(Hashing::new(io::BufWriter::with_capacity(
+            CHUNK,
+            File::create(path)?,
+        )))
+    }
+
+    /// Flushes and syncs the file; returns the hex sha256 and the length.
+    pub(crate) fn sync(self) -> io::Result<(String, u64)> {
+        let (out, hex, len) = self.finish();
+        out.into_inner()
+            .map_err(io::IntoInnerError::into_error)?
+            .sync_all()?;
+        Ok((hex, len))
+    }
 }
 
 impl<W: Write> Write for Hashing<W> {
@@ -62,11 +98,7 @@ pub fn compress(src: &Path, dst: &Path) -> io::Result<Compressed> {
         .write(true)
         .create_new(true)
         .open(dst)?;
-    let sink = Hashing {
-        inner: io::BufWriter::with_capacity(CHUNK, out),
-        hash: Sha256::new(),
-        len: 0,
-    };
+    let sink = Hashing::new(io::BufWriter::with_capacity(CHUNK, out));
     let mut enc = zstd::stream::write::Encoder::new(sink, LEVEL)?;
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
     enc.multithread(u32::try_from(workers).unwrap_or(1))?;
@@ -89,18 +121,13 @@ pub fn compress(src: &Path, dst: &Path) -> io::Result<Compressed> {
         enc.write_all(chunk)?;
         off += len as u64;
     }
-    let sink = enc.finish()?;
-    let out = sink
-        .inner
-        .into_inner()
-        .map_err(io::IntoInnerError::into_error)?;
-    out.sync_all()?;
+    let (blob_sha256, blob_size) = enc.finish()?.sync()?;
     Ok(Compressed {
         part_sha256: hex::encode(part_hash.finalize()),
         part_size: size,
         stored,
-        blob_sha256: hex::encode(sink.hash.finalize()),
-        blob_size: sink.len,
+        blob_sha256,
+        blob_size,
     })
 }
 

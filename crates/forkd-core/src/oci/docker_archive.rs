@@ -11,7 +11,7 @@
 use super::{io, ArchiveError};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Component, Path, PathBuf};
 
 /// The largest `manifest.json` read.
@@ -207,23 +207,9 @@ fn clean(name: &Path) -> Option<String> {
 fn copy_out(entry: &mut impl Read, blobs: &Path) -> std::io::Result<Blob> {
     // The scratch layout is this conversion's own: one file in the making at a time.
     let tmp = blobs.join(".partial");
-    let mut out = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp)?);
-    let mut hash = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut size = 0u64;
-    loop {
-        let n = entry.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        hash.update(&buf[..n]);
-        out.write_all(&buf[..n])?;
-        size += n as u64;
-    }
-    out.into_inner()
-        .map_err(std::io::IntoInnerError::into_error)?
-        .sync_all()?;
-    let hex = hex::encode(hash.finalize());
+    let mut sink = super::blob::Hashing::create(&tmp)?;
+    std::io::copy(entry, &mut sink)?;
+    let (hex, size) = sink.sync()?;
     std::fs::rename(&tmp, blobs.join(&hex))?;
     Ok(Blob { hex, size })
 }

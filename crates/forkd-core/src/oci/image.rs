@@ -408,32 +408,16 @@ fn copy_checked(src: &Path, dest: &Path, desc: &OciDescriptor) -> Result<(), Arc
     let mut tmp = dest.as_os_str().to_owned();
     tmp.push(".partial");
     let tmp = PathBuf::from(tmp);
-    let mut out = std::fs::File::create(&tmp).map_err(io("writing a blob"))?;
-    let mut hash = sha2::Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut n = 0u64;
-    loop {
-        use std::io::{Read, Write};
-        let k = input
-            .read(&mut buf)
-            .map_err(io(format!("reading {}", src.display())))?;
-        if k == 0 {
-            break;
-        }
-        hash.update(&buf[..k]);
-        out.write_all(&buf[..k]).map_err(io("writing a blob"))?;
-        n += k as u64;
-    }
-    if i64::try_from(n).ok() != Some(desc.size)
-        || super::digest_of(&hex::encode(hash.finalize())) != desc.digest
-    {
+    let mut sink = super::blob::Hashing::create(&tmp).map_err(io("writing a blob"))?;
+    std::io::copy(&mut input, &mut sink).map_err(io(format!("copying {}", src.display())))?;
+    let (hex, n) = sink.sync().map_err(io("writing a blob"))?;
+    if i64::try_from(n).ok() != Some(desc.size) || super::digest_of(&hex) != desc.digest {
         let _ = std::fs::remove_file(&tmp);
         return Err(ArchiveError::Refused(format!(
             "blob {} does not match its digest and size",
             desc.digest
         )));
     }
-    out.sync_all().map_err(io("writing a blob"))?;
     std::fs::rename(&tmp, dest).map_err(io("storing a blob"))
 }
 

@@ -282,23 +282,14 @@ impl Layout {
             };
             crate::space::ensure_room(store.root(), size, "unpacking a snapshot archive")?;
             let tmp = layout.temp_path(hex);
-            let file = std::fs::File::create(&tmp).map_err(io("writing a blob"))?;
-            let mut sink = HashingFile {
-                file: std::io::BufWriter::with_capacity(1 << 20, file),
-                hash: Sha256::new(),
-            };
+            let mut sink = super::blob::Hashing::create(&tmp).map_err(io("writing a blob"))?;
             let copied = std::io::copy(&mut entry, &mut sink).map_err(truncated)?;
             if copied != size {
                 return Err(refused(format!(
                     "entry {shown:?} ends after {copied} of its {size} bytes: the archive is truncated"
                 )));
             }
-            sink.file
-                .into_inner()
-                .map_err(std::io::IntoInnerError::into_error)
-                .and_then(|f| f.sync_all())
-                .map_err(io("writing a blob"))?;
-            let actual = hex::encode(sink.hash.finalize());
+            let (actual, _) = sink.sync().map_err(io("writing a blob"))?;
             if actual != hex {
                 return Err(refused(format!(
                     "blob sha256:{hex} does not match its digest (its contents hash to sha256:{actual}): the archive is damaged"
@@ -557,23 +548,6 @@ fn kind_name(kind: tar::EntryType) -> &'static str {
         tar::EntryType::Char | tar::EntryType::Block => "device",
         tar::EntryType::Fifo => "fifo",
         _ => "special entry",
-    }
-}
-
-struct HashingFile<W> {
-    file: W,
-    hash: Sha256,
-}
-
-impl<W: Write> Write for HashingFile<W> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.file.write(buf)?;
-        self.hash.update(&buf[..n]);
-        Ok(n)
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.file.flush()
     }
 }
 
