@@ -31,6 +31,8 @@ pub struct ForkOptions {
     /// Children outlive the process that forked them (the CLI's children do; a test's
     /// or a library user's are stopped when their handles drop).
     pub detached: bool,
+    /// Limits of each child's QEMU's cgroup, beyond the defaults for its shape.
+    pub limits: forkd_hypervisor::cgroup::LimitOverrides,
     /// QEMU's seccomp filter.
     pub seccomp: bool,
     /// How long a child may take from its QEMU's start to its agent's first answer.
@@ -58,6 +60,7 @@ impl Default for ForkOptions {
         ForkOptions {
             count: 1,
             detached: false,
+            limits: Default::default(),
             seccomp: true,
             ready_timeout: Duration::from_secs(60),
             agent_timeout: Duration::from_secs(30),
@@ -402,6 +405,7 @@ pub fn plan(
         accel: m.accel,
         cpu: m.cpu.clone(),
         clock: m.clock,
+        limits: Some(opts.limits.resolve(m.vcpus, m.memory_mib)),
         seccomp: opts.seccomp,
         detached: opts.detached,
     };
@@ -500,6 +504,7 @@ async fn launch_child(
         accel: AccelChoice::Auto,
         boot_timeout: opts.ready_timeout,
         agent_timeout: opts.agent_timeout,
+        limits: opts.limits,
         seccomp: opts.seccomp,
         env: opts.env.clone(),
     };

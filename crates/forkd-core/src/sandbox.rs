@@ -30,6 +30,8 @@ pub struct SandboxOptions {
     /// The guest agent is declared unresponsive (requests to it fail, the sandbox is
     /// kept) when it has not answered a ping for this long.
     pub agent_timeout: Duration,
+    /// Limits of its QEMU's cgroup, beyond the defaults for its shape.
+    pub limits: forkd_hypervisor::cgroup::LimitOverrides,
     /// QEMU's seccomp filter.
     pub seccomp: bool,
     /// For a restored child: variables its commands, background processes and code
@@ -45,6 +47,7 @@ impl Default for SandboxOptions {
             accel: AccelChoice::Auto,
             boot_timeout: Duration::from_secs(120),
             agent_timeout: Duration::from_secs(30),
+            limits: Default::default(),
             seccomp: true,
             env: Default::default(),
         }
@@ -162,6 +165,7 @@ impl Sandbox {
             accel,
             cpu: accel.default_cpu_model().to_owned(),
             clock: clock_for(accel),
+            limits: Some(opts.limits.resolve(opts.vcpus, opts.memory_mib)),
             seccomp: opts.seccomp,
             detached: false,
         };

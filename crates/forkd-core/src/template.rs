@@ -584,6 +584,10 @@ pub(crate) async fn boot_vm(
         accel,
         cpu: recipe.cpu_model(accel),
         clock: crate::sandbox::clock_for(accel),
+        limits: Some(forkd_hypervisor::cgroup::ResourceLimits::for_vm(
+            recipe.vcpus,
+            recipe.memory_mib,
+        )),
         seccomp: opts.seccomp,
         detached: false,
     };
@@ -593,6 +597,7 @@ pub(crate) async fn boot_vm(
         accel: opts.accel,
         boot_timeout: opts.boot_timeout,
         agent_timeout: Duration::from_secs(60),
+        limits: Default::default(),
         seccomp: opts.seccomp,
         env: Default::default(),
     };

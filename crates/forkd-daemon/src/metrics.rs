@@ -28,6 +28,11 @@ struct PoolLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SandboxLabels {
+    sandbox: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: String,
     agent_protocol: String,
@@ -41,6 +46,9 @@ pub struct Metrics {
     capacity: Gauge,
     snapshot_bytes: Gauge,
     pool_idle: Family<PoolLabels, Gauge>,
+    memory_limit: Family<SandboxLabels, Gauge>,
+    memory_used: Family<SandboxLabels, Gauge>,
+    cpu_quota: Family<SandboxLabels, Gauge>,
     /// Children forked.
     pub forks: Counter,
     /// Seconds from a create request to every child answering.
@@ -117,6 +125,24 @@ impl Metrics {
             "Warm pool members ready for a fork, by snapshot",
             pool_idle.clone(),
         );
+        let memory_limit = Family::<SandboxLabels, Gauge>::default();
+        registry.register(
+            "sandbox_memory_limit_bytes",
+            "Memory a sandbox's QEMU may use, guest RAM included (its cgroup's limit)",
+            memory_limit.clone(),
+        );
+        let memory_used = Family::<SandboxLabels, Gauge>::default();
+        registry.register(
+            "sandbox_memory_used_bytes",
+            "Memory a sandbox's cgroup counts now",
+            memory_used.clone(),
+        );
+        let cpu_quota = Family::<SandboxLabels, Gauge>::default();
+        registry.register(
+            "sandbox_cpu_quota_millicores",
+            "A sandbox's CPU quota in thousandths of a core (absent: none)",
+            cpu_quota.clone(),
+        );
         let branches = Counter::default();
         registry.register("branches", "Branches written", branches.clone());
         let branch_pause_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 16));
@@ -139,6 +165,9 @@ impl Metrics {
             capacity,
             snapshot_bytes,
             pool_idle,
+            memory_limit,
+            memory_used,
+            cpu_quota,
             forks,
             fork_seconds,
             exec_seconds,
@@ -146,6 +175,35 @@ impl Metrics {
             branches,
             branch_pause_seconds,
             branch_written_bytes,
+        }
+    }
+
+    /// Each sandbox's limits and what its cgroup counts, for the sandboxes there are now.
+    fn render_limits(&self, sandboxes: &Sandboxes) {
+        self.memory_limit.clear();
+        self.memory_used.clear();
+        self.cpu_quota.clear();
+        let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        for e in sandboxes.list() {
+            let Some(limits) = e.row.config.limits else {
+                continue;
+            };
+            let labels = SandboxLabels {
+                sandbox: e.row.id.clone(),
+            };
+            self.memory_limit
+                .get_or_create(&labels)
+                .set(gauge(limits.memory_bytes));
+            if limits.cpu_millicores != 0 {
+                self.cpu_quota
+                    .get_or_create(&labels)
+                    .set(i64::from(limits.cpu_millicores));
+            }
+            if let Some((_, usage)) = e.sandbox.as_ref().and_then(|s| s.vm().cgroup()) {
+                self.memory_used
+                    .get_or_create(&labels)
+                    .set(gauge(usage.memory_bytes));
+            }
         }
     }
 
@@ -182,6 +240,7 @@ impl Metrics {
                 .get_or_create(&PoolLabels { snapshot })
                 .set(n as i64);
         }
+        self.render_limits(sandboxes);
         let bytes: u64 = sandboxes
             .store()
             .list()

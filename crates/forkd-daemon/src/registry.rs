@@ -140,6 +140,9 @@ pub struct CreateSpec {
     pub timeout_at: Option<i64>,
     /// Keep the children that start when others fail (else all or nothing).
     pub partial: bool,
+    /// Limits of the children's QEMUs beyond the defaults. Children with limits of
+    /// their own are never taken from the warm pool, whose members have the defaults.
+    pub limits: forkd_hypervisor::cgroup::LimitOverrides,
     /// The fork's operation id (`op-...`), chosen by the caller so that it can answer
     /// with it before the fork ends.
     pub op_id: String,
@@ -155,6 +158,7 @@ impl CreateSpec {
             env: BTreeMap::new(),
             timeout_at: None,
             partial: false,
+            limits: Default::default(),
             op_id: new_operation_id(),
         }
     }
@@ -367,6 +371,7 @@ impl Registry {
         &self,
         snap: &Snapshot,
         count: usize,
+        from_pool: bool,
     ) -> Result<(Reservation<'_>, Vec<forkd_core::fork::PreparedChild>), RegistryError> {
         let tag = snap.tag.to_string();
         let (per_child, basis) = self.child_cost(&tag);
@@ -377,7 +382,8 @@ impl Registry {
                 let mut slots = self.slots();
                 // Idle members of this snapshot become children: they are counted
                 // already.
-                let fresh = count - slots.pools.idle_of(&tag).min(count);
+                let pooled = if from_pool { count } else { 0 };
+                let fresh = count - slots.pools.idle_of(&tag).min(pooled);
                 // Children of forks still under way have not taken their memory yet:
                 // count them with this one.
                 let checked = slots.fits(fresh, self.max).and_then(|()| {
@@ -392,7 +398,7 @@ impl Registry {
                 });
                 match checked {
                     Ok(()) => {
-                        let (taken, dead) = slots.pools.take(&tag, count);
+                        let (taken, dead) = slots.pools.take(&tag, pooled);
                         slots.reserved += count;
                         *slots.forking.entry(tag.clone()).or_default() += 1;
                         (Ok(taken), dead)
@@ -432,7 +438,8 @@ impl Registry {
         snap: &Snapshot,
         spec: CreateSpec,
     ) -> Result<CreateOutcome, RegistryError> {
-        let (_reservation, prepared) = self.reserve(snap, spec.count).await?;
+        let from_pool = spec.limits.is_default();
+        let (_reservation, prepared) = self.reserve(snap, spec.count, from_pool).await?;
         let op = OperationRow {
             id: spec.op_id.clone(),
             kind: "fork".into(),
@@ -463,6 +470,7 @@ impl Registry {
             parallel: self.fork_parallel,
             cancel,
             env: spec.env.clone(),
+            limits: spec.limits,
             ..ForkOptions::default()
         };
         let hv = self.hv.as_ref();

@@ -79,6 +79,10 @@ pub async fn run(
     let store = Store::of_home(&config.home);
     forkd_core::oci::layout::Layout::remove_leftovers(&store);
     forkd_core::customise::remove_leftovers(&config.home);
+    // Cgroups of VMs that exited while no daemon watched them.
+    if let Ok(Some(cgroups)) = forkd_hypervisor::cgroup::for_vms() {
+        cgroups.sweep(std::time::Duration::from_secs(60));
+    }
     let mut branch_sources = Vec::new();
     for op in &interrupted {
         let (kind, target) = (&op.kind, &op.target);

@@ -759,6 +759,7 @@ mod tests {
                 accel: Accel::Tcg,
                 cpu: "Westmere-v1".into(),
                 clock: Default::default(),
+                limits: None,
                 seccomp: true,
                 detached: true,
             },

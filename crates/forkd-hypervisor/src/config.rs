@@ -53,6 +53,10 @@ pub struct VmConfig {
     /// How a TCG guest keeps time (records made before it are icount guests).
     #[serde(default)]
     pub clock: crate::GuestClock,
+    /// The limits of the VM's process (its own cgroup), if it gets any. Records made
+    /// before limits existed have none.
+    #[serde(default)]
+    pub limits: Option<crate::cgroup::ResourceLimits>,
     /// Enable the hypervisor's syscall filter (QEMU `-sandbox on,...`).
     pub seccomp: bool,
     /// The VM outlives the handle that started it: it runs in its own session and is not

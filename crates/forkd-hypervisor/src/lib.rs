@@ -6,6 +6,7 @@
 //! Firecracker backend can implement the same trait on hosts that have it.
 
 pub mod accel;
+pub mod cgroup;
 pub mod clock;
 pub mod config;
 pub mod error;
@@ -152,6 +153,13 @@ pub trait Hypervisor: Send + Sync {
         Ok(None)
     }
 
+    /// The size of the disk a layer made by [`Hypervisor::create_disk_layer`] gives its
+    /// guest (the guest can write no more than that), if the backend knows it.
+    fn disk_size(&self, layer: &Path) -> Option<u64> {
+        let _ = layer;
+        None
+    }
+
     /// Writes at `out` one layer with the contents of the layered disk `top` over the raw
     /// image `base`, which it names (relative to `out`'s directory): the chain under
     /// `top` down to `base` is no longer needed.
@@ -289,4 +297,9 @@ pub trait Vm: Send + Sync {
 
     /// The last lines the guest printed on its serial console (for error messages).
     fn console_tail(&self, lines: usize) -> String;
+
+    /// The cgroup version and what the VM's own cgroup counts now, if it runs in one.
+    fn cgroup(&self) -> Option<(cgroup::CgroupVersion, cgroup::CgroupUsage)> {
+        None
+    }
 }

@@ -240,51 +240,42 @@ fn check_mkfs() -> Check {
 }
 
 fn check_cgroups() -> Check {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    let mut v2_root = false;
-    let mut v2_unified = false;
-    let mut v1: Vec<String> = Vec::new();
-    for line in mounts.lines() {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        if f.len() < 4 {
-            continue;
-        }
-        match f[2] {
-            "cgroup2" if f[1] == "/sys/fs/cgroup" => v2_root = true,
-            "cgroup2" => v2_unified = true,
-            "cgroup" => {
-                for opt in f[3].split(',') {
-                    if ["memory", "cpu", "pids", "cpuset", "io", "blkio"].contains(&opt) {
-                        v1.push(opt.to_string());
-                    }
-                }
-            }
-            _ => {}
-        }
+    use forkd_hypervisor::cgroup::{self, CgroupPolicy};
+    let policy = match CgroupPolicy::from_env() {
+        Ok(p) => p,
+        Err(e) => return bad("cgroups", Level::Fail, e, "unset FORKD_CGROUPS or fix it"),
+    };
+    if policy == CgroupPolicy::Off {
+        return bad(
+            "cgroups",
+            Level::Warn,
+            "FORKD_CGROUPS=off: sandboxes run without memory, CPU and pids limits",
+            "unset FORKD_CGROUPS",
+        );
     }
-    v1.sort();
-    v1.dedup();
-    // What the host has; forkd does not place sandboxes in cgroups yet (see isolation).
-    if v2_root {
-        ok("cgroups", "cgroup v2 (unified) at /sys/fs/cgroup")
-    } else if !v1.is_empty() {
-        bad(
+    match cgroup::host() {
+        Ok(c) => ok(
             "cgroups",
-            Level::Warn,
             format!(
-                "cgroup v1{} with controllers {}",
-                if v2_unified { "/v2 hybrid" } else { "" },
-                v1.join(",")
+                "each sandbox's QEMU runs in a cgroup {} of its own (memory, cpu, pids) under {}",
+                c.version().as_str(),
+                c.parents()
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
-            "boot the host with systemd.unified_cgroup_hierarchy=1 for a pure cgroup v2 layout",
-        )
-    } else {
-        bad(
+        ),
+        Err(why) => bad(
             "cgroups",
-            Level::Warn,
-            "no cgroup hierarchy found",
-            "mount cgroup2 at /sys/fs/cgroup",
-        )
+            if policy == CgroupPolicy::Required {
+                Level::Fail
+            } else {
+                Level::Warn
+            },
+            format!("sandboxes run without memory, CPU and pids limits: {why}"),
+            "run forkd as root, or in a cgroup v2 subtree delegated to it (systemd: Delegate=yes)",
+        ),
     }
 }
 
@@ -330,7 +321,7 @@ fn check_isolation() -> Check {
         "isolation",
         Level::Warn,
         format!(
-            "each sandbox is its own QEMU VM with QEMU's seccomp filter, running as {user}; sandboxes have no network device; not yet: per-sandbox cgroups (memory, CPU, pids beyond the guest's own RAM and vCPUs), an unprivileged jailed QEMU, network namespaces with an egress policy"
+            "each sandbox is its own QEMU VM with QEMU's seccomp filter, running as {user}, limited by a cgroup of its own where the cgroups check says so; sandboxes have no network device; not yet: an unprivileged jailed QEMU, network namespaces with an egress policy"
         ),
         "under TCG, QEMU is not a security boundary: run untrusted code on a host that holds nothing else of value",
     )

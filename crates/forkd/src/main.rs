@@ -254,6 +254,7 @@ impl VmArgs {
             accel: self.accel,
             boot_timeout: std::time::Duration::from_secs(self.boot_timeout),
             agent_timeout: std::time::Duration::from_secs(self.agent_timeout.max(1)),
+            limits: Default::default(),
             seccomp: true,
             env: Default::default(),
         }

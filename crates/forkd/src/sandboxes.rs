@@ -29,6 +29,16 @@ pub struct ForkArgs {
     /// exit status is 1); by default a fork is all or nothing.
     #[arg(long)]
     partial: bool,
+    /// CPU quota of each child's QEMU, in cores (0.5: half a core; 0: none). Default:
+    /// one core per vCPU.
+    #[arg(long, value_name = "CORES")]
+    cpus: Option<f64>,
+    /// Share of CPU under contention, 1 to 10000 (default 100).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    cpu_weight: Option<u32>,
+    /// Processes and threads each child's QEMU may have (default 256).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(16..=65_536))]
+    pids: Option<u32>,
     /// Print the children as JSON.
     #[arg(long)]
     json: bool,
@@ -128,6 +138,19 @@ pub async fn fork_cmd(client: &Client, args: ForkArgs) -> Result<i32> {
     });
     if let Some(t) = args.timeout {
         body["timeout_s"] = t.into();
+    }
+    let mut limits = serde_json::Map::new();
+    if let Some(c) = args.cpus {
+        limits.insert("cpu_cores".into(), c.into());
+    }
+    if let Some(w) = args.cpu_weight {
+        limits.insert("cpu_weight".into(), w.into());
+    }
+    if let Some(p) = args.pids {
+        limits.insert("pids".into(), p.into());
+    }
+    if !limits.is_empty() {
+        body["limits"] = Value::Object(limits);
     }
     let op: Value = client
         .json(Method::POST, "/v1/sandboxes", Some(&body))
@@ -343,20 +366,46 @@ pub async fn ls(client: &Client, args: LsArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:16} {:20} {:8} {:>8}  CREATED",
-        "ID", "SNAPSHOT", "STATUS", "PID"
+        "{:16} {:20} {:8} {:>8} {:>6} {:>15}  CREATED",
+        "ID", "SNAPSHOT", "STATUS", "PID", "CPUS", "MEMORY"
     );
     for s in list {
         println!(
-            "{:16} {:20} {:8} {:>8}  {}",
+            "{:16} {:20} {:8} {:>8} {:>6} {:>15}  {}",
             s["id"].as_str().unwrap_or(""),
             s["snapshot"].as_str().unwrap_or(""),
             s["status"].as_str().unwrap_or(""),
             s["pid"],
+            cpus_column(&s["limits"]),
+            memory_column(&s["limits"]),
             s["created_at"].as_str().unwrap_or("")
         );
     }
     Ok(())
+}
+
+/// A sandbox's CPU quota for `forkd ls`: cores, `-` for none, `?` when unknown.
+fn cpus_column(limits: &Value) -> String {
+    match (limits.is_object(), limits["cpu_cores"].as_f64()) {
+        (false, _) => "?".into(),
+        (true, None) => "-".into(),
+        (true, Some(c)) => format!("{c}"),
+    }
+}
+
+/// A sandbox's memory for `forkd ls`: what its cgroup counts of its limit, in MiB
+/// (`USED/LIMIT`), or only the limit when the host enforces none (`LIMIT*`).
+fn memory_column(limits: &Value) -> String {
+    let mib = |v: &Value| v.as_u64().map(|b| b >> 20);
+    match (
+        mib(&limits["memory_used_bytes"]),
+        mib(&limits["memory_bytes"]),
+    ) {
+        (Some(used), Some(limit)) => format!("{used}/{limit}M"),
+        (None, Some(limit)) if limits["enforced_by"].is_null() => format!("{limit}M*"),
+        (None, Some(limit)) => format!("{limit}M"),
+        _ => "?".into(),
+    }
 }
 
 /// Stops sandboxes.

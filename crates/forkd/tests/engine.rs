@@ -2,7 +2,7 @@
 //! real VMs: one daemon per data directory; a daemon killed at any named failpoint leaves
 //! a state its restart makes consistent; guests starved of CPU, or whose VM process is
 //! stopped, are kept (shown unresponsive), never torn down; a full disk is refused with
-//! 507 and corrupts nothing.
+//! 507 and corrupts nothing; each child runs in a cgroup of its own with its limits.
 //!
 //! Building a template costs tens of seconds under TCG, so one `minimal` template is
 //! built once for the whole file and hard-linked into each test's data directory: a
@@ -104,6 +104,21 @@ impl Home {
 
     fn client(&self) -> Client {
         Client::new(Endpoint::Unix(self.socket()), None)
+    }
+
+    /// Runs the CLI against this directory's daemon and returns what it printed.
+    fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new(env!("CARGO_BIN_EXE_forkd"))
+            .args(args)
+            .env("FORKD_HOME", self.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "forkd {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
     }
 
     fn log(&self) -> String {
@@ -1016,4 +1031,137 @@ fn a_warm_pool_serves_forks_refills_and_is_removed_by_the_next_daemon() {
         vec![pid_of(&child)],
         "a stopping daemon ends its members"
     );
+}
+
+/// The cgroup control file that holds `name`'s value for a VM cgroup in `dirs` (v1: the
+/// hierarchy that has it; v2: the one directory).
+fn control(dirs: &[PathBuf], name: &str) -> String {
+    let path = dirs
+        .iter()
+        .map(|d| d.join(name))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("no {name} in {dirs:?}"));
+    std::fs::read_to_string(path).unwrap().trim().to_owned()
+}
+
+#[test]
+fn each_child_runs_in_a_cgroup_of_its_own_with_the_limits_it_was_forked_with() {
+    let cgroups = forkd_hypervisor::cgroup::host()
+        .as_ref()
+        .expect("this project's test machines give root a cgroup hierarchy");
+    let mut h = Home::with_template();
+    h.start(None);
+    let rt = runtime();
+    let c = h.client();
+    rt.block_on(async {
+        // Limits no cgroup takes are refused before anything starts.
+        for bad in [
+            json!({"cpu_cores": -1}),
+            json!({"cpu_cores": 0.001}),
+            json!({"cpu_weight": 0}),
+            json!({"pids": 3}),
+            json!({"pids": 100000}),
+            json!({"memory": 1}),
+        ] {
+            let body = json!({"snapshot": TAG, "n": 1, "limits": bad});
+            let (s, v) = call(&c, Method::POST, "/v1/sandboxes", Some(body)).await;
+            assert_eq!(s, StatusCode::BAD_REQUEST, "{bad}: {v}");
+        }
+        assert!(list(&c).await.is_empty());
+
+        let body = json!({"snapshot": TAG, "n": 1,
+                          "limits": {"cpu_cores": 0.5, "pids": 64, "cpu_weight": 50}});
+        let (s, v) = call(&c, Method::POST, "/v1/sandboxes", Some(body)).await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        let child = v["sandboxes"][0].clone();
+        let id = child["id"].as_str().unwrap().to_owned();
+        let limits = &child["limits"];
+        let memory = child["memory_mib"].as_u64().unwrap() << 20;
+        assert_eq!(
+            limits["memory_bytes"].as_u64(),
+            Some(memory + forkd_hypervisor::cgroup::MEMORY_OVERHEAD),
+            "{child}"
+        );
+        assert_eq!(limits["cpu_cores"].as_f64(), Some(0.5), "{child}");
+        assert_eq!(
+            (limits["pids"].as_u64(), limits["cpu_weight"].as_u64()),
+            (Some(64), Some(50))
+        );
+        assert!(limits["disk_bytes"].as_u64().unwrap() > 0, "{child}");
+        let version = cgroups.version().as_str();
+        assert_eq!(
+            limits["enforced_by"].as_str(),
+            Some(format!("cgroup {version}").as_str())
+        );
+        assert!(limits["memory_used_bytes"].as_u64().unwrap() > 0, "{child}");
+
+        // The kernel holds those values, and QEMU (all of its threads) is in the cgroup.
+        let dirs = cgroups.dirs(&id);
+        let qemu = pid_of(&child).to_string();
+        for dir in &dirs {
+            let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap();
+            assert_eq!(procs.trim(), qemu, "{}", dir.display());
+        }
+        let memory_limit = if version == "v1" {
+            assert_eq!(control(&dirs, "cpu.cfs_quota_us"), "50000");
+            assert_eq!(control(&dirs, "cpu.shares"), "512");
+            control(&dirs, "memory.limit_in_bytes")
+        } else {
+            assert_eq!(control(&dirs, "cpu.max"), "50000 100000");
+            assert_eq!(control(&dirs, "cpu.weight"), "50");
+            control(&dirs, "memory.max")
+        };
+        assert_eq!(
+            memory_limit,
+            limits["memory_bytes"].as_u64().unwrap().to_string()
+        );
+        assert_eq!(control(&dirs, "pids.max"), "64");
+
+        // A guest that spins is held to its half core: the kernel throttles its QEMU.
+        exec_ok(&c, &id, "timeout 2 sh -c 'while :; do :; done'; true").await;
+        let throttled: u64 = control(&dirs, "cpu.stat")
+            .lines()
+            .find_map(|l| l.strip_prefix("nr_throttled "))
+            .and_then(|n| n.parse().ok())
+            .unwrap();
+        assert!(throttled > 0, "{}", control(&dirs, "cpu.stat"));
+
+        // `forkd ls` and the metrics show them.
+        let ls = h.cli(&["ls"]);
+        let row = ls
+            .lines()
+            .find(|l| l.starts_with(&id))
+            .unwrap_or_else(|| panic!("{ls}"));
+        assert!(row.contains(" 0.5 "), "{ls}");
+        let (_, metrics) = call(&c, Method::GET, "/metrics", None).await;
+        let metrics = metrics.as_str().unwrap().to_owned();
+        let limit_line = format!(
+            "forkd_sandbox_memory_limit_bytes{{sandbox=\"{id}\"}} {}",
+            limits["memory_bytes"]
+        );
+        assert!(metrics.contains(&limit_line), "{metrics}");
+        assert!(
+            metrics.contains(&format!(
+                "forkd_sandbox_cpu_quota_millicores{{sandbox=\"{id}\"}} 500"
+            )),
+            "{metrics}"
+        );
+
+        // A child without limits of its own gets the defaults: a core per vCPU.
+        let plain = create(&c, 1).await.remove(0);
+        assert_eq!(
+            plain["limits"]["cpu_cores"].as_f64(),
+            plain["vcpus"].as_f64(),
+            "{plain}"
+        );
+
+        // Its cgroup goes with it.
+        let (s, v) = call(&c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+        assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while dirs.iter().any(|d| d.exists()) {
+            assert!(Instant::now() < deadline, "{dirs:?} outlived the sandbox");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
 }

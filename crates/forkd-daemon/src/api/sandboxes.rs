@@ -1,7 +1,10 @@
 //! `/v1/sandboxes`: create children of a snapshot, list, get, delete, set a timeout.
 
 use super::error::ErrorBody;
-use super::types::{CreateSandboxes, CreatedSandboxes, SandboxInfo, SandboxList, SetTimeout};
+use super::types::{
+    CreateSandboxes, CreatedSandboxes, LimitsBody, SandboxInfo, SandboxLimits, SandboxList,
+    SetTimeout,
+};
 use super::{ApiError, App, JsonBody, PathParams, QueryParams};
 use crate::registry::{CreateOutcome, CreateSpec, Listed, RegistryError};
 use crate::server::AuditIds;
@@ -11,6 +14,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use forkd_core::snapshot::Tag;
+use forkd_hypervisor::cgroup::LimitOverrides;
 use serde::Deserialize;
 
 /// Most labels on one sandbox, and the longest key or value.
@@ -45,7 +49,7 @@ impl From<RegistryError> for ApiError {
 
 /// A sandbox as the API shows it: its persisted state, or `failed` with the reason as
 /// soon as its handle knows (the reaper records and removes it a moment later).
-pub fn info(e: &Listed) -> SandboxInfo {
+pub fn info(e: &Listed, hv: &dyn forkd_hypervisor::Hypervisor) -> SandboxInfo {
     let failure = e.sandbox.as_ref().and_then(|s| s.failure());
     let (status, error) = match failure {
         Some(f) => ("failed".to_string(), Some(f.to_string())),
@@ -62,7 +66,58 @@ pub fn info(e: &Listed) -> SandboxInfo {
         labels: e.row.labels.clone(),
         created_at: e.row.created_at.clone(),
         timeout_at: e.row.timeout_at,
+        limits: limits(e, hv),
     }
+}
+
+/// A sandbox's limits as its record has them, with what its cgroup counts.
+fn limits(e: &Listed, hv: &dyn forkd_hypervisor::Hypervisor) -> Option<SandboxLimits> {
+    let l = e.row.config.limits?;
+    let cgroup = e.sandbox.as_ref().and_then(|s| s.vm().cgroup());
+    Some(SandboxLimits {
+        memory_bytes: l.memory_bytes,
+        cpu_cores: (l.cpu_millicores != 0).then(|| f64::from(l.cpu_millicores) / 1000.0),
+        cpu_weight: l.cpu_weight,
+        pids: l.pids,
+        disk_bytes: hv.disk_size(&e.row.config.root_disk),
+        enforced_by: cgroup.map(|(v, _)| format!("cgroup {}", v.as_str())),
+        memory_used_bytes: cgroup.map(|(_, u)| u.memory_bytes),
+    })
+}
+
+/// The limits a fork asks for, checked.
+fn limit_overrides(
+    body: Option<&LimitsBody>,
+    vcpus: u32,
+    memory_mib: u32,
+) -> Result<LimitOverrides, ApiError> {
+    let Some(body) = body else {
+        return Ok(LimitOverrides::default());
+    };
+    let cpu_millicores = match body.cpu_cores {
+        None => None,
+        Some(c) if c.is_finite() && (0.0..=1024.0).contains(&c) => Some((c * 1000.0).ceil() as u32),
+        Some(c) => {
+            return Err(ApiError::bad_request(format!(
+                "limits.cpu_cores = {c} is outside 0..=1024"
+            )))
+        }
+    };
+    if body.pids.is_some_and(|p| p > 65_536) {
+        return Err(ApiError::bad_request(
+            "limits.pids is more than 65536".to_string(),
+        ));
+    }
+    let chosen = LimitOverrides {
+        cpu_millicores,
+        cpu_weight: body.cpu_weight,
+        pids: body.pids,
+    };
+    chosen
+        .resolve(vcpus, memory_mib)
+        .check(memory_mib)
+        .map_err(|e| ApiError::bad_request(format!("limits: {e}")))?;
+    Ok(chosen)
 }
 
 fn deadline(timeout_s: Option<u64>) -> Result<Option<i64>, ApiError> {
@@ -175,8 +230,10 @@ pub async fn create(
             }
         }
     }
+    let limits = limit_overrides(req.limits.as_ref(), m.vcpus, m.memory_mib)?;
     let spec = CreateSpec {
         labels: req.labels,
+        limits,
         env: req.env,
         timeout_at,
         partial: req.partial,
@@ -214,10 +271,13 @@ pub async fn create(
             .entries
             .into_iter()
             .map(|e| {
-                info(&Listed {
-                    row: e.row,
-                    sandbox: Some(e.sandbox),
-                })
+                info(
+                    &Listed {
+                        row: e.row,
+                        sandbox: Some(e.sandbox),
+                    },
+                    app.registry.hypervisor().as_ref(),
+                )
             })
             .collect(),
         errors: outcome.failures.iter().map(|e| e.to_string()).collect(),
@@ -256,7 +316,7 @@ pub async fn list(
         .iter()
         .filter(|e| f.snapshot.as_deref().is_none_or(|s| e.row.snapshot == s))
         .filter(|e| label.is_none_or(|(k, v)| e.row.labels.get(k).map(String::as_str) == Some(v)))
-        .map(info)
+        .map(|e| info(e, app.registry.hypervisor().as_ref()))
         .collect();
     Ok(Json(SandboxList { sandboxes }))
 }
@@ -268,7 +328,10 @@ pub async fn get(
     State(app): State<App>,
     PathParams(id): PathParams<String>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
-    Ok(Json(info(&app.registry.describe(&id)?)))
+    Ok(Json(info(
+        &app.registry.describe(&id)?,
+        app.registry.hypervisor().as_ref(),
+    )))
 }
 
 /// Stops a sandbox and removes its files.
@@ -294,8 +357,11 @@ pub async fn set_timeout(
 ) -> Result<Json<SandboxInfo>, ApiError> {
     let at = deadline(req.timeout_s)?;
     let e = app.registry.set_timeout(&id, at)?;
-    Ok(Json(info(&Listed {
-        row: e.row,
-        sandbox: Some(e.sandbox),
-    })))
+    Ok(Json(info(
+        &Listed {
+            row: e.row,
+            sandbox: Some(e.sandbox),
+        },
+        app.registry.hypervisor().as_ref(),
+    )))
 }

@@ -43,6 +43,51 @@ pub struct CreateSandboxes {
     /// operation (202) to poll for progress and cancel.
     #[serde(default = "yes")]
     pub wait: bool,
+    /// Limits of each child's QEMU beyond the defaults (one core per vCPU, weight 100,
+    /// 256 processes; memory: the guest's RAM plus QEMU's own).
+    #[serde(default)]
+    pub limits: Option<LimitsBody>,
+}
+
+/// Limits a fork may choose for its children.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsBody {
+    /// CPU quota in cores (0.5: half a core); 0 for none.
+    #[serde(default)]
+    #[schema(minimum = 0, maximum = 1024)]
+    pub cpu_cores: Option<f64>,
+    /// Share of CPU under contention, 1 to 10000 (100: as any other process).
+    #[serde(default)]
+    #[schema(minimum = 1, maximum = 10000)]
+    pub cpu_weight: Option<u32>,
+    /// Processes and threads its QEMU may have.
+    #[serde(default)]
+    #[schema(minimum = 16, maximum = 65536)]
+    pub pids: Option<u32>,
+}
+
+/// What a sandbox may use, and whether the host enforces it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SandboxLimits {
+    /// Memory its QEMU may use, guest RAM included.
+    pub memory_bytes: u64,
+    /// CPU quota in cores; null: none.
+    pub cpu_cores: Option<f64>,
+    /// CPU weight.
+    pub cpu_weight: u32,
+    /// Processes and threads its QEMU may have.
+    pub pids: u32,
+    /// The size of the guest's disk: it can write no more than this.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_bytes: Option<u64>,
+    /// `cgroup v1` or `cgroup v2` when the limits are enforced by a cgroup of the
+    /// sandbox's own; null when this host gives forkd no cgroups (`forkd doctor` says
+    /// why).
+    pub enforced_by: Option<String>,
+    /// Memory its cgroup counts now.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_used_bytes: Option<u64>,
 }
 
 fn one() -> u32 {
@@ -90,6 +135,9 @@ pub struct SandboxInfo {
     pub created_at: String,
     /// Unix time (seconds) at which the daemon stops it, if set.
     pub timeout_at: Option<i64>,
+    /// Its limits (absent for a sandbox started before forkd had them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<SandboxLimits>,
 }
 
 /// A list of sandboxes.

@@ -196,6 +196,7 @@ mod tests {
             accel: Accel::Tcg,
             cpu: String::new(),
             clock: GuestClock::Icount,
+            limits: None,
             seccomp: true,
             detached: false,
         }

@@ -7,6 +7,7 @@ pub mod qcow2;
 pub mod qmp;
 pub mod version;
 
+use crate::cgroup::Cgroups;
 use crate::{HypervisorError, Vm, VmConfig, VmStatus};
 use async_trait::async_trait;
 use qmp::Qmp;
@@ -110,6 +111,10 @@ impl crate::Hypervisor for Qemu {
         let name = qcow2::backing_name(layer)
             .map_err(|e| HypervisorError::io(format!("reading {}", layer.display()), e))?;
         Ok(name.map(|n| layer.parent().unwrap_or(Path::new("/")).join(n)))
+    }
+
+    fn disk_size(&self, layer: &Path) -> Option<u64> {
+        qcow2::virtual_size(layer, qcow2::BaseFormat::Qcow2).ok()
     }
 
     async fn flatten_disk(
@@ -230,6 +235,7 @@ impl QemuVm {
             Start::Restore(file) => (cmdline::build_restore(config, levels), Some(file)),
             Start::Receive => (cmdline::build_receiver(config, levels), None),
         };
+        let cgroup = make_cgroup(config)?;
         let mut cmd = tokio::process::Command::new(binary);
         cmd.args(&args)
             .stdin(Stdio::null())
@@ -256,6 +262,23 @@ impl QemuVm {
                 });
             }
         }
+        // Opened here, written by the child before exec: QEMU's first allocation is
+        // already counted and bounded.
+        let procs = match &cgroup {
+            Some(made) => made.procs_files().map_err(|e| {
+                made.remove();
+                HypervisorError::io(format!("joining the cgroup of VM {}", config.id), e)
+            })?,
+            None => Vec::new(),
+        };
+        if !procs.is_empty() {
+            let fds: Vec<std::os::fd::RawFd> = procs.iter().map(|f| f.as_raw_fd()).collect();
+            // SAFETY: runs in the forked child before exec; `join` only calls write(2) on
+            // descriptors `procs` keeps open until spawn returns.
+            unsafe {
+                cmd.pre_exec(move || crate::cgroup::join(&fds));
+            }
+        }
         if let Some(file) = &incoming {
             let raw = file.as_raw_fd();
             // SAFETY: runs in the forked child before exec; dup2(2) and fcntl(2) are
@@ -279,10 +302,20 @@ impl QemuVm {
             }
         }
         tracing::debug!(id = %config.id, "starting {} {:?}", binary.display(), args);
-        let mut child = cmd.spawn().map_err(|source| HypervisorError::Spawn {
-            program: binary.display().to_string(),
-            source,
-        })?;
+        let spawned = cmd.spawn();
+        drop(procs);
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(source) => {
+                if let Some(made) = &cgroup {
+                    made.remove();
+                }
+                return Err(HypervisorError::Spawn {
+                    program: binary.display().to_string(),
+                    source,
+                });
+            }
+        };
         drop(incoming);
         let pid = child.id().unwrap_or(0);
         let (console, console_done) = read_console(config);
@@ -304,6 +337,9 @@ impl QemuVm {
             };
             // Whoever hears of the exit may quote the console: let its last bytes land.
             let _ = tokio::time::timeout(console::DRAIN_TIMEOUT, console_done).await;
+            if let Some(made) = cgroup {
+                let _ = tokio::task::spawn_blocking(move || made.remove()).await;
+            }
             let _ = exit_tx.send(Some(desc));
         });
         QemuVm::connect(binary, config, pid, exit, Owner::Spawned(kill_tx), console).await
@@ -323,6 +359,9 @@ impl QemuVm {
             pid,
         };
         let pidfd = crate::process::PidFd::open_checked(pid, start_time).ok_or_else(gone)?;
+        // The cgroup its starter made goes when it exits.
+        let cgroups = vm_cgroups(config);
+        let id = config.id.clone();
         // QEMU went on listening for a console reader when the one before went away.
         let (console, console_done) = read_console(config);
         let (exit_tx, exit) = watch::channel(None);
@@ -332,6 +371,9 @@ impl QemuVm {
                 Err(e) => format!("watching the process failed: {e}"),
             };
             let _ = tokio::time::timeout(console::DRAIN_TIMEOUT, console_done).await;
+            if let Some(cgroups) = cgroups {
+                let _ = tokio::task::spawn_blocking(move || cgroups.remove(&id)).await;
+            }
             let _ = exit_tx.send(Some(desc));
         });
         QemuVm::connect(
@@ -671,6 +713,11 @@ impl Vm for QemuVm {
     fn console_tail(&self, lines: usize) -> String {
         console::tail(&self.config.console_log(), lines)
     }
+
+    fn cgroup(&self) -> Option<(crate::cgroup::CgroupVersion, crate::cgroup::CgroupUsage)> {
+        let cgroups = vm_cgroups(&self.config)?;
+        Some((cgroups.version(), cgroups.usage(&self.config.id)?))
+    }
 }
 
 /// A QEMU started with `-incoming defer` and its device state open as [`INCOMING_FD`].
@@ -719,6 +766,29 @@ impl Drop for QemuVm {
 const STATE_FD_NAME: &str = "forkd-state";
 
 /// The last `lines` lines of a log file, read from its end only (see [`console::tail`]).
+/// Makes the cgroup of a VM with limits, when VMs get cgroups here.
+fn make_cgroup(config: &VmConfig) -> Result<Option<crate::cgroup::VmCgroup>, HypervisorError> {
+    let Some(limits) = &config.limits else {
+        return Ok(None);
+    };
+    let Some(cgroups) = crate::cgroup::for_vms().map_err(HypervisorError::Config)? else {
+        return Ok(None);
+    };
+    limits
+        .check(config.memory_mib)
+        .map_err(HypervisorError::Config)?;
+    let made = cgroups
+        .create(&config.id, limits)
+        .map_err(|e| HypervisorError::io(format!("making the cgroup of VM {}", config.id), e))?;
+    Ok(Some(made))
+}
+
+/// The cgroups a VM with limits was placed in, if VMs get cgroups here.
+fn vm_cgroups(config: &VmConfig) -> Option<&'static Cgroups> {
+    config.limits?;
+    crate::cgroup::for_vms().ok().flatten()
+}
+
 pub fn tail(path: &std::path::Path, lines: usize) -> String {
     console::tail(path, lines)
 }
