@@ -312,19 +312,40 @@ fn check_data_directory(home: &Home) -> Check {
 
 /// What stands between a guest and the host, said plainly, with what is not there yet.
 fn check_isolation() -> Check {
-    let user = if nix::unistd::geteuid().is_root() {
-        "root"
-    } else {
-        "this user"
+    use forkd_hypervisor::qemu::jail::{self, JailPolicy};
+    let qemu = Qemu::from_env();
+    let jail = match (
+        JailPolicy::from_env(),
+        version::installed_version(qemu.binary()),
+    ) {
+        (Err(e), _) => Err(e),
+        (Ok(JailPolicy::Off), _) => Err("FORKD_JAIL=off".to_owned()),
+        (Ok(_), Err(e)) => Err(e),
+        (Ok(_), Ok(v)) => match jail::unjailable(v) {
+            Some(why) => Err(why),
+            None => Ok(()),
+        },
     };
-    bad(
-        "isolation",
-        Level::Warn,
-        format!(
-            "each sandbox is its own QEMU VM with QEMU's seccomp filter, running as {user}, limited by a cgroup of its own where the cgroups check says so; sandboxes have no network device; not yet: an unprivileged jailed QEMU, network namespaces with an egress policy"
+    let missing =
+        "not yet: network namespaces with an egress policy (sandboxes have no network device)";
+    match jail {
+        Ok(()) => bad(
+            "isolation",
+            Level::Warn,
+            format!(
+                "each sandbox is its own QEMU VM under QEMU's seccomp filter, jailed once it runs: a user id of its own, no capabilities, an empty root directory, the template's RAM read-only; limited by a cgroup of its own where the cgroups check says so; {missing}"
+            ),
+            "under TCG, QEMU is not a security boundary: run untrusted code on a host that holds nothing else of value",
         ),
-        "under TCG, QEMU is not a security boundary: run untrusted code on a host that holds nothing else of value",
-    )
+        Err(why) => bad(
+            "isolation",
+            Level::Warn,
+            format!(
+                "each sandbox is its own QEMU VM under QEMU's seccomp filter, not jailed ({why}); {missing}"
+            ),
+            "run the daemon as root with QEMU 9.1 or newer (./dev setup installs it) so that each QEMU drops to a user of its own in an empty root",
+        ),
+    }
 }
 
 fn check_disk(home: &Home) -> Check {

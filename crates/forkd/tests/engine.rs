@@ -2,7 +2,8 @@
 //! real VMs: one daemon per data directory; a daemon killed at any named failpoint leaves
 //! a state its restart makes consistent; guests starved of CPU, or whose VM process is
 //! stopped, are kept (shown unresponsive), never torn down; a full disk is refused with
-//! 507 and corrupts nothing; each child runs in a cgroup of its own with its limits.
+//! 507 and corrupts nothing; each child runs jailed, in a cgroup of its own with its
+//! limits.
 //!
 //! Building a template costs tens of seconds under TCG, so one `minimal` template is
 //! built once for the whole file and hard-linked into each test's data directory: a
@@ -1033,6 +1034,56 @@ fn a_warm_pool_serves_forks_refills_and_is_removed_by_the_next_daemon() {
     );
 }
 
+/// Checks that QEMU `pid` runs jailed and returns its user id.
+fn jailed(pid: u32) -> u32 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .unwrap_or_else(|| panic!("no {name} in {status}"))
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    let uids = field("Uid:");
+    assert!(uids.iter().all(|u| u == &uids[0]), "{uids:?}");
+    let uid: u32 = uids[0].parse().unwrap();
+    assert!(uid >= forkd_hypervisor::qemu::jail::FIRST_UID, "{uid}");
+    assert_eq!(field("Gid:")[0], uids[0]);
+    assert_eq!(field("CapEff:"), ["0000000000000000"]);
+    assert_eq!(field("NoNewPrivs:"), ["1"]);
+    let root = std::fs::read_link(format!("/proc/{pid}/root")).unwrap();
+    assert!(root.ends_with("jail"), "{}", root.display());
+    assert_eq!(
+        std::fs::read_dir(&root).unwrap().count(),
+        0,
+        "the jail is not empty"
+    );
+    // The snapshot's RAM file: open, and read-only.
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap();
+    let ram = fds
+        .filter_map(Result::ok)
+        .find(|e| std::fs::read_link(e.path()).is_ok_and(|t| t.ends_with("memory.ram")))
+        .expect("QEMU has its RAM file open");
+    let info = std::fs::read_to_string(format!(
+        "/proc/{pid}/fdinfo/{}",
+        ram.file_name().to_string_lossy()
+    ))
+    .unwrap();
+    let flags = info
+        .lines()
+        .find_map(|l| l.strip_prefix("flags:"))
+        .map(|f| u32::from_str_radix(f.trim(), 8).unwrap())
+        .unwrap();
+    assert_eq!(
+        flags & libc::O_ACCMODE as u32,
+        libc::O_RDONLY as u32,
+        "{info}"
+    );
+    uid
+}
+
 /// The cgroup control file that holds `name`'s value for a VM cgroup in `dirs` (v1: the
 /// hierarchy that has it; v2: the one directory).
 fn control(dirs: &[PathBuf], name: &str) -> String {
@@ -1045,7 +1096,7 @@ fn control(dirs: &[PathBuf], name: &str) -> String {
 }
 
 #[test]
-fn each_child_runs_in_a_cgroup_of_its_own_with_the_limits_it_was_forked_with() {
+fn each_child_runs_jailed_in_a_cgroup_of_its_own_with_the_limits_it_was_forked_with() {
     let cgroups = forkd_hypervisor::cgroup::host()
         .as_ref()
         .expect("this project's test machines give root a cgroup hierarchy");
@@ -1154,6 +1205,11 @@ fn each_child_runs_in_a_cgroup_of_its_own_with_the_limits_it_was_forked_with() {
             plain["vcpus"].as_f64(),
             "{plain}"
         );
+
+        // Each QEMU runs jailed: a user of its own, no capability, an empty root, and
+        // the template's RAM file open read-only.
+        let (a, b) = (jailed(pid_of(&child)), jailed(pid_of(&plain)));
+        assert_ne!(a, b, "two children share a user id");
 
         // Its cgroup goes with it.
         let (s, v) = call(&c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;

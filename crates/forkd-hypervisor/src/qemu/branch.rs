@@ -46,6 +46,21 @@ fn top_file(name: &str) -> Option<std::path::PathBuf> {
     }
 }
 
+/// The set id of a `/dev/fdset/N` file name.
+fn fdset_id(file: &std::path::Path) -> Option<u64> {
+    file.to_str()?.strip_prefix("/dev/fdset/")?.parse().ok()
+}
+
+/// The opaque string of descriptor set `id` in a `query-fdsets` answer.
+fn fdset_opaque(sets: &serde_json::Value, id: u64) -> Option<String> {
+    sets.as_array()?
+        .iter()
+        .find(|s| s["fdset-id"].as_u64() == Some(id))?["fds"]
+        .as_array()?
+        .iter()
+        .find_map(|fd| fd["opaque"].as_str().map(str::to_owned))
+}
+
 /// The first QEMU whose live migration under TCG keeps every guest store: before 9.0 the
 /// fast path of the dirty-bitmap sync cleared bits without telling TCG's software TLB, so
 /// stores through a TLB entry filled while its page was dirty were never tracked again
@@ -269,8 +284,37 @@ impl QemuVm {
     /// current top as its backing file. Added as a node of its own rather than with
     /// `blockdev-snapshot-sync`, so that its file keeps the page cache like every other
     /// layer (see `cmdline::keep_page_cache`) and keeps the drive's `cache=unsafe`.
+    ///
+    /// The layer is opened here and handed over in a descriptor set (`add-fd`, the path
+    /// kept as its `opaque`): a jailed QEMU can open no file by its path.
     async fn put_layer_on_top(&self, layer: &std::path::Path) -> Result<(), HypervisorError> {
         let node = layer_node_name(layer);
+        let opened = |write: bool| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(write)
+                .open(layer)
+                .map_err(|e| HypervisorError::io(format!("opening {}", layer.display()), e))
+        };
+        let (rw, ro) = (opened(true)?, opened(false)?);
+        let opaque = layer.to_string_lossy();
+        let added = self
+            .qmp
+            .execute_with_fd("add-fd", Some(json!({ "opaque": opaque })), rw.as_fd())
+            .await?;
+        let fdset = added["fdset-id"].as_u64().ok_or_else(|| {
+            HypervisorError::Migration(format!("add-fd answered without a fdset-id: {added}"))
+        })?;
+        // Its read-only twin: QEMU reopens the layer read-only when it no longer writes
+        // it (once a later branch puts another layer on top).
+        self.qmp
+            .execute_with_fd(
+                "add-fd",
+                Some(json!({ "fdset-id": fdset, "opaque": opaque })),
+                ro.as_fd(),
+            )
+            .await?;
+        drop((rw, ro));
         self.qmp
             .execute(
                 "blockdev-add",
@@ -280,8 +324,11 @@ impl QemuVm {
                     "cache": { "no-flush": true },
                     "file": {
                         "driver": "file",
-                        "filename": layer.to_string_lossy(),
+                        "filename": format!("/dev/fdset/{fdset}"),
                         "drop-cache": false,
+                        "auto-read-only": true,
+                        // As the first top layer (see cmdline.rs).
+                        "locking": "off",
                     },
                     // Attached below by blockdev-snapshot, to the node now on top.
                     "backing": null,
@@ -334,16 +381,24 @@ impl QemuVm {
     /// The file of the root disk's top layer, as QEMU has it open.
     pub(super) async fn disk_top(&self) -> Result<std::path::PathBuf, HypervisorError> {
         let blocks = self.qmp.execute("query-block", None).await?;
-        blocks
+        let top = blocks
             .as_array()
             .into_iter()
             .flatten()
             .find(|b| b["device"] == "root")
             .and_then(|b| b["inserted"]["file"].as_str())
-            .and_then(top_file)
-            .ok_or_else(|| {
-                HypervisorError::Migration("QEMU does not list the root disk's file".into())
-            })
+            .and_then(top_file);
+        // A layer handed over as a descriptor set: its path is the set's opaque.
+        let top = match top.as_ref().and_then(|t| fdset_id(t)) {
+            Some(id) => {
+                let sets = self.qmp.execute("query-fdsets", None).await?;
+                fdset_opaque(&sets, id).map(Into::into)
+            }
+            None => top,
+        };
+        top.ok_or_else(|| {
+            HypervisorError::Migration("QEMU does not list the root disk's file".into())
+        })
     }
 
     /// See [`Vm::abandon_branch`].
@@ -408,5 +463,17 @@ mod tests {
         let json = r#"json:{"backing": {"driver": "qcow2", "file": {"driver": "file", "filename": "/a/root.qcow2"}}, "driver": "qcow2", "file": {"driver": "file", "filename": "/a/root.1.qcow2"}}"#;
         assert_eq!(super::top_file(json), Some("/a/root.1.qcow2".into()));
         assert_eq!(super::top_file("json:{"), None);
+    }
+
+    #[test]
+    fn a_layer_handed_over_as_a_descriptor_set_is_named_by_its_opaque() {
+        assert_eq!(fdset_id(std::path::Path::new("/dev/fdset/3")), Some(3));
+        assert_eq!(fdset_id(std::path::Path::new("/a/root.qcow2")), None);
+        let sets = json!([
+            {"fdset-id": 1, "fds": [{"fd": 30, "opaque": "/a/root.1.qcow2"}]},
+            {"fdset-id": 3, "fds": [{"fd": 31, "opaque": "/a/root.2.qcow2"}]}
+        ]);
+        assert_eq!(fdset_opaque(&sets, 3), Some("/a/root.2.qcow2".into()));
+        assert_eq!(fdset_opaque(&sets, 2), None);
     }
 }

@@ -5,12 +5,30 @@
 //! `-no-user-config` keep QEMU from adding devices nobody asked for; `-no-reboot` turns a
 //! guest reboot (and a panic, with `panic=-1`) into QEMU exiting.
 
+use super::jail::Hardening;
 use crate::{Accel, GuestClock, MemoryBackend, VmConfig};
 use std::ffi::OsString;
 
 /// QEMU's seccomp filter: deny obsolete syscalls, privilege changes, spawning processes and
 /// resource-control calls. Measured to work with TCG.
 pub const SECCOMP: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
+
+/// The filter of a jailed QEMU: the same, but QEMU's own drop to its jail's user (after
+/// the filter is in place) needs setuid(2) and setgid(2). Once dropped it has no
+/// capability and `no_new_privs`, so those calls can only lower what it has.
+pub const SECCOMP_JAILED: &str =
+    "on,obsolete=deny,elevateprivileges=allow,spawn=deny,resourcecontrol=deny";
+
+/// The descriptor set the root disk's top layer is handed over in: QEMU opens
+/// `/dev/fdset/1`, and whenever it reopens the layer (read-only while the disk is
+/// inactive, read-write again after) it takes the set's descriptor of that mode instead
+/// of opening a path, which a jailed QEMU could not.
+pub const DISK_FDSET: u32 = 1;
+
+/// The descriptors QEMU inherits with the top layer opened read-write and read-only.
+pub const DISK_RW_FD: i32 = 4;
+/// See [`DISK_RW_FD`].
+pub const DISK_RO_FD: i32 = 5;
 
 /// Id of the guest-RAM memory backend object.
 pub const MEMORY_ID: &str = "mem";
@@ -25,9 +43,20 @@ pub fn cpu_arg(config: &VmConfig) -> String {
     }
 }
 
-/// Builds the argument vector (without the program name). `backing_levels` is how many
-/// images lie below the root disk's top layer (see [`super::qcow2::backing_depth`]).
-pub fn build(config: &VmConfig, backing_levels: usize) -> Vec<OsString> {
+/// The root disk as QEMU gets it: its top layer's descriptors (see [`DISK_FDSET`]) and
+/// the chain below.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Disk {
+    /// How many images lie below the top layer (see [`super::qcow2::backing_depth`]).
+    pub backing_levels: usize,
+    /// The top layer's base, absolute: the name its header gives is resolved against the
+    /// layer's own directory, which `/dev/fdset/1` is not.
+    pub base: Option<std::path::PathBuf>,
+}
+
+/// Builds the argument vector (without the program name).
+pub fn build(config: &VmConfig, disk: &Disk, hardening: &Hardening) -> Vec<OsString> {
+    let backing_levels = disk.backing_levels;
     let mut args = Args::default();
     let mut machine = String::from("microvm,acpi=on,pit=on,pic=on,rtc=on");
     if !matches!(config.memory, MemoryBackend::Anonymous) {
@@ -52,6 +81,9 @@ pub fn build(config: &VmConfig, backing_levels: usize) -> Vec<OsString> {
             if *shared { "on" } else { "off" }
         ));
         obj.push(escape(path.as_os_str()));
+        if hardening.readonly_ram && !*shared {
+            obj.push(",readonly=on,rom=off");
+        }
         args.push("-object").push(obj);
     }
     args.push("-nodefaults")
@@ -85,15 +117,28 @@ pub fn build(config: &VmConfig, backing_levels: usize) -> Vec<OsString> {
     }
     args.push("-append").push(append);
 
-    let mut drive = OsString::from(
-        "id=root,format=qcow2,if=none,cache=unsafe,werror=report,rerror=report,file=",
-    );
+    for fd in [DISK_RW_FD, DISK_RO_FD] {
+        let mut add = OsString::from(format!("fd={fd},set={DISK_FDSET},opaque="));
+        add.push(escape(config.root_disk.as_os_str()));
+        args.push("-add-fd").push(add);
+    }
+    let mut drive = OsString::from(format!(
+        "id=root,format=qcow2,if=none,cache=unsafe,werror=report,rerror=report,file=/dev/fdset/{DISK_FDSET}"
+    ));
     // cache=unsafe: the overlay is a throwaway per-sandbox layer; its durability is the
     // snapshot layer's business, and skipping flushes keeps guest fsyncs cheap.
     // werror/rerror=report: a host disk that fills up (or fails) is an I/O error the
     // guest sees (ENOSPC, EIO), not a VM that QEMU pauses and nobody resumes.
-    drive.push(escape(config.root_disk.as_os_str()));
+    // locking=off on the top layer: QEMU's image locks are OFD locks, held by an open
+    // file description, and the set keeps the description QEMU locked through open after
+    // QEMU moves to the other one; the two would then conflict with each other. forkd
+    // gives each layer to one VM itself.
+    drive.push(",file.locking=off");
     drive.push(keep_page_cache(backing_levels));
+    if let Some(base) = &disk.base {
+        drive.push(",backing.file.filename=");
+        drive.push(escape(base.as_os_str()));
+    }
     args.push("-drive").push(drive);
     args.push("-device").push("virtio-blk-device,drive=root");
 
@@ -112,7 +157,17 @@ pub fn build(config: &VmConfig, backing_levels: usize) -> Vec<OsString> {
     qmp.push(",server=on,wait=off");
     args.push("-qmp").push(qmp);
     if config.seccomp {
-        args.push("-sandbox").push(SECCOMP);
+        let filter = if hardening.jail.is_some() {
+            SECCOMP_JAILED
+        } else {
+            SECCOMP
+        };
+        args.push("-sandbox").push(filter);
+    }
+    if let Some(jail) = &hardening.jail {
+        let mut run_with = OsString::from(format!("user={}:{},chroot=", jail.uid, jail.uid));
+        run_with.push(escape(jail.root.as_os_str()));
+        args.push("-run-with").push(run_with);
     }
     args.0
 }
@@ -121,8 +176,8 @@ pub fn build(config: &VmConfig, backing_levels: usize) -> Vec<OsString> {
 /// `-incoming defer` and waits, paused, for `migrate-incoming` over QMP. (Giving the
 /// source on the command line does not work with `x-ignore-shared`: the capability must
 /// be set before the stream is read, and in QEMU 7.2 only QMP can set it in time.)
-pub fn build_restore(config: &VmConfig, backing_levels: usize) -> Vec<OsString> {
-    let mut args = build(config, backing_levels);
+pub fn build_restore(config: &VmConfig, disk: &Disk, hardening: &Hardening) -> Vec<OsString> {
+    let mut args = build(config, disk, hardening);
     args.push("-incoming".into());
     args.push("defer".into());
     args
@@ -132,8 +187,8 @@ pub fn build_restore(config: &VmConfig, backing_levels: usize) -> Vec<OsString> 
 /// and devices over a migration stream and never runs (`-S`: without it QEMU would start
 /// the vCPUs once the stream ends, since the source was running, and change the RAM it
 /// received).
-pub fn build_receiver(config: &VmConfig, backing_levels: usize) -> Vec<OsString> {
-    let mut args = build_restore(config, backing_levels);
+pub fn build_receiver(config: &VmConfig, disk: &Disk, hardening: &Hardening) -> Vec<OsString> {
+    let mut args = build_restore(config, disk, hardening);
     args.push("-S".into());
     args
 }
@@ -222,7 +277,11 @@ mod tests {
     }
 
     fn joined(c: &VmConfig) -> String {
-        build(c, 0)
+        joined_with(c, &Hardening::default())
+    }
+
+    fn joined_with(c: &VmConfig, h: &Hardening) -> String {
+        build(c, &Disk::default(), h)
             .iter()
             .map(|a| a.to_string_lossy().into_owned())
             .collect::<Vec<_>>()
@@ -235,13 +294,19 @@ mod tests {
             keep_page_cache(2),
             ",file.drop-cache=off,backing.file.drop-cache=off,backing.backing.file.drop-cache=off"
         );
-        let s = build(&config(), 1)
+        let disk = Disk {
+            backing_levels: 1,
+            base: Some("/snap/a,b/disk.qcow2".into()),
+        };
+        let s = build(&config(), &disk, &Hardening::default())
             .iter()
             .map(|a| a.to_string_lossy().into_owned())
             .find(|a| a.starts_with("id=root"))
             .unwrap();
         assert!(
-            s.ends_with("root.qcow2,file.drop-cache=off,backing.file.drop-cache=off"),
+            s.ends_with(
+                "file=/dev/fdset/1,file.locking=off,file.drop-cache=off,backing.file.drop-cache=off,backing.file.filename=/snap/a,,b/disk.qcow2"
+            ),
             "{s}"
         );
     }
@@ -264,9 +329,14 @@ mod tests {
             s.contains("-chardev socket,id=console0,server=on,wait=off,path=/run/x,,y/console.sock -serial chardev:console0"),
             "{s}"
         );
-        // Commas in paths are doubled so QEMU does not split on them.
+        // The top layer comes as a descriptor set named after its file; commas in
+        // paths are doubled so QEMU does not split on them.
         assert!(
-            s.contains("file=/run/x,,y/root.qcow2,file.drop-cache=off "),
+            s.contains("-add-fd fd=4,set=1,opaque=/run/x,,y/root.qcow2 -add-fd fd=5,set=1,opaque=/run/x,,y/root.qcow2 "),
+            "{s}"
+        );
+        assert!(
+            s.contains("file=/dev/fdset/1,file.locking=off,file.drop-cache=off "),
             "{s}"
         );
         assert!(s.contains("werror=report,rerror=report"), "{s}");
@@ -310,5 +380,37 @@ mod tests {
             "{s}"
         );
         assert!(!s.contains("-sandbox"), "{s}");
+    }
+
+    #[test]
+    fn a_jailed_child_drops_to_its_user_in_an_empty_root_and_maps_its_ram_read_only() {
+        let mut c = config();
+        c.memory = MemoryBackend::File {
+            path: "/snap/memory.ram".into(),
+            shared: false,
+        };
+        let h = Hardening {
+            jail: Some(super::super::jail::Jail {
+                uid: 3_000_000_042,
+                root: "/run/x,y/jail".into(),
+            }),
+            readonly_ram: true,
+        };
+        let s = joined_with(&c, &h);
+        assert!(
+            s.contains("mem-path=/snap/memory.ram,readonly=on,rom=off "),
+            "{s}"
+        );
+        assert!(s.contains(&format!("-sandbox {SECCOMP_JAILED}")), "{s}");
+        assert!(
+            s.ends_with("-run-with user=3000000042:3000000042,chroot=/run/x,,y/jail"),
+            "{s}"
+        );
+        // A template's RAM is the file itself: it stays shared and writable.
+        c.memory = MemoryBackend::File {
+            path: "/snap/memory.ram".into(),
+            shared: true,
+        };
+        assert!(!joined_with(&c, &h).contains("readonly"));
     }
 }

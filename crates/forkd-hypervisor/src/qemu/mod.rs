@@ -3,6 +3,7 @@
 mod branch;
 pub mod cmdline;
 pub mod console;
+pub mod jail;
 pub mod qcow2;
 pub mod qmp;
 pub mod version;
@@ -220,8 +221,8 @@ impl QemuVm {
         let log_path = config.hypervisor_log();
         let log = std::fs::File::create(&log_path)
             .map_err(|e| HypervisorError::io(format!("creating {}", log_path.display()), e))?;
-        let disk = config.root_disk.clone();
-        let levels = tokio::task::spawn_blocking(move || qcow2::backing_depth(&disk))
+        let top = config.root_disk.clone();
+        let (disk, top_rw, top_ro) = tokio::task::spawn_blocking(move || open_disk(&top))
             .await
             .map_err(|e| HypervisorError::io("reading the disk chain", std::io::Error::other(e)))?
             .map_err(|e| {
@@ -230,11 +231,25 @@ impl QemuVm {
                     e,
                 )
             })?;
+        let version = version::current_version(binary).map_err(HypervisorError::Config)?;
+        let hardening = jail::hardening(config, version)?;
         let (args, incoming) = match start {
-            Start::Boot => (cmdline::build(config, levels), None),
-            Start::Restore(file) => (cmdline::build_restore(config, levels), Some(file)),
-            Start::Receive => (cmdline::build_receiver(config, levels), None),
+            Start::Boot => (cmdline::build(config, &disk, &hardening), None),
+            Start::Restore(file) => (
+                cmdline::build_restore(config, &disk, &hardening),
+                Some(file),
+            ),
+            Start::Receive => (cmdline::build_receiver(config, &disk, &hardening), None),
         };
+        let mut inherited = vec![
+            (top_rw.as_fd(), cmdline::DISK_RW_FD),
+            (top_ro.as_fd(), cmdline::DISK_RO_FD),
+        ];
+        if let Some(file) = &incoming {
+            inherited.push((file.as_fd(), INCOMING_FD));
+        }
+        let inherited = Inherited::new(&inherited)
+            .map_err(|e| HypervisorError::io("passing descriptors to QEMU", e))?;
         let cgroup = make_cgroup(config)?;
         let mut cmd = tokio::process::Command::new(binary);
         cmd.args(&args)
@@ -279,31 +294,16 @@ impl QemuVm {
                 cmd.pre_exec(move || crate::cgroup::join(&fds));
             }
         }
-        if let Some(file) = &incoming {
-            let raw = file.as_raw_fd();
-            // SAFETY: runs in the forked child before exec; dup2(2) and fcntl(2) are
-            // async-signal-safe and `raw` stays open in the parent until spawn returns.
-            // The duplicate does not have FD_CLOEXEC, so QEMU inherits it as
-            // INCOMING_FD. When the file already *is* descriptor INCOMING_FD, dup2 does
-            // nothing (it would keep FD_CLOEXEC and QEMU would read whatever it opens
-            // there next), so the flag is cleared instead.
-            unsafe {
-                cmd.pre_exec(move || {
-                    let rc = if raw == INCOMING_FD {
-                        libc::fcntl(raw, libc::F_SETFD, 0)
-                    } else {
-                        libc::dup2(raw, INCOMING_FD)
-                    };
-                    if rc < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
+        let moves = inherited.moves();
+        // SAFETY: runs in the forked child before exec; `place` only calls dup2(2),
+        // which is async-signal-safe, on descriptors `inherited` keeps open until spawn
+        // returns.
+        unsafe {
+            cmd.pre_exec(move || Inherited::place(&moves));
         }
         tracing::debug!(id = %config.id, "starting {} {:?}", binary.display(), args);
         let spawned = cmd.spawn();
-        drop(procs);
+        drop((procs, inherited, top_rw, top_ro));
         let mut child = match spawned {
             Ok(child) => child,
             Err(source) => {
@@ -766,6 +766,68 @@ impl Drop for QemuVm {
 const STATE_FD_NAME: &str = "forkd-state";
 
 /// The last `lines` lines of a log file, read from its end only (see [`console::tail`]).
+/// Reads the root disk's chain and opens its top layer read-write and read-only (see
+/// [`cmdline::DISK_FDSET`]).
+fn open_disk(top: &Path) -> std::io::Result<(cmdline::Disk, std::fs::File, std::fs::File)> {
+    let backing_levels = qcow2::backing_depth(top)?;
+    let dir = top.parent().unwrap_or(Path::new("/"));
+    let base = qcow2::backing_name(top)?.map(|name| dir.join(name));
+    let rw = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(top)?;
+    let ro = std::fs::File::open(top)?;
+    let disk = cmdline::Disk {
+        backing_levels,
+        base,
+    };
+    Ok((disk, rw, ro))
+}
+
+/// Descriptors a QEMU inherits at fixed numbers. Each is first duplicated above every
+/// target number (close-on-exec, so nothing else inherits it): moving one to its
+/// number in the child can then never overwrite another still to be moved.
+struct Inherited(Vec<(std::os::fd::OwnedFd, i32)>);
+
+impl Inherited {
+    /// Lowest number the duplicates take.
+    const ABOVE: i32 = 64;
+
+    fn new(fds: &[(std::os::fd::BorrowedFd<'_>, i32)]) -> std::io::Result<Inherited> {
+        fds.iter()
+            .map(|(fd, target)| {
+                let dup = nix::fcntl::fcntl(
+                    fd.as_raw_fd(),
+                    nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(Self::ABOVE),
+                )
+                .map_err(std::io::Error::from)?;
+                // SAFETY: fcntl just returned this new descriptor; nothing else owns it.
+                let owned =
+                    unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(dup) };
+                Ok((owned, *target))
+            })
+            .collect::<std::io::Result<Vec<_>>>()
+            .map(Inherited)
+    }
+
+    /// (source, target) pairs for [`Inherited::place`].
+    fn moves(&self) -> Vec<(i32, i32)> {
+        self.0.iter().map(|(fd, t)| (fd.as_raw_fd(), *t)).collect()
+    }
+
+    /// In the child: puts each descriptor at its number, without close-on-exec.
+    fn place(moves: &[(i32, i32)]) -> std::io::Result<()> {
+        for &(from, to) in moves {
+            // SAFETY: dup2 on descriptors open in this process; `from` is never a
+            // target (see `ABOVE`).
+            if unsafe { libc::dup2(from, to) } < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Makes the cgroup of a VM with limits, when VMs get cgroups here.
 fn make_cgroup(config: &VmConfig) -> Result<Option<crate::cgroup::VmCgroup>, HypervisorError> {
     let Some(limits) = &config.limits else {
