@@ -173,7 +173,7 @@ pub async fn run(
     let tcp_router = api::router(app.clone())
         .merge(extra)
         .layer(axum::middleware::from_fn_with_state(
-            (token, failures),
+            (token, failures.clone()),
             authenticate,
         ))
         .layer(observed.clone());
@@ -182,7 +182,7 @@ pub async fn run(
     // metrics layer.
     let e2b_router = config.e2b.clone().map(|e| {
         let key = config.token.clone().unwrap_or_default();
-        crate::e2b::router(app.clone(), key, e).layer(observed.clone())
+        crate::e2b::router(app.clone(), key, e, failures.clone()).layer(observed.clone())
     });
     tracing::info!(socket = %config.socket.display(), "listening");
     if let Some(l) = &e2b_listener {
@@ -423,30 +423,41 @@ async fn authenticate(
     if given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(token.as_bytes()))) {
         return next.run(req).await;
     }
-    let now = Instant::now();
-    let peer = req
-        .extensions()
-        .get::<Principal>()
-        .and_then(|p| crate::auth_failures::peer_ip(&p.0));
-    if let Some(ip) = peer {
-        if failures.is_blocked(ip, now) {
-            let mut r = ApiError::new(
-                axum::http::StatusCode::TOO_MANY_REQUESTS,
-                "rate_limited",
-                "too many failed authentications from this address; wait, and send the valid token",
-            )
-            .into_response();
-            r.headers_mut()
-                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-            r.extensions_mut().insert(Unaudited);
-            return r;
-        }
-        failures.failed(ip, now);
+    if let Some(refused) = failed_authentication(&failures, &req) {
+        return refused;
     }
     match given {
         Some(_) => unauthorized("the bearer token is not valid"),
         None => unauthorized("this listener requires `Authorization: Bearer <token>`"),
     }
+}
+
+/// Counts a failed authentication of `req` against its peer address's budget (see
+/// [`crate::auth_failures`]); once the budget is spent, the answer instead: 429, not
+/// audited. Every TCP listener's authentication goes through this.
+pub(crate) fn failed_authentication(
+    failures: &crate::auth_failures::AuthFailures,
+    req: &Request,
+) -> Option<Response> {
+    let now = Instant::now();
+    let ip = req
+        .extensions()
+        .get::<Principal>()
+        .and_then(|p| crate::auth_failures::peer_ip(&p.0))?;
+    if failures.is_blocked(ip, now) {
+        let mut r = ApiError::new(
+            axum::http::StatusCode::TOO_MANY_REQUESTS,
+            "rate_limited",
+            "too many failed authentications from this address; wait, and send valid credentials",
+        )
+        .into_response();
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        r.extensions_mut().insert(Unaudited);
+        return Some(r);
+    }
+    failures.failed(ip, now);
+    None
 }
 
 /// Marks a response the audit log does not record (a rate-limited refusal).

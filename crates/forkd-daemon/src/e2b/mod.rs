@@ -125,6 +125,8 @@ pub struct E2b {
     app: App,
     key: String,
     config: E2bConfig,
+    /// Failed authentications by address, shared with the daemon's own TCP listener.
+    failures: Arc<crate::auth_failures::AuthFailures>,
     processes: process::Table,
 }
 
@@ -166,11 +168,17 @@ pub(crate) struct Target {
 }
 
 /// The E2B listener's routes. `key` is the API key SDKs must send (the daemon's token).
-pub fn router(app: App, key: String, config: E2bConfig) -> Router {
+pub fn router(
+    app: App,
+    key: String,
+    config: E2bConfig,
+    failures: Arc<crate::auth_failures::AuthFailures>,
+) -> Router {
     let shared = Arc::new(E2b {
         app,
         key,
         config,
+        failures,
         processes: process::Table::default(),
     });
     // Bodies are read whole, except uploads, which stream to the guest.
@@ -219,7 +227,8 @@ async fn route(State(e2b): State<Shared>, mut req: Request, next: Next) -> Respo
         }
         return match api_key_ok(&e2b, req.headers()) {
             Ok(()) => next.run(req).await,
-            Err(m) => control::error(StatusCode::UNAUTHORIZED, m),
+            Err(m) => crate::server::failed_authentication(&e2b.failures, &req)
+                .unwrap_or_else(|| control::error(StatusCode::UNAUTHORIZED, m)),
         };
     };
     let prefix = match target.port {
@@ -234,7 +243,8 @@ async fn route(State(e2b): State<Shared>, mut req: Request, next: Next) -> Respo
         }
     };
     if let Err(m) = access_ok(&e2b, &target, req.headers()) {
-        return (StatusCode::UNAUTHORIZED, m).into_response();
+        return crate::server::failed_authentication(&e2b.failures, &req)
+            .unwrap_or_else(|| (StatusCode::UNAUTHORIZED, m).into_response());
     }
     let path_and_query = req
         .uri()
@@ -359,9 +369,10 @@ mod tests {
             app: app.clone(),
             key: KEY.into(),
             config: config.clone(),
+            failures: Default::default(),
             processes: process::Table::default(),
         });
-        (router(app, KEY.into(), config), shared)
+        (router(app, KEY.into(), config, Default::default()), shared)
     }
 
     async fn send(r: &Router, req: axum::http::Request<Body>) -> (StatusCode, serde_json::Value) {
@@ -377,6 +388,39 @@ mod tests {
 
     fn get(path: &str) -> axum::http::request::Builder {
         axum::http::Request::get(path)
+    }
+
+    #[tokio::test]
+    async fn an_address_that_keeps_failing_is_refused_with_429() {
+        let dir = tempfile::tempdir().unwrap();
+        let (r, _) = listener(dir.path());
+        let from = |ip: &str, key: &str| {
+            let mut req = get("/v2/sandboxes")
+                .header("x-api-key", key)
+                .body(Body::empty())
+                .unwrap();
+            req.extensions_mut()
+                .insert(crate::server::Principal(format!("tcp:{ip}:40000")));
+            req
+        };
+        let burst = crate::auth_failures::BURST as usize;
+        for _ in 0..burst {
+            let (s, v) = send(&r, from("192.0.2.7", "e2b_wrong")).await;
+            assert_eq!(s, StatusCode::UNAUTHORIZED, "{v}");
+        }
+        let (s, v) = send(&r, from("192.0.2.7", "e2b_wrong")).await;
+        assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{v}");
+        // In-sandbox requests with a wrong token count against the same budget.
+        let mut req = from("192.0.2.7", "e2b_wrong");
+        req.headers_mut()
+            .insert("e2b-sandbox-id", "sb-000000000000".parse().unwrap());
+        assert_eq!(send(&r, req).await.0, StatusCode::TOO_MANY_REQUESTS);
+        // Another address, and the valid key, still get through.
+        assert_eq!(
+            send(&r, from("192.0.2.8", "e2b_wrong")).await.0,
+            StatusCode::UNAUTHORIZED
+        );
+        assert_eq!(send(&r, from("192.0.2.8", KEY)).await.0, StatusCode::OK);
     }
 
     #[tokio::test]
