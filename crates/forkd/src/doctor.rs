@@ -333,7 +333,7 @@ fn check_isolation() -> Check {
             "isolation",
             Level::Warn,
             format!(
-                "each sandbox is its own QEMU VM under QEMU's seccomp filter, jailed once it runs: a user id of its own, no capabilities, an empty root directory, the template's RAM read-only; limited by a cgroup of its own where the cgroups check says so; {missing}"
+                "each sandbox is its own QEMU VM under QEMU's seccomp filter; forked children are jailed once they run (a user id of their own, no capabilities, an empty root directory, the template's RAM read-only), template builds and `forkd run` VMs are not; each is limited by a cgroup of its own where the cgroups check says so; {missing}"
             ),
             "under TCG, QEMU is not a security boundary: run untrusted code on a host that holds nothing else of value",
         ),
