@@ -29,6 +29,11 @@ pub struct ForkArgs {
     /// exit status is 1); by default a fork is all or nothing.
     #[arg(long)]
     partial: bool,
+    /// Memory each child's QEMU may use, in MiB, guest RAM included (default: its RAM
+    /// plus 512). Less than its RAM is allowed: a child whose guest touches more is
+    /// stopped by the kernel and fails saying so.
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(128..=1_048_576))]
+    memory_limit: Option<u64>,
     /// CPU quota of each child's QEMU, in cores (0.5: half a core; 0: none). Default:
     /// one core per vCPU.
     #[arg(long, value_name = "CORES")]
@@ -140,6 +145,9 @@ pub async fn fork_cmd(client: &Client, args: ForkArgs) -> Result<i32> {
         body["timeout_s"] = t.into();
     }
     let mut limits = serde_json::Map::new();
+    if let Some(m) = args.memory_limit {
+        limits.insert("memory_mib".into(), m.into());
+    }
     if let Some(c) = args.cpus {
         limits.insert("cpu_cores".into(), c.into());
     }

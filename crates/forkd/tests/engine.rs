@@ -1128,6 +1128,7 @@ fn each_child_runs_jailed_in_a_cgroup_of_its_own_with_the_limits_it_was_forked_w
             json!({"pids": 3}),
             json!({"pids": 100000}),
             json!({"memory": 1}),
+            json!({"memory_mib": 64}),
         ] {
             let body = json!({"snapshot": TAG, "n": 1, "limits": bad});
             let (s, v) = call(&c, Method::POST, "/v1/sandboxes", Some(body)).await;
@@ -1225,6 +1226,23 @@ fn each_child_runs_jailed_in_a_cgroup_of_its_own_with_the_limits_it_was_forked_w
         // the template's RAM file open read-only.
         let (a, b) = (jailed(pid_of(&child)), jailed(pid_of(&plain)));
         assert_ne!(a, b, "two children share a user id");
+
+        // A child whose guest touches more than its memory limit is stopped by the
+        // kernel, and fails saying so.
+        let body = json!({"snapshot": TAG, "n": 1, "limits": {"memory_mib": 200}});
+        let (s, v) = call(&c, Method::POST, "/v1/sandboxes", Some(body)).await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        let small = v["sandboxes"][0]["id"].as_str().unwrap().to_owned();
+        let fill =
+            "mount -t tmpfs -o size=450m fill /mnt && dd if=/dev/zero of=/mnt/x bs=1M count=400";
+        let _ = exec(&c, &small, fill).await;
+        wait_status(&c, &small, "failed", Duration::from_secs(60)).await;
+        let (_, failed) = call(&c, Method::GET, &format!("/v1/sandboxes/{small}"), None).await;
+        let error = failed["error"].as_str().unwrap_or_default();
+        assert!(
+            error.contains("reaching its memory limit of 200 MiB"),
+            "{failed}"
+        );
 
         // Its cgroup goes with it.
         let (s, v) = call(&c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;

@@ -103,12 +103,18 @@ fn limit_overrides(
             )))
         }
     };
+    if body.memory_mib.is_some_and(|m| m > 1 << 20) {
+        return Err(ApiError::bad_request(
+            "limits.memory_mib is more than 1048576".to_string(),
+        ));
+    }
     if body.pids.is_some_and(|p| p > 65_536) {
         return Err(ApiError::bad_request(
             "limits.pids is more than 65536".to_string(),
         ));
     }
     let chosen = LimitOverrides {
+        memory_bytes: body.memory_mib.map(|m| m << 20),
         cpu_millicores,
         cpu_weight: body.cpu_weight,
         pids: body.pids,

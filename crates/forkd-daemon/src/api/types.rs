@@ -43,8 +43,8 @@ pub struct CreateSandboxes {
     /// operation (202) to poll for progress and cancel.
     #[serde(default = "yes")]
     pub wait: bool,
-    /// Limits of each child's QEMU beyond the defaults (one core per vCPU, weight 100,
-    /// 256 processes; memory: the guest's RAM plus QEMU's own).
+    /// Limits of each child's QEMU beyond the defaults (memory: the guest's RAM plus
+    /// 512 MiB for QEMU; one core per vCPU, weight 100, 256 processes).
     #[serde(default)]
     pub limits: Option<LimitsBody>,
 }
@@ -53,6 +53,12 @@ pub struct CreateSandboxes {
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LimitsBody {
+    /// Memory its QEMU may use in MiB, guest RAM included (default: the RAM plus 512).
+    /// Less than the guest's RAM is allowed: the kernel stops the child if its guest
+    /// touches more than fits, and the child fails saying so.
+    #[serde(default)]
+    #[schema(minimum = 128, maximum = 1048576)]
+    pub memory_mib: Option<u64>,
     /// CPU quota in cores (0.5: half a core); 0 for none.
     #[serde(default)]
     #[schema(minimum = 0, maximum = 1024)]

@@ -26,6 +26,9 @@ pub const CPU_PERIOD_US: u64 = 100_000;
 /// the translated code. A child's memory limit is its guest RAM plus this.
 pub const MEMORY_OVERHEAD: u64 = 512 << 20;
 
+/// The smallest memory limit a VM may be given: QEMU's own needs, with room to spare.
+pub const MIN_MEMORY: u64 = 128 << 20;
+
 /// Threads a QEMU may have: its vCPUs, its main loop, RCU and the block layer's worker
 /// pool (up to 64 threads) leave room to spare at this.
 pub const DEFAULT_PIDS: u32 = 256;
@@ -80,10 +83,13 @@ impl ResourceLimits {
                 self.pids
             ));
         }
-        if self.memory_bytes < u64::from(guest_memory_mib) << 20 {
+        // Below the guest's RAM is allowed (a child rarely touches all of it), not below
+        // what QEMU needs to run at all.
+        if self.memory_bytes < MIN_MEMORY {
             return Err(format!(
-                "a memory limit of {} MiB is less than the guest's {guest_memory_mib} MiB of RAM",
-                self.memory_bytes >> 20
+                "a memory limit of {} MiB is too small for QEMU (at least {} MiB; the guest has {guest_memory_mib} MiB of RAM)",
+                self.memory_bytes >> 20,
+                MIN_MEMORY >> 20
             ));
         }
         Ok(())
@@ -94,6 +100,9 @@ impl ResourceLimits {
 /// the VM's shape ([`ResourceLimits::for_vm`]). Its memory limit always follows its RAM.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LimitOverrides {
+    /// Memory, guest RAM included: less than the guest's RAM is allowed, and then the
+    /// kernel stops the VM if the guest touches more than fits.
+    pub memory_bytes: Option<u64>,
     /// CPU quota in thousandths of a core; 0 for none.
     pub cpu_millicores: Option<u32>,
     /// CPU weight, 1..=10000.
@@ -112,10 +121,10 @@ impl LimitOverrides {
     pub fn resolve(&self, vcpus: u32, memory_mib: u32) -> ResourceLimits {
         let base = ResourceLimits::for_vm(vcpus, memory_mib);
         ResourceLimits {
+            memory_bytes: self.memory_bytes.unwrap_or(base.memory_bytes),
             cpu_millicores: self.cpu_millicores.unwrap_or(base.cpu_millicores),
             cpu_weight: self.cpu_weight.unwrap_or(base.cpu_weight),
             pids: self.pids.unwrap_or(base.pids),
-            ..base
         }
     }
 }
@@ -300,6 +309,24 @@ impl Cgroups {
             CgroupVersion::V1 => v1::usage(&dirs),
             CgroupVersion::V2 => v2::usage(&dirs[0]),
         }
+    }
+
+    /// How many times the kernel killed a process of VM `id`'s cgroup for reaching its
+    /// memory limit; None if the cgroup or the counter is not there.
+    pub fn oom_kills(&self, id: &str) -> Option<u64> {
+        let dirs = self.dirs(id);
+        let (dir, file) = match self.version {
+            CgroupVersion::V1 => (
+                dirs.iter()
+                    .find(|d| d.join("memory.oom_control").exists())?,
+                "memory.oom_control",
+            ),
+            CgroupVersion::V2 => (&dirs[0], "memory.events"),
+        };
+        let text = std::fs::read_to_string(dir.join(file)).ok()?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("oom_kill "))
+            .and_then(|n| n.trim().parse().ok())
     }
 
     /// Removes VM `id`'s cgroup once QEMU has left it.

@@ -318,6 +318,7 @@ impl QemuVm {
         };
         drop(incoming);
         let pid = child.id().unwrap_or(0);
+        let oom_watch = OomWatch::of(config);
         let (console, console_done) = read_console(config);
         let (exit_tx, exit) = watch::channel(None);
         let (kill_tx, mut kill_rx) = mpsc::unbounded_channel::<()>();
@@ -337,6 +338,7 @@ impl QemuVm {
             };
             // Whoever hears of the exit may quote the console: let its last bytes land.
             let _ = tokio::time::timeout(console::DRAIN_TIMEOUT, console_done).await;
+            let desc = explain_oom(desc, oom_watch);
             if let Some(made) = cgroup {
                 let _ = tokio::task::spawn_blocking(move || made.remove()).await;
             }
@@ -362,6 +364,7 @@ impl QemuVm {
         // The cgroup its starter made goes when it exits.
         let cgroups = vm_cgroups(config);
         let id = config.id.clone();
+        let oom_watch = OomWatch::of(config);
         // QEMU went on listening for a console reader when the one before went away.
         let (console, console_done) = read_console(config);
         let (exit_tx, exit) = watch::channel(None);
@@ -371,6 +374,7 @@ impl QemuVm {
                 Err(e) => format!("watching the process failed: {e}"),
             };
             let _ = tokio::time::timeout(console::DRAIN_TIMEOUT, console_done).await;
+            let desc = explain_oom(desc, oom_watch);
             if let Some(cgroups) = cgroups {
                 let _ = tokio::task::spawn_blocking(move || cgroups.remove(&id)).await;
             }
@@ -843,6 +847,35 @@ fn make_cgroup(config: &VmConfig) -> Result<Option<crate::cgroup::VmCgroup>, Hyp
         .create(&config.id, limits)
         .map_err(|e| HypervisorError::io(format!("making the cgroup of VM {}", config.id), e))?;
     Ok(Some(made))
+}
+
+/// What tells, once a VM's QEMU has exited, whether the kernel stopped it for its
+/// memory limit: its cgroup's OOM-kill counter, read before the cgroup is removed.
+struct OomWatch {
+    cgroups: &'static Cgroups,
+    id: String,
+    limit: u64,
+}
+
+impl OomWatch {
+    fn of(config: &VmConfig) -> Option<OomWatch> {
+        Some(OomWatch {
+            cgroups: vm_cgroups(config)?,
+            id: config.id.clone(),
+            limit: config.limits?.memory_bytes,
+        })
+    }
+}
+
+/// `desc` (how QEMU exited), with the reason when its cgroup's memory limit killed it.
+fn explain_oom(desc: String, watch: Option<OomWatch>) -> String {
+    match watch.and_then(|w| Some((w.cgroups.oom_kills(&w.id)?, w.limit))) {
+        Some((kills, limit)) if kills > 0 => format!(
+            "{desc}: the kernel stopped it for reaching its memory limit of {} MiB",
+            limit >> 20
+        ),
+        _ => desc,
+    }
 }
 
 /// The cgroups a VM with limits was placed in, if VMs get cgroups here.
