@@ -9,6 +9,7 @@ from forkd import (
     BadRequestError,
     ConflictError,
     Connection,
+    Limits,
     NotFoundError,
     Sandbox,
     Snapshot,
@@ -34,6 +35,14 @@ def test_create_list_connect_and_kill(snapshot: str, conn: Connection) -> None:
         s.kill()
     with pytest.raises(BadRequestError, match="env keys"):
         Sandbox.create(snapshot=snapshot, envs={"A=B": "x"})
+    # Limits chosen at fork come back in the sandbox's info.
+    with Sandbox.create(snapshot=snapshot, limits=Limits(cpu_cores=0.5, pids=64)) as s:
+        limits = s.info.limits
+        assert limits is not None
+        assert (limits.cpu_cores, limits.pids, limits.cpu_weight) == (0.5, 64, 100)
+        assert limits.memory_bytes > s.info.memory_mib << 20
+    with pytest.raises(BadRequestError, match="pids"):
+        Sandbox.create(snapshot=snapshot, limits=Limits(pids=1))
     with pytest.raises(NotFoundError):
         Sandbox.connect("sb-000000000000")
 

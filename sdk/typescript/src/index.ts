@@ -21,10 +21,12 @@ export type {
   EntryInfo,
   Execution,
   ExecutionError,
+  Limits,
   OutputHandler,
   ProcessInfo,
   Result,
   RunCodeOptions,
   RunOptions,
   SandboxInfo,
+  SandboxLimits,
 } from "./sandbox.js";

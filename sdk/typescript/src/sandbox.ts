@@ -152,6 +152,34 @@ const codeContext = (v: Json): CodeContext => ({
   executionCount: Number(v.execution_count ?? 0),
 });
 
+/**
+ * What a sandbox's QEMU may use, chosen at fork; what is left unset takes the daemon's
+ * default (memory: the guest's RAM plus 512 MiB; one core per vCPU; weight 100; 256
+ * processes).
+ */
+export interface Limits {
+  /** Memory in MiB, guest RAM included (less than the RAM is allowed). */
+  memoryMib?: number;
+  /** CPU quota in cores; 0 for none. */
+  cpuCores?: number;
+  /** Share of CPU under contention, 1 to 10000. */
+  cpuWeight?: number;
+  /** Processes and threads. */
+  pids?: number;
+}
+
+/** A sandbox's limits as the daemon reports them, with what its cgroup counts. */
+export interface SandboxLimits {
+  memoryBytes: number;
+  cpuCores: number | null;
+  cpuWeight: number;
+  pids: number;
+  diskBytes: number | null;
+  /** `cgroup v1` or `cgroup v2`; null when the host enforces no limits. */
+  enforcedBy: string | null;
+  memoryUsedBytes: number | null;
+}
+
 /** A sandbox as the daemon lists it. */
 export interface SandboxInfo {
   id: string;
@@ -163,7 +191,18 @@ export interface SandboxInfo {
   createdAt: string;
   timeoutAt: number | null;
   error: string | null;
+  limits: SandboxLimits | null;
 }
+
+const sandboxLimits = (v: Json): SandboxLimits => ({
+  memoryBytes: Number(v.memory_bytes ?? 0),
+  cpuCores: (v.cpu_cores as number | null) ?? null,
+  cpuWeight: Number(v.cpu_weight ?? 0),
+  pids: Number(v.pids ?? 0),
+  diskBytes: (v.disk_bytes as number | null) ?? null,
+  enforcedBy: (v.enforced_by as string | null) ?? null,
+  memoryUsedBytes: (v.memory_used_bytes as number | null) ?? null,
+});
 
 const sandboxInfo = (v: Json): SandboxInfo => ({
   id: String(v.id),
@@ -175,6 +214,7 @@ const sandboxInfo = (v: Json): SandboxInfo => ({
   createdAt: String(v.created_at ?? ""),
   timeoutAt: (v.timeout_at as number | null) ?? null,
   error: (v.error as string | null) ?? null,
+  limits: v.limits ? sandboxLimits(v.limits as Json) : null,
 });
 
 export interface RunOptions {
@@ -428,6 +468,8 @@ export interface CreateOptions extends ConnectionOptions {
   envs?: Record<string, string>;
   vcpus?: number;
   memoryMib?: number;
+  /** Limits of its QEMU beyond the daemon's defaults. */
+  limits?: Limits;
   /** Reuse a connection. */
   connection?: Connection;
 }
@@ -439,6 +481,15 @@ function forkBody(snapshot: string, n: number, o: CreateOptions): Json {
   if (o.envs) body.env = o.envs;
   if (o.vcpus !== undefined) body.vcpus = o.vcpus;
   if (o.memoryMib !== undefined) body.memory_mib = o.memoryMib;
+  if (o.limits) {
+    const l = o.limits;
+    const limits: Json = {};
+    if (l.memoryMib !== undefined) limits.memory_mib = l.memoryMib;
+    if (l.cpuCores !== undefined) limits.cpu_cores = l.cpuCores;
+    if (l.cpuWeight !== undefined) limits.cpu_weight = l.cpuWeight;
+    if (l.pids !== undefined) limits.pids = l.pids;
+    body.limits = limits;
+  }
   return body;
 }
 

@@ -34,6 +34,17 @@ describe("a sandbox", () => {
     await sbx?.kill();
   });
 
+  test("limits chosen at fork come back in the sandbox's info", async () => {
+    const limited = await Sandbox.create("python", { snapshot, limits: { cpuCores: 0.5, pids: 64 } });
+    try {
+      const l = limited.info.limits;
+      assert.deepEqual([l.cpuCores, l.pids, l.cpuWeight], [0.5, 64, 100]);
+      assert.ok(l.memoryBytes > limited.info.memoryMib * 1024 * 1024);
+    } finally {
+      await limited.kill();
+    }
+  });
+
   test("commands give output as bytes and text, and exit codes", async () => {
     const r = await sbx.commands.run("echo out; echo err >&2; exit 3");
     assert.deepEqual([r.exitCode, r.stdout, r.stderr], [3, "out\n", "err\n"]);

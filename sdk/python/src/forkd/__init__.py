@@ -38,10 +38,12 @@ from .models import (
     EntryInfo,
     Execution,
     ExecutionError,
+    Limits,
     Logs,
     ProcessInfo,
     Result,
     SandboxInfo,
+    SandboxLimits,
 )
 from .sandbox import CommandHandle, Commands, Files, Sandbox, Snapshot
 
@@ -67,6 +69,7 @@ __all__ = [
     "Files",
     "ForbiddenError",
     "ForkdError",
+    "Limits",
     "Logs",
     "NotFoundError",
     "ProcessInfo",
@@ -74,6 +77,7 @@ __all__ = [
     "Sandbox",
     "SandboxFailedError",
     "SandboxInfo",
+    "SandboxLimits",
     "Snapshot",
     "StorageError",
     "TimeoutError",

@@ -8,7 +8,7 @@ import codecs
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 from .errors import ForkdError, SandboxFailedError
-from .models import CodeContext, CommandResult, Execution, ExecutionError, Result
+from .models import CodeContext, CommandResult, Execution, ExecutionError, Limits, Result
 
 OutputHandler = Callable[[str], None]
 
@@ -83,8 +83,11 @@ def fork_body(
     vcpus: Optional[int] = None,
     memory_mib: Optional[int] = None,
     envs: Optional[Mapping[str, str]] = None,
+    limits: Optional[Limits] = None,
 ) -> Dict[str, Any]:
     body: Dict[str, Any] = {"snapshot": snapshot, "n": n}
+    if limits is not None:
+        body["limits"] = limits.to_api()
     if timeout is not None:
         body["timeout_s"] = timeout
     if labels:

@@ -174,6 +174,51 @@ class CodeContext:
 
 
 @dataclass
+class Limits:
+    """What a sandbox's QEMU may use, chosen at fork; what is left unset takes the
+    daemon's default (memory: the guest's RAM plus 512 MiB; one core per vCPU; weight
+    100; 256 processes)."""
+
+    memory_mib: Optional[int] = None
+    """Memory in MiB, guest RAM included (less than the RAM is allowed)."""
+    cpu_cores: Optional[float] = None
+    """CPU quota in cores; 0 for none."""
+    cpu_weight: Optional[int] = None
+    """Share of CPU under contention, 1 to 10000."""
+    pids: Optional[int] = None
+    """Processes and threads."""
+
+    def to_api(self) -> Dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass
+class SandboxLimits:
+    """A sandbox's limits as the daemon reports them, with what its cgroup counts."""
+
+    memory_bytes: int
+    cpu_cores: Optional[float]
+    cpu_weight: int
+    pids: int
+    disk_bytes: Optional[int]
+    enforced_by: Optional[str]
+    """``cgroup v1`` or ``cgroup v2``; None when the host enforces no limits."""
+    memory_used_bytes: Optional[int]
+
+    @classmethod
+    def from_api(cls, v: Dict[str, Any]) -> "SandboxLimits":
+        return cls(
+            memory_bytes=int(v.get("memory_bytes") or 0),
+            cpu_cores=v.get("cpu_cores"),
+            cpu_weight=int(v.get("cpu_weight") or 0),
+            pids=int(v.get("pids") or 0),
+            disk_bytes=v.get("disk_bytes"),
+            enforced_by=v.get("enforced_by"),
+            memory_used_bytes=v.get("memory_used_bytes"),
+        )
+
+
+@dataclass
 class SandboxInfo:
     """A sandbox as the daemon lists it."""
 
@@ -186,6 +231,7 @@ class SandboxInfo:
     created_at: str
     timeout_at: Optional[int]
     error: Optional[str]
+    limits: Optional[SandboxLimits] = None
 
     @classmethod
     def from_api(cls, v: Dict[str, Any]) -> "SandboxInfo":
@@ -199,4 +245,5 @@ class SandboxInfo:
             created_at=v.get("created_at", ""),
             timeout_at=v.get("timeout_at"),
             error=v.get("error"),
+            limits=SandboxLimits.from_api(v["limits"]) if v.get("limits") else None,
         )

@@ -15,6 +15,7 @@ from .models import (
     EntryInfo,
     Execution,
     ExecutionError,
+    Limits,
     ProcessInfo,
     Result,
     SandboxInfo,
@@ -288,10 +289,11 @@ class Sandbox:
         memory_mib: Optional[int] = None,
         envs: Optional[Mapping[str, str]] = None,
         env: Optional[Mapping[str, str]] = None,
+        limits: Optional[Limits] = None,
     ) -> List["Sandbox"]:
         # ``envs`` as in E2B's SDK and ``commands.run``; ``env`` as the REST API names it.
         merged = {**(env or {}), **(envs or {})}
-        body = _api.fork_body(snapshot, n, timeout, labels, vcpus, memory_mib, merged)
+        body = _api.fork_body(snapshot, n, timeout, labels, vcpus, memory_mib, merged, limits)
         v = conn.request("POST", "/v1/sandboxes", body)
         return [cls(s, conn) for s in v["sandboxes"]]
 
