@@ -9,6 +9,7 @@ pub mod accel;
 pub mod cgroup;
 pub mod clock;
 pub mod config;
+pub mod enforcement;
 pub mod error;
 #[cfg(feature = "fake")]
 pub mod fake;

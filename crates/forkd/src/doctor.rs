@@ -104,7 +104,7 @@ pub fn run(home: &Home, args: DoctorArgs) -> Result<i32> {
 fn check_qemu() -> Check {
     let qemu = Qemu::from_env();
     let bin = qemu.binary();
-    let v = match version::installed_version(bin) {
+    let v = match version::current_version(bin) {
         Ok(v) => v,
         Err(e) => {
             return bad(
@@ -240,12 +240,13 @@ fn check_mkfs() -> Check {
 }
 
 fn check_cgroups() -> Check {
-    use forkd_hypervisor::cgroup::{self, CgroupPolicy};
-    let policy = match CgroupPolicy::from_env() {
+    use forkd_hypervisor::cgroup;
+    use forkd_hypervisor::enforcement::Enforcement;
+    let policy = match Enforcement::from_env(cgroup::ENV) {
         Ok(p) => p,
         Err(e) => return bad("cgroups", Level::Fail, e, "unset FORKD_CGROUPS or fix it"),
     };
-    if policy == CgroupPolicy::Off {
+    if policy == Enforcement::Off {
         return bad(
             "cgroups",
             Level::Warn,
@@ -268,7 +269,7 @@ fn check_cgroups() -> Check {
         ),
         Err(why) => bad(
             "cgroups",
-            if policy == CgroupPolicy::Required {
+            if policy == Enforcement::Required {
                 Level::Fail
             } else {
                 Level::Warn
@@ -312,14 +313,15 @@ fn check_data_directory(home: &Home) -> Check {
 
 /// What stands between a guest and the host, said plainly, with what is not there yet.
 fn check_isolation() -> Check {
-    use forkd_hypervisor::qemu::jail::{self, JailPolicy};
+    use forkd_hypervisor::enforcement::Enforcement;
+    use forkd_hypervisor::qemu::jail;
     let qemu = Qemu::from_env();
     let jail = match (
-        JailPolicy::from_env(),
-        version::installed_version(qemu.binary()),
+        Enforcement::from_env(jail::ENV),
+        version::current_version(qemu.binary()),
     ) {
         (Err(e), _) => Err(e),
-        (Ok(JailPolicy::Off), _) => Err("FORKD_JAIL=off".to_owned()),
+        (Ok(Enforcement::Off), _) => Err(format!("{}=off", jail::ENV)),
         (Ok(_), Err(e)) => Err(e),
         (Ok(_), Ok(v)) => match jail::unjailable(v) {
             Some(why) => Err(why),

@@ -14,6 +14,7 @@
 mod v1;
 mod v2;
 
+use crate::enforcement::Enforcement;
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -363,32 +364,8 @@ impl Cgroups {
     }
 }
 
-/// Whether VMs get cgroups, from `FORKD_CGROUPS`: `auto` (the default: when this host
-/// lets forkd make them), `required` (a VM with limits does not start without one) or
-/// `off`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CgroupPolicy {
-    /// Use cgroups when the host allows; run without (and say so once) otherwise.
-    Auto,
-    /// Refuse to start a VM with limits that cannot get a cgroup.
-    Required,
-    /// Never make cgroups.
-    Off,
-}
-
-impl CgroupPolicy {
-    /// `FORKD_CGROUPS`, `auto` when unset; an unknown value is an error.
-    pub fn from_env() -> Result<CgroupPolicy, String> {
-        match std::env::var("FORKD_CGROUPS").as_deref() {
-            Err(_) | Ok("") | Ok("auto") => Ok(CgroupPolicy::Auto),
-            Ok("required") => Ok(CgroupPolicy::Required),
-            Ok("off") => Ok(CgroupPolicy::Off),
-            Ok(other) => Err(format!(
-                "FORKD_CGROUPS={other:?}: expected auto, required or off"
-            )),
-        }
-    }
-}
+/// Whether VMs get cgroups (see [`Enforcement`]).
+pub const ENV: &str = "FORKD_CGROUPS";
 
 /// This host's cgroups as this process found them (once: the detection makes forkd's
 /// parent directories).
@@ -397,18 +374,18 @@ pub fn host() -> &'static Result<Cgroups, String> {
     HOST.get_or_init(Cgroups::detect)
 }
 
-/// The cgroups VMs with limits are placed in under the process's [`CgroupPolicy`]:
+/// The cgroups VMs with limits are placed in under the process's [`ENV`]:
 /// None when the policy is off, or is auto and the host has none for forkd (said once
 /// in the log); an error when they are required and missing.
 pub fn for_vms() -> Result<Option<&'static Cgroups>, String> {
     static WARNED: std::sync::Once = std::sync::Once::new();
-    match (CgroupPolicy::from_env()?, host()) {
-        (CgroupPolicy::Off, _) => Ok(None),
+    match (Enforcement::from_env(ENV)?, host()) {
+        (Enforcement::Off, _) => Ok(None),
         (_, Ok(cgroups)) => Ok(Some(cgroups)),
-        (CgroupPolicy::Required, Err(why)) => Err(format!(
+        (Enforcement::Required, Err(why)) => Err(format!(
             "FORKD_CGROUPS=required, but VMs cannot get cgroups here: {why}"
         )),
-        (CgroupPolicy::Auto, Err(why)) => {
+        (Enforcement::Auto, Err(why)) => {
             WARNED.call_once(|| {
                 tracing::warn!("VMs run without cgroup limits: {why}");
             });

@@ -47,7 +47,7 @@ pub fn cpu_arg(config: &VmConfig) -> String {
 /// the chain below.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Disk {
-    /// How many images lie below the top layer (see [`super::qcow2::backing_depth`]).
+    /// How many images lie below the top layer (see [`super::qcow2::backing_chain`]).
     pub backing_levels: usize,
     /// The top layer's base, absolute: the name its header gives is resolved against the
     /// layer's own directory, which `/dev/fdset/1` is not.

@@ -12,6 +12,7 @@
 //! change the template's memory, whatever runs in it.
 
 use super::version::QemuVersion;
+use crate::enforcement::Enforcement;
 use crate::{HypervisorError, MemoryBackend, VmConfig};
 use std::path::PathBuf;
 
@@ -29,31 +30,9 @@ pub const FIRST_UID: u32 = 3_000_000_000;
 /// How many user ids VMs are spread over.
 const UIDS: u32 = 1 << 24;
 
-/// Whether QEMUs are jailed, from `FORKD_JAIL`: `auto` (the default: when forkd runs
-/// as root and QEMU can), `required` (a VM does not start unjailed) or `off`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JailPolicy {
-    /// Jail when possible.
-    Auto,
-    /// Refuse to start a VM that cannot be jailed.
-    Required,
-    /// Never jail.
-    Off,
-}
-
-impl JailPolicy {
-    /// `FORKD_JAIL`, `auto` when unset.
-    pub fn from_env() -> Result<JailPolicy, String> {
-        match std::env::var("FORKD_JAIL").as_deref() {
-            Err(_) | Ok("") | Ok("auto") => Ok(JailPolicy::Auto),
-            Ok("required") => Ok(JailPolicy::Required),
-            Ok("off") => Ok(JailPolicy::Off),
-            Ok(other) => Err(format!(
-                "FORKD_JAIL={other:?}: expected auto, required or off"
-            )),
-        }
-    }
-}
+/// Whether QEMUs are jailed (see [`Enforcement`]): `auto` jails them when forkd runs
+/// as root and QEMU can.
+pub const ENV: &str = "FORKD_JAIL";
 
 /// Where one QEMU is confined once it runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,7 +66,7 @@ pub fn unjailable(version: QemuVersion) -> Option<String> {
         .then(|| format!("QEMU {version} has no -run-with user= (it came in {RUN_WITH_USER})"))
 }
 
-/// The hardening of the VM `config` describes, under this process's [`JailPolicy`],
+/// The hardening of the VM `config` describes, under this process's [`ENV`],
 /// started by QEMU `version`. Makes the jail's empty root directory.
 ///
 /// Only detached VMs (forked children and warm-pool members: where untrusted code runs
@@ -98,7 +77,7 @@ pub fn unjailable(version: QemuVersion) -> Option<String> {
 pub fn hardening(config: &VmConfig, version: QemuVersion) -> Result<Hardening, HypervisorError> {
     let readonly_ram = matches!(config.memory, MemoryBackend::File { shared: false, .. })
         && version >= READONLY_PRIVATE_RAM;
-    let policy = JailPolicy::from_env().map_err(HypervisorError::Config)?;
+    let policy = Enforcement::from_env(ENV).map_err(HypervisorError::Config)?;
     if !config.detached {
         return Ok(Hardening {
             jail: None,
@@ -106,8 +85,8 @@ pub fn hardening(config: &VmConfig, version: QemuVersion) -> Result<Hardening, H
         });
     }
     let jail = match (policy, unjailable(version)) {
-        (JailPolicy::Off, _) | (JailPolicy::Auto, Some(_)) => None,
-        (JailPolicy::Required, Some(why)) => {
+        (Enforcement::Off, _) | (Enforcement::Auto, Some(_)) => None,
+        (Enforcement::Required, Some(why)) => {
             return Err(HypervisorError::Config(format!(
                 "FORKD_JAIL=required, but QEMU cannot be jailed here: {why}"
             )))

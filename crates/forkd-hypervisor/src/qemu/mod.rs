@@ -318,7 +318,7 @@ impl QemuVm {
         };
         drop(incoming);
         let pid = child.id().unwrap_or(0);
-        let oom_watch = OomWatch::of(config);
+        let placed = cgroup.and_then(|_| PlacedCgroup::of(config));
         let (console, console_done) = read_console(config);
         let (exit_tx, exit) = watch::channel(None);
         let (kill_tx, mut kill_rx) = mpsc::unbounded_channel::<()>();
@@ -338,10 +338,7 @@ impl QemuVm {
             };
             // Whoever hears of the exit may quote the console: let its last bytes land.
             let _ = tokio::time::timeout(console::DRAIN_TIMEOUT, console_done).await;
-            let desc = explain_oom(desc, oom_watch);
-            if let Some(made) = cgroup {
-                let _ = tokio::task::spawn_blocking(move || made.remove()).await;
-            }
+            let desc = PlacedCgroup::release(placed, desc).await;
             let _ = exit_tx.send(Some(desc));
         });
         QemuVm::connect(binary, config, pid, exit, Owner::Spawned(kill_tx), console).await
@@ -362,9 +359,7 @@ impl QemuVm {
         };
         let pidfd = crate::process::PidFd::open_checked(pid, start_time).ok_or_else(gone)?;
         // The cgroup its starter made goes when it exits.
-        let cgroups = vm_cgroups(config);
-        let id = config.id.clone();
-        let oom_watch = OomWatch::of(config);
+        let placed = PlacedCgroup::of(config);
         // QEMU went on listening for a console reader when the one before went away.
         let (console, console_done) = read_console(config);
         let (exit_tx, exit) = watch::channel(None);
@@ -374,10 +369,7 @@ impl QemuVm {
                 Err(e) => format!("watching the process failed: {e}"),
             };
             let _ = tokio::time::timeout(console::DRAIN_TIMEOUT, console_done).await;
-            let desc = explain_oom(desc, oom_watch);
-            if let Some(cgroups) = cgroups {
-                let _ = tokio::task::spawn_blocking(move || cgroups.remove(&id)).await;
-            }
+            let desc = PlacedCgroup::release(placed, desc).await;
             let _ = exit_tx.send(Some(desc));
         });
         QemuVm::connect(
@@ -773,9 +765,8 @@ const STATE_FD_NAME: &str = "forkd-state";
 /// Reads the root disk's chain and opens its top layer read-write and read-only (see
 /// [`cmdline::DISK_FDSET`]).
 fn open_disk(top: &Path) -> std::io::Result<(cmdline::Disk, std::fs::File, std::fs::File)> {
-    let backing_levels = qcow2::backing_depth(top)?;
-    let dir = top.parent().unwrap_or(Path::new("/"));
-    let base = qcow2::backing_name(top)?.map(|name| dir.join(name));
+    let chain = qcow2::backing_chain(top)?;
+    let (backing_levels, base) = (chain.len(), chain.into_iter().next());
     let rw = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -849,32 +840,42 @@ fn make_cgroup(config: &VmConfig) -> Result<Option<crate::cgroup::VmCgroup>, Hyp
     Ok(Some(made))
 }
 
-/// What tells, once a VM's QEMU has exited, whether the kernel stopped it for its
-/// memory limit: its cgroup's OOM-kill counter, read before the cgroup is removed.
-struct OomWatch {
+/// The cgroup a VM's QEMU runs in, as its exit watcher knows it.
+struct PlacedCgroup {
     cgroups: &'static Cgroups,
     id: String,
     limit: u64,
 }
 
-impl OomWatch {
-    fn of(config: &VmConfig) -> Option<OomWatch> {
-        Some(OomWatch {
+impl PlacedCgroup {
+    fn of(config: &VmConfig) -> Option<PlacedCgroup> {
+        Some(PlacedCgroup {
             cgroups: vm_cgroups(config)?,
             id: config.id.clone(),
             limit: config.limits?.memory_bytes,
         })
     }
-}
 
-/// `desc` (how QEMU exited), with the reason when its cgroup's memory limit killed it.
-fn explain_oom(desc: String, watch: Option<OomWatch>) -> String {
-    match watch.and_then(|w| Some((w.cgroups.oom_kills(&w.id)?, w.limit))) {
-        Some((kills, limit)) if kills > 0 => format!(
-            "{desc}: the kernel stopped it for reaching its memory limit of {} MiB",
-            limit >> 20
-        ),
-        _ => desc,
+    /// Once QEMU has exited: `desc` (how it exited), with the reason when the kernel
+    /// stopped it for its memory limit (the cgroup's OOM-kill counter, read first), and
+    /// the cgroup removed.
+    async fn release(placed: Option<PlacedCgroup>, desc: String) -> String {
+        let Some(p) = placed else {
+            return desc;
+        };
+        let released = tokio::task::spawn_blocking(move || {
+            let kills = p.cgroups.oom_kills(&p.id).unwrap_or(0);
+            p.cgroups.remove(&p.id);
+            (kills, p.limit)
+        })
+        .await;
+        match released {
+            Ok((kills, limit)) if kills > 0 => format!(
+                "{desc}: the kernel stopped it for reaching its memory limit of {} MiB",
+                limit >> 20
+            ),
+            _ => desc,
+        }
     }
 }
 

@@ -12,7 +12,7 @@
 //! ```
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 const MAGIC: u32 = 0x5146_49fb;
 const VERSION: u32 = 3;
@@ -189,19 +189,18 @@ pub fn set_backing_name(image: &Path, name: &str) -> std::io::Result<()> {
 /// makes, and a bound on a loop of backing files.
 const MAX_CHAIN: usize = 256;
 
-/// How many images lie below `top` in its backing chain: each qcow2 image names the
-/// next; the walk ends at an image without a backing file or at one that is not qcow2
-/// (the raw rootfs at the bottom). Names are resolved as QEMU does: relative to the
-/// directory of the image that names them.
-pub fn backing_depth(top: &Path) -> std::io::Result<usize> {
+/// The images below `top` in its backing chain, top-most first: each qcow2 image names
+/// the next; the walk ends at an image without a backing file or at one that is not
+/// qcow2 (the raw rootfs at the bottom). Names are resolved as QEMU does: relative to
+/// the directory of the image that names them.
+pub fn backing_chain(top: &Path) -> std::io::Result<Vec<PathBuf>> {
     let mut image = top.to_path_buf();
-    let mut depth = 0;
+    let mut chain = Vec::new();
     while is_qcow2(&image)? {
         let Some(name) = backing_name(&image)? else {
             break;
         };
-        depth += 1;
-        if depth > MAX_CHAIN {
+        if chain.len() == MAX_CHAIN {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
                 format!("{}: more than {MAX_CHAIN} backing layers", top.display()),
@@ -211,8 +210,9 @@ pub fn backing_depth(top: &Path) -> std::io::Result<usize> {
             Some(dir) => dir.join(name),
             None => name.into(),
         };
+        chain.push(image.clone());
     }
-    Ok(depth)
+    Ok(chain)
 }
 
 /// Whether `image` starts with the qcow2 magic.
@@ -430,9 +430,10 @@ mod tests {
         assert_eq!(backing_name(&top).unwrap().as_deref(), mid.to_str());
         assert_eq!(backing_name(&mid).unwrap().as_deref(), Some("base.raw"));
         assert!(backing_name(&raw).is_err(), "not a qcow2 image");
-        assert_eq!(backing_depth(&top).unwrap(), 2);
-        assert_eq!(backing_depth(&mid).unwrap(), 1);
-        assert_eq!(backing_depth(&raw).unwrap(), 0);
+        assert_eq!(backing_chain(&top).unwrap().len(), 2);
+        assert_eq!(backing_chain(&mid).unwrap().len(), 1);
+        assert_eq!(backing_chain(&raw).unwrap().len(), 0);
+        assert_eq!(backing_chain(&top).unwrap()[0], mid);
         let v: serde_json::Value = serde_json::from_str(&info).unwrap();
         assert_eq!(v["format"], "qcow2");
         assert_eq!(v["virtual-size"], 3 << 20);
