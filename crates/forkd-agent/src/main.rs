@@ -14,6 +14,7 @@ mod contexts;
 mod error;
 mod exec;
 mod files;
+mod network;
 mod pid1;
 mod port;
 mod processes;

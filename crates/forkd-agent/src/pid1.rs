@@ -8,7 +8,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag};
 use nix::unistd::Pid;
 use std::collections::HashSet;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -100,7 +100,7 @@ fn mount_missing(
     }
 }
 
-/// Mounts what is missing, fixes up /dev, sets the hostname and brings up loopback.
+/// Mounts what is missing, fixes up /dev, sets the hostname and brings up the links.
 /// Failures are logged, not fatal: a guest with one of these missing can still serve.
 pub fn setup() {
     let nosuid = MsFlags::MS_NOSUID;
@@ -148,39 +148,9 @@ pub fn setup() {
     if let Err(e) = nix::unistd::sethostname(hostname) {
         log(&format!("setting the hostname to {hostname} failed: {e}"));
     }
-    if let Err(e) = loopback_up() {
-        log(&format!("bringing up lo failed: {e}"));
+    if let Err(e) = crate::network::setup(&cmdline) {
+        log(&format!("configuring the network failed: {e}"));
     }
-}
-
-/// `ip link set lo up`, through SIOCSIFFLAGS (the kernel then gives lo 127.0.0.1 and ::1).
-fn loopback_up() -> std::io::Result<()> {
-    // SAFETY: socket(2) with constant arguments; the result is checked before use.
-    let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if raw < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `raw` is a fresh descriptor nothing else owns.
-    let sock = unsafe { OwnedFd::from_raw_fd(raw) };
-    // SAFETY: ifreq is plain old data for which all-zero bytes are a valid value.
-    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (dst, src) in ifr.ifr_name.iter_mut().zip(b"lo\0") {
-        *dst = *src as libc::c_char;
-    }
-    // SAFETY: SIOCGIFFLAGS reads an ifreq with a NUL-terminated name and writes its
-    // flags member; `ifr` is a valid, exclusively borrowed ifreq.
-    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut ifr) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: the kernel filled the flags member of the union just above.
-    unsafe {
-        ifr.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
-    }
-    // SAFETY: as above; SIOCSIFFLAGS only reads `ifr`.
-    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &ifr) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// One process as /proc/<pid>/stat tells it: (pid, state, ppid).

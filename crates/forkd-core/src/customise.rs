@@ -128,6 +128,7 @@ pub async fn ensure(
             root_disk: disk.clone(),
         },
         MemoryBackend::Anonymous,
+        false,
     )
     .await?;
     let applied = apply(&vm, recipe, files, scratch.path(), progress).await;

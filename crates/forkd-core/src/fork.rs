@@ -8,6 +8,8 @@ use crate::error::SandboxError;
 use crate::sandbox::{new_sandbox_dir, Launch, Sandbox, SandboxOptions};
 use crate::snapshot::manifest::parts;
 use crate::snapshot::Snapshot;
+use forkd_hypervisor::network::policy::EgressPolicy;
+use forkd_hypervisor::network::NetworkConfig;
 use forkd_hypervisor::{
     accel, Accel, AccelChoice, DiskFormat, DiskLayer, Hypervisor, MemoryBackend, PreparedVm,
     VmConfig,
@@ -46,6 +48,8 @@ pub struct ForkOptions {
     /// Variables every child's commands, background processes and code contexts get on
     /// top of what the snapshot's guest had (set by the resume hook).
     pub env: BTreeMap<String, String>,
+    /// What each child may reach (for a snapshot whose guest has a NIC).
+    pub egress: EgressPolicy,
 }
 
 /// Restores in flight at once by default: one per host CPU. Under TCG a restore and the
@@ -67,6 +71,7 @@ impl Default for ForkOptions {
             parallel: default_parallel(),
             cancel: CancellationToken::new(),
             env: BTreeMap::new(),
+            egress: EgressPolicy::default(),
         }
     }
 }
@@ -388,6 +393,12 @@ pub fn plan(
     opts: &ForkOptions,
 ) -> Result<PlannedChild, SandboxError> {
     let m = &snap.manifest.machine;
+    if !m.nic && opts.egress != EgressPolicy::default() {
+        return Err(SandboxError::Hypervisor(forkd_hypervisor::HypervisorError::Network(format!(
+            "snapshot {} has no NIC (its template was built with network = \"none\" or on a host without networking), so its children have no egress to set",
+            snap.tag
+        ))));
+    }
     let (id, dir, guard) = new_sandbox_dir(home)?;
     let config = VmConfig {
         id,
@@ -406,6 +417,9 @@ pub fn plan(
         cpu: m.cpu.clone(),
         clock: m.clock,
         limits: Some(opts.limits.resolve(m.vcpus, m.memory_mib)),
+        network: m.nic.then(|| NetworkConfig {
+            policy: opts.egress.clone(),
+        }),
         seccomp: opts.seccomp,
         detached: opts.detached,
     };

@@ -166,6 +166,7 @@ impl Sandbox {
             cpu: accel.default_cpu_model().to_owned(),
             clock: clock_for(accel),
             limits: Some(opts.limits.resolve(opts.vcpus, opts.memory_mib)),
+            network: None,
             seccomp: opts.seccomp,
             detached: false,
         };

@@ -82,6 +82,9 @@ pub struct Recipe {
     /// API can change it).
     #[serde(default)]
     pub pool: u32,
+    /// Whether the parent, and so every child, has a NIC.
+    #[serde(default)]
+    pub network: NetworkChoice,
     /// The directory it was read from, which its `files` are relative to.
     #[serde(skip)]
     pub dir: Option<PathBuf>,
@@ -453,9 +456,23 @@ pub async fn build(
     .await?;
 
     let accel = accel::resolve(opts.accel)?;
+    let nic = recipe
+        .network
+        .nic()
+        .map_err(|detail| SandboxError::Template {
+            name: recipe.name.clone(),
+            detail,
+        })?;
+    if !nic && recipe.network == NetworkChoice::Auto {
+        if let Some(why) = forkd_hypervisor::network::unavailable() {
+            progress(&format!("its children will have no network: {why}"));
+        }
+    }
     progress(&format!(
-        "booting the parent ({} vCPU, {} MiB, {accel})",
-        recipe.vcpus, recipe.memory_mib
+        "booting the parent ({} vCPU, {} MiB, {accel}, {})",
+        recipe.vcpus,
+        recipe.memory_mib,
+        if nic { "a NIC" } else { "no NIC" }
     ));
     let parent = boot_vm(
         hv,
@@ -471,6 +488,7 @@ pub async fn build(
             path: staging.part(parts::MEMORY),
             shared: true,
         },
+        nic,
     )
     .await?;
     let config = parent.config().clone();
@@ -509,6 +527,7 @@ pub async fn build(
             cpu: config.cpu.clone(),
             cmdline: config.cmdline.clone(),
             clock: config.clock,
+            nic: config.network.is_some(),
         },
         versions: Versions {
             kernel: assets.kernel.release.clone(),
@@ -559,6 +578,36 @@ pub(crate) struct BootDisk {
     pub(crate) root_disk: std::path::PathBuf,
 }
 
+/// Whether a template's guest has a NIC. A restored child has exactly its snapshot's
+/// devices, so this is the template's choice, not a fork's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NetworkChoice {
+    /// A NIC where the host can give children networks (see
+    /// [`forkd_hypervisor::network::unavailable`]), else none.
+    #[default]
+    Auto,
+    /// A NIC, each child's in a network namespace of its own behind NAT.
+    Nat,
+    /// No NIC.
+    None,
+}
+
+impl NetworkChoice {
+    /// Whether the guest gets a NIC on this host; an error when `nat` cannot be had.
+    pub fn nic(self) -> Result<bool, String> {
+        let why = forkd_hypervisor::network::unavailable;
+        match self {
+            NetworkChoice::None => Ok(false),
+            NetworkChoice::Auto => Ok(why().is_none()),
+            NetworkChoice::Nat => match why() {
+                None => Ok(true),
+                Some(why) => Err(format!("network = \"nat\" cannot be had here: {why}")),
+            },
+        }
+    }
+}
+
 /// Boots a VM of `recipe`'s shape (vCPUs, RAM, CPU model) from `disk` with its RAM in
 /// `memory`: a template's parent, or the build VM that customises its base.
 pub(crate) async fn boot_vm(
@@ -568,11 +617,20 @@ pub(crate) async fn boot_vm(
     opts: &BuildOptions,
     disk: BootDisk,
     memory: MemoryBackend,
+    nic: bool,
 ) -> Result<Sandbox, SandboxError> {
     let accel = accel::resolve(opts.accel)?;
     let (id, dir, guard) = new_sandbox_dir(home)?;
+    let mut cmdline = kernel_cmdline(&id);
+    if nic {
+        cmdline.push(' ');
+        cmdline.push_str(&forkd_hypervisor::network::guest_cmdline());
+    }
+    // The parent's network lets nothing out: what it is built from comes in as files.
+    let network = nic.then(forkd_hypervisor::network::NetworkConfig::default);
     let config = VmConfig {
-        cmdline: kernel_cmdline(&id),
+        cmdline,
+        network,
         id,
         dir,
         kernel: disk.kernel,

@@ -1129,6 +1129,7 @@ mod tests {
                 cpu: "max".into(),
                 cmdline: String::new(),
                 clock: Default::default(),
+                nic: false,
             },
             versions: Versions {
                 kernel: "none".into(),

@@ -760,6 +760,7 @@ mod tests {
                 cpu: "Westmere-v1".into(),
                 clock: Default::default(),
                 limits: None,
+                network: None,
                 seccomp: true,
                 detached: true,
             },

@@ -73,6 +73,9 @@ pub enum HypervisorError {
         secs: u64,
     },
     /// invalid VM configuration: {0}
+    #[error("sandbox network: {0}")]
+    Network(String),
+
     #[error("invalid VM configuration: {0}")]
     Config(String),
     /// {context}: {source}

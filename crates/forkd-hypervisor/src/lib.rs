@@ -13,6 +13,7 @@ pub mod enforcement;
 pub mod error;
 #[cfg(feature = "fake")]
 pub mod fake;
+pub mod network;
 pub mod process;
 pub mod qemu;
 pub mod smaps;
@@ -302,5 +303,16 @@ pub trait Vm: Send + Sync {
     /// The cgroup version and what the VM's own cgroup counts now, if it runs in one.
     fn cgroup(&self) -> Option<(cgroup::CgroupVersion, cgroup::CgroupUsage)> {
         None
+    }
+
+    /// Replaces the egress policy of the VM's network; `off` also takes its link down
+    /// (and another mode brings it up again).
+    async fn set_egress(
+        &self,
+        _policy: &network::policy::EgressPolicy,
+    ) -> Result<(), HypervisorError> {
+        Err(HypervisorError::Network(
+            "this backend gives its VMs no network".into(),
+        ))
     }
 }

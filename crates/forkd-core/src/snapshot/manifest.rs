@@ -122,6 +122,9 @@ pub struct Machine {
     /// whose TSC runs at the same rate (snapshots without it are icount guests).
     #[serde(default)]
     pub clock: forkd_hypervisor::GuestClock,
+    /// The guest has a NIC: each child gets a network namespace of its own.
+    #[serde(default)]
+    pub nic: bool,
 }
 
 /// Versions of what made the snapshot.

@@ -30,6 +30,12 @@ pub const DISK_RW_FD: i32 = 4;
 /// See [`DISK_RW_FD`].
 pub const DISK_RO_FD: i32 = 5;
 
+/// The descriptor QEMU inherits the guest's tap device as.
+pub const TAP_FD: i32 = 6;
+
+/// Id of the guest's NIC (QMP's `set_link` names it).
+pub const NIC_ID: &str = "nic0";
+
 /// Id of the guest-RAM memory backend object.
 pub const MEMORY_ID: &str = "mem";
 
@@ -54,8 +60,9 @@ pub struct Disk {
     pub base: Option<std::path::PathBuf>,
 }
 
-/// Builds the argument vector (without the program name).
-pub fn build(config: &VmConfig, disk: &Disk, hardening: &Hardening) -> Vec<OsString> {
+/// Builds the argument vector (without the program name). With `tap`, the NIC (if the
+/// VM has one) is backed by the tap device at [`TAP_FD`]; without, it has no peer.
+pub fn build(config: &VmConfig, disk: &Disk, hardening: &Hardening, tap: bool) -> Vec<OsString> {
     let backing_levels = disk.backing_levels;
     let mut args = Args::default();
     let mut machine = String::from("microvm,acpi=on,pit=on,pic=on,rtc=on");
@@ -152,6 +159,19 @@ pub fn build(config: &VmConfig, disk: &Disk, hardening: &Hardening) -> Vec<OsStr
         forkd_proto::AGENT_PORT_NAME
     ));
 
+    if config.network.is_some() {
+        let mut nic = format!(
+            "virtio-net-device,id={NIC_ID},mac={}",
+            crate::network::guest_mac()
+        );
+        if tap {
+            args.push("-netdev")
+                .push(format!("tap,id=net0,fd={TAP_FD}"));
+            nic.push_str(",netdev=net0");
+        }
+        args.push("-device").push(nic);
+    }
+
     let mut qmp = OsString::from("unix:");
     qmp.push(escape(config.qmp_socket().as_os_str()));
     qmp.push(",server=on,wait=off");
@@ -176,8 +196,13 @@ pub fn build(config: &VmConfig, disk: &Disk, hardening: &Hardening) -> Vec<OsStr
 /// `-incoming defer` and waits, paused, for `migrate-incoming` over QMP. (Giving the
 /// source on the command line does not work with `x-ignore-shared`: the capability must
 /// be set before the stream is read, and in QEMU 7.2 only QMP can set it in time.)
-pub fn build_restore(config: &VmConfig, disk: &Disk, hardening: &Hardening) -> Vec<OsString> {
-    let mut args = build(config, disk, hardening);
+pub fn build_restore(
+    config: &VmConfig,
+    disk: &Disk,
+    hardening: &Hardening,
+    tap: bool,
+) -> Vec<OsString> {
+    let mut args = build(config, disk, hardening, tap);
     args.push("-incoming".into());
     args.push("defer".into());
     args
@@ -188,7 +213,7 @@ pub fn build_restore(config: &VmConfig, disk: &Disk, hardening: &Hardening) -> V
 /// the vCPUs once the stream ends, since the source was running, and change the RAM it
 /// received).
 pub fn build_receiver(config: &VmConfig, disk: &Disk, hardening: &Hardening) -> Vec<OsString> {
-    let mut args = build_restore(config, disk, hardening);
+    let mut args = build_restore(config, disk, hardening, false);
     args.push("-S".into());
     args
 }
@@ -252,9 +277,36 @@ mod tests {
             cpu: String::new(),
             clock: GuestClock::Icount,
             limits: None,
+            network: None,
             seccomp: true,
             detached: false,
         }
+    }
+
+    #[test]
+    fn a_nic_has_the_fixed_mac_and_a_tap_only_when_one_is_passed() {
+        let mut c = config();
+        assert!(!joined(&c).contains("virtio-net"));
+        c.network = Some(Default::default());
+        let with_tap = build(&c, &Disk::default(), &Hardening::default(), true)
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert!(
+            with_tap.contains(&format!("-netdev tap,id=net0,fd={TAP_FD} -device virtio-net-device,id=nic0,mac=02:66:6b:00:00:02,netdev=net0")),
+            "{with_tap}"
+        );
+        let receiver = build_receiver(&c, &Disk::default(), &Hardening::default())
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert!(
+            receiver.contains("-device virtio-net-device,id=nic0,mac=02:66:6b:00:00:02 ")
+                && !receiver.contains("-netdev"),
+            "{receiver}"
+        );
     }
 
     #[test]
@@ -281,7 +333,7 @@ mod tests {
     }
 
     fn joined_with(c: &VmConfig, h: &Hardening) -> String {
-        build(c, &Disk::default(), h)
+        build(c, &Disk::default(), h, false)
             .iter()
             .map(|a| a.to_string_lossy().into_owned())
             .collect::<Vec<_>>()
@@ -298,7 +350,7 @@ mod tests {
             backing_levels: 1,
             base: Some("/snap/a,b/disk.qcow2".into()),
         };
-        let s = build(&config(), &disk, &Hardening::default())
+        let s = build(&config(), &disk, &Hardening::default(), false)
             .iter()
             .map(|a| a.to_string_lossy().into_owned())
             .find(|a| a.starts_with("id=root"))

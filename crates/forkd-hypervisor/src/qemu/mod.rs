@@ -233,10 +233,18 @@ impl QemuVm {
             })?;
         let version = version::current_version(binary).map_err(HypervisorError::Config)?;
         let hardening = jail::hardening(config, version)?;
+        // A receiver never runs its guest: its NIC needs no link behind it.
+        let network = match (&config.network, &start) {
+            (Some(net), Start::Boot | Start::Restore(_)) => {
+                Some(crate::network::create(&net.policy).await?)
+            }
+            _ => None,
+        };
+        let tap = network.is_some();
         let (args, incoming) = match start {
-            Start::Boot => (cmdline::build(config, &disk, &hardening), None),
+            Start::Boot => (cmdline::build(config, &disk, &hardening, tap), None),
             Start::Restore(file) => (
-                cmdline::build_restore(config, &disk, &hardening),
+                cmdline::build_restore(config, &disk, &hardening, tap),
                 Some(file),
             ),
             Start::Receive => (cmdline::build_receiver(config, &disk, &hardening), None),
@@ -247,6 +255,9 @@ impl QemuVm {
         ];
         if let Some(file) = &incoming {
             inherited.push((file.as_fd(), INCOMING_FD));
+        }
+        if let Some(net) = &network {
+            inherited.push((net.tap.as_fd(), cmdline::TAP_FD));
         }
         let inherited = Inherited::new(&inherited)
             .map_err(|e| HypervisorError::io("passing descriptors to QEMU", e))?;
@@ -294,6 +305,19 @@ impl QemuVm {
                 cmd.pre_exec(move || crate::cgroup::join(&fds));
             }
         }
+        if let Some(net) = &network {
+            let netns = net.netns.as_raw_fd();
+            // Before the descriptors are placed, which may reuse this one's number.
+            // SAFETY: runs in the forked child before exec and only calls setns(2) on a
+            // descriptor `network` keeps open until spawn returns.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let fd = std::os::fd::BorrowedFd::borrow_raw(netns);
+                    nix::sched::setns(fd, nix::sched::CloneFlags::CLONE_NEWNET)
+                        .map_err(std::io::Error::from)
+                });
+            }
+        }
         let moves = inherited.moves();
         // SAFETY: runs in the forked child before exec; `place` only calls dup2(2),
         // which is async-signal-safe, on descriptors `inherited` keeps open until spawn
@@ -303,7 +327,7 @@ impl QemuVm {
         }
         tracing::debug!(id = %config.id, "starting {} {:?}", binary.display(), args);
         let spawned = cmd.spawn();
-        drop((procs, inherited, top_rw, top_ro));
+        drop((procs, inherited, top_rw, top_ro, network));
         let mut child = match spawned {
             Ok(child) => child,
             Err(source) => {
@@ -341,7 +365,18 @@ impl QemuVm {
             let desc = PlacedCgroup::release(placed, desc).await;
             let _ = exit_tx.send(Some(desc));
         });
-        QemuVm::connect(binary, config, pid, exit, Owner::Spawned(kill_tx), console).await
+        let vm =
+            QemuVm::connect(binary, config, pid, exit, Owner::Spawned(kill_tx), console).await?;
+        if tap
+            && config.network.as_ref().map(|n| n.policy.egress)
+                == Some(crate::network::policy::EgressMode::Off)
+        {
+            if let Err(e) = vm.set_link(false).await {
+                vm.kill();
+                return Err(e);
+            }
+        }
+        Ok(vm)
     }
 
     /// Takes over a QEMU another process started (a detached VM, or one a restarted
@@ -437,6 +472,17 @@ impl QemuVm {
                 })
             }
         }
+    }
+
+    /// Sets the guest's NIC's link state, as the guest sees it (carrier).
+    async fn set_link(&self, up: bool) -> Result<(), HypervisorError> {
+        self.qmp
+            .execute(
+                "set_link",
+                Some(json!({ "name": cmdline::NIC_ID, "up": up })),
+            )
+            .await
+            .map(drop)
     }
 
     /// Reads the device state from [`INCOMING_FD`] and starts the vCPUs. RAM is not in
@@ -567,6 +613,26 @@ impl QemuVm {
 
 #[async_trait]
 impl Vm for QemuVm {
+    async fn set_egress(
+        &self,
+        policy: &crate::network::policy::EgressPolicy,
+    ) -> Result<(), HypervisorError> {
+        if self.config.network.is_none() {
+            return Err(HypervisorError::Network(
+                "the sandbox has no NIC (its template was built with network = \"none\")".into(),
+            ));
+        }
+        if self.exited() {
+            return Err(HypervisorError::NotRunning {
+                id: self.config.id.clone(),
+                pid: self.pid,
+            });
+        }
+        crate::network::set_egress(self.pid, policy).await?;
+        self.set_link(policy.egress != crate::network::policy::EgressMode::Off)
+            .await
+    }
+
     fn exited(&self) -> bool {
         self.exit.borrow().is_some()
     }

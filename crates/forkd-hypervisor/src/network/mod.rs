@@ -1,0 +1,383 @@
+//! A network of its own for each sandbox.
+//!
+//! Every sandbox with a NIC gets a network namespace, made on a thread of its own
+//! before its QEMU starts, holding:
+//! - `tap0`, the guest's link: QEMU is handed its descriptor (`-netdev tap,fd=`), and
+//!   it has the gateway's address and MAC. Both are the same in every namespace, as
+//!   are the guest's: all children of a snapshot wake up with the parent's address,
+//!   routes and neighbour cache, frozen in their memory.
+//! - `uplink`, one end of a veth pair whose other end (`fk<N>`) is in the host's
+//!   namespace, each end with an address of a /30 that is this sandbox's alone.
+//! - the rules of [`rules`]: the guest's address is masqueraded as the uplink's (so
+//!   that replies find their way back to the right child), and its traffic is let out
+//!   only as its [`EgressPolicy`] says.
+//!
+//! QEMU then joins the namespace (between fork and exec), which keeps it alive exactly
+//! as long as the VM: when QEMU exits the kernel removes the namespace, its links, the
+//! host's end of the veth pair, its address and its rules, leaving nothing to clean up.
+//! forkd finds a running sandbox's namespace again through its QEMU's pid.
+
+pub mod policy;
+pub mod rules;
+
+use nix::sched::CloneFlags;
+use policy::EgressPolicy;
+use serde::{Deserialize, Serialize};
+use std::fs::File;
+use std::net::Ipv4Addr;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::OnceLock;
+
+/// The guest's address on its link (the same in every sandbox).
+pub const GUEST_ADDR: Ipv4Addr = Ipv4Addr::new(10, 254, 254, 2);
+/// The address of the tap's end, the guest's gateway.
+pub const GATEWAY_ADDR: Ipv4Addr = Ipv4Addr::new(10, 254, 254, 1);
+/// The prefix length of the guest's link.
+pub const GUEST_PREFIX: u8 = 30;
+/// The guest NIC's MAC address (locally administered).
+pub const GUEST_MAC: [u8; 6] = [0x02, 0x66, 0x6b, 0x00, 0x00, 0x02];
+/// The MAC of the tap's end. Fixed, since every child's neighbour cache already holds
+/// the parent's gateway.
+pub const GATEWAY_MAC: [u8; 6] = [0x02, 0x66, 0x6b, 0x00, 0x00, 0x01];
+/// The guest's link in the sandbox's namespace.
+pub const GUEST_LINK: &str = "tap0";
+/// The namespace's end of its veth pair.
+pub const UPLINK: &str = "uplink";
+/// The host's ends of sandboxes' veth pairs are `fk<N>`, `N` the index of the /30.
+pub const HOST_LINK_PREFIX: &str = "fk";
+/// The range the uplinks' /30s are cut from.
+pub const UPLINK_RANGE: (Ipv4Addr, u8) = (Ipv4Addr::new(10, 253, 0, 0), 16);
+/// How many /30s [`UPLINK_RANGE`] holds.
+const UPLINKS: u32 = 1 << (32 - 16 - 2);
+
+/// Serializes the choice of uplinks among every forkd on the host.
+const UPLINK_LOCK: &str = "/run/forkd-network.lock";
+
+/// What a VM's network is, as its [`crate::VmConfig`] records it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkConfig {
+    /// What the sandbox may reach.
+    #[serde(default)]
+    pub policy: EgressPolicy,
+}
+
+/// The kernel command line that tells forkd's guest agent to configure its NIC.
+pub fn guest_cmdline() -> String {
+    format!("forkd.ip={GUEST_ADDR}/{GUEST_PREFIX} forkd.gw={GATEWAY_ADDR}")
+}
+
+/// `GUEST_MAC` as QEMU writes it.
+pub fn guest_mac() -> String {
+    GUEST_MAC
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// Why this host cannot give sandboxes a network, if it cannot.
+pub fn unavailable() -> Option<String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Some(
+            "forkd does not run as root, so it cannot make network namespaces; build templates with network = \"none\"".into(),
+        );
+    }
+    if !std::path::Path::new("/dev/net/tun").exists() {
+        return Some("/dev/net/tun is missing (load the tun module)".into());
+    }
+    if which("nft").is_none() {
+        return Some("nft is not installed (apt-get install nftables)".into());
+    }
+    None
+}
+
+fn which(program: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| std::path::Path::new(d).join(program))
+        .find(|p| p.is_file())
+}
+
+/// A sandbox's namespace, ready for its QEMU.
+#[derive(Debug)]
+pub struct SandboxNetwork {
+    /// The namespace (QEMU joins it before exec).
+    pub netns: OwnedFd,
+    /// The guest's tap (QEMU's `-netdev tap,fd=`).
+    pub tap: OwnedFd,
+    /// The host's end of its veth pair.
+    pub host_link: String,
+}
+
+/// Makes a sandbox's namespace with `policy` in force.
+pub async fn create(policy: &EgressPolicy) -> Result<SandboxNetwork, crate::HypervisorError> {
+    let policy = policy.clone();
+    on_own_thread(move || create_blocking(&policy))
+        .await
+        .map_err(|e| crate::HypervisorError::Network(format!("making its network: {e}")))
+}
+
+/// Replaces the egress policy in the namespace of the process `pid` (a sandbox's QEMU).
+pub async fn set_egress(pid: u32, policy: &EgressPolicy) -> Result<(), crate::HypervisorError> {
+    let policy = policy.clone();
+    on_own_thread(move || {
+        let netns = File::open(format!("/proc/{pid}/ns/net"))?;
+        let own = File::open("/proc/self/ns/net")?;
+        let ino = |f: &File| {
+            f.metadata()
+                .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        };
+        if ino(&netns)? == ino(&own)? {
+            return Err(std::io::Error::other(
+                "its QEMU is not in a network namespace of its own",
+            ));
+        }
+        nix::sched::setns(netns.as_fd(), CloneFlags::CLONE_NEWNET)?;
+        nft(&rules::replace_egress(&policy))
+    })
+    .await
+    .map_err(|e| crate::HypervisorError::Network(format!("changing its egress policy: {e}")))
+}
+
+/// Runs `f` on a thread of its own, which may change namespaces and then ends.
+async fn on_own_thread<T: Send + 'static>(
+    f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
+) -> std::io::Result<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("forkd-netns".into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })?;
+    rx.await
+        .map_err(|_| std::io::Error::other("the network thread panicked"))?
+}
+
+/// Applies a ruleset in the calling thread's namespace.
+fn nft(ruleset: &nftables::schema::Nftables) -> std::io::Result<()> {
+    nftables::helper::apply_ruleset(ruleset).map_err(|e| std::io::Error::other(e.to_string()))
+}
+
+/// The host's side, once per process: forwarding on and the host's rules in place.
+fn host_ready() -> std::io::Result<()> {
+    static READY: OnceLock<Result<(), String>> = OnceLock::new();
+    READY
+        .get_or_init(|| {
+            std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
+                .map_err(|e| format!("turning on IPv4 forwarding: {e}"))?;
+            nft(&rules::host()).map_err(|e| format!("the host's rules: {e}"))
+        })
+        .clone()
+        .map_err(std::io::Error::other)
+}
+
+fn create_blocking(policy: &EgressPolicy) -> std::io::Result<SandboxNetwork> {
+    host_ready()?;
+    let host_ns = File::open("/proc/thread-self/ns/net")?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    // Opened before the thread leaves: this socket stays in the host's namespace.
+    let (host_conn, host, _) = runtime.block_on(async { rtnetlink::new_connection() })?;
+    nix::sched::unshare(CloneFlags::CLONE_NEWNET)?;
+    let netns = File::open("/proc/thread-self/ns/net")?;
+    let tap = open_tap(GUEST_LINK)?;
+    // Opened from this thread, /proc/sys/net is the new namespace's.
+    std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")?;
+    let host_link = runtime.block_on(async {
+        tokio::spawn(host_conn);
+        let (conn, ns, _) = rtnetlink::new_connection()?;
+        tokio::spawn(conn);
+        links::configure(&ns, &host, host_ns.as_fd()).await
+    })?;
+    nft(&rules::sandbox(policy))?;
+    Ok(SandboxNetwork {
+        netns: netns.into(),
+        tap,
+        host_link,
+    })
+}
+
+/// Opens a tap device (`IFF_TAP | IFF_NO_PI`) named `name` in the calling thread's
+/// namespace. It lasts as long as the descriptor.
+fn open_tap(name: &str) -> std::io::Result<OwnedFd> {
+    nix::ioctl_write_ptr_bad!(tunsetiff, 0x4004_54ca, libc::ifreq);
+    let tun = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")?;
+    // SAFETY: ifreq is plain old data for which all-zero bytes are a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in ifr.ifr_name.iter_mut().zip(name.bytes()) {
+        *dst = src as libc::c_char;
+    }
+    ifr.ifr_ifru.ifru_flags = (libc::IFF_TAP | libc::IFF_NO_PI) as libc::c_short;
+    // SAFETY: TUNSETIFF reads an ifreq with a NUL-terminated name (the name is shorter
+    // than IFNAMSIZ) and flags; `tun` is an open /dev/net/tun.
+    unsafe { tunsetiff(tun.as_raw_fd(), &ifr) }?;
+    Ok(tun.into())
+}
+
+mod links {
+    //! The links of a sandbox's namespace, over netlink.
+
+    use super::*;
+    use futures::TryStreamExt;
+    use rtnetlink::{Handle, LinkUnspec, LinkVeth, RouteMessageBuilder};
+    use std::os::fd::BorrowedFd;
+
+    /// Brings up `lo`, configures the tap, and makes and configures the veth pair
+    /// (`ns` is a netlink handle in the sandbox's namespace, `host` one in the host's).
+    /// Returns the name of the host's end.
+    pub async fn configure(
+        ns: &Handle,
+        host: &Handle,
+        host_ns: BorrowedFd<'_>,
+    ) -> std::io::Result<String> {
+        let lo = index(ns, "lo").await?;
+        set_up(ns, lo).await?;
+        let tap = index(ns, GUEST_LINK).await?;
+        ns.link()
+            .set(
+                LinkUnspec::new_with_index(tap)
+                    .address(GATEWAY_MAC.to_vec())
+                    .build(),
+            )
+            .execute()
+            .await
+            .map_err(io)?;
+        ns.address()
+            .add(tap, GATEWAY_ADDR.into(), GUEST_PREFIX)
+            .execute()
+            .await
+            .map_err(io)?;
+        set_up(ns, tap).await?;
+
+        let (block, host_link) = {
+            let _lock = uplink_lock()?;
+            let block = free_block(host).await?;
+            let host_link = format!("{HOST_LINK_PREFIX}{block}");
+            ns.link()
+                .add(LinkVeth::new(UPLINK, &host_link).build())
+                .execute()
+                .await
+                .map_err(io)?;
+            let peer = index(ns, &host_link).await?;
+            ns.link()
+                .set(
+                    LinkUnspec::new_with_index(peer)
+                        .setns_by_fd(host_ns.as_raw_fd())
+                        .build(),
+                )
+                .execute()
+                .await
+                .map_err(io)?;
+            (block, host_link)
+        };
+        let (host_addr, ns_addr) = block_addrs(block);
+        let peer = index(host, &host_link).await?;
+        host.address()
+            .add(peer, host_addr.into(), 30)
+            .execute()
+            .await
+            .map_err(io)?;
+        set_up(host, peer).await?;
+        let uplink = index(ns, UPLINK).await?;
+        ns.address()
+            .add(uplink, ns_addr.into(), 30)
+            .execute()
+            .await
+            .map_err(io)?;
+        set_up(ns, uplink).await?;
+        ns.route()
+            .add(
+                RouteMessageBuilder::<Ipv4Addr>::new()
+                    .gateway(host_addr)
+                    .build(),
+            )
+            .execute()
+            .await
+            .map_err(io)?;
+        Ok(host_link)
+    }
+
+    /// The host's and the namespace's address in the /30 number `block`.
+    pub fn block_addrs(block: u32) -> (Ipv4Addr, Ipv4Addr) {
+        let base = u32::from(UPLINK_RANGE.0) + block * 4;
+        (Ipv4Addr::from(base + 1), Ipv4Addr::from(base + 2))
+    }
+
+    /// The first /30 no `fk<N>` link on the host uses.
+    async fn free_block(host: &Handle) -> std::io::Result<u32> {
+        let mut used = std::collections::HashSet::new();
+        let mut links = host.link().get().execute();
+        while let Some(msg) = links.try_next().await.map_err(io)? {
+            for attr in msg.attributes {
+                if let rtnetlink::packet_route::link::LinkAttribute::IfName(name) = attr {
+                    if let Some(n) = name
+                        .strip_prefix(HOST_LINK_PREFIX)
+                        .and_then(|n| n.parse::<u32>().ok())
+                    {
+                        used.insert(n);
+                    }
+                }
+            }
+        }
+        (0..UPLINKS)
+            .find(|n| !used.contains(n))
+            .ok_or_else(|| std::io::Error::other("every sandbox uplink is taken"))
+    }
+
+    fn uplink_lock() -> std::io::Result<nix::fcntl::Flock<File>> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(UPLINK_LOCK)?;
+        nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| e.into())
+    }
+
+    async fn index(handle: &Handle, name: &str) -> std::io::Result<u32> {
+        let mut links = handle.link().get().match_name(name.to_owned()).execute();
+        match links.try_next().await.map_err(io)? {
+            Some(msg) => Ok(msg.header.index),
+            None => Err(std::io::Error::other(format!("no link {name}"))),
+        }
+    }
+
+    async fn set_up(handle: &Handle, index: u32) -> std::io::Result<()> {
+        handle
+            .link()
+            .set(LinkUnspec::new_with_index(index).up().build())
+            .execute()
+            .await
+            .map_err(io)
+    }
+
+    fn io(e: rtnetlink::Error) -> std::io::Error {
+        std::io::Error::other(e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uplink_blocks_are_disjoint_30s_inside_the_range() {
+        assert_eq!(
+            links::block_addrs(0),
+            (Ipv4Addr::new(10, 253, 0, 1), Ipv4Addr::new(10, 253, 0, 2))
+        );
+        assert_eq!(
+            links::block_addrs(UPLINKS - 1),
+            (
+                Ipv4Addr::new(10, 253, 255, 253),
+                Ipv4Addr::new(10, 253, 255, 254)
+            )
+        );
+        assert_eq!(guest_mac(), "02:66:6b:00:00:02");
+    }
+}

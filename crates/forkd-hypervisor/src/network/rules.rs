@@ -1,0 +1,388 @@
+//! The nftables rulesets: one in each sandbox's namespace (its NAT and egress policy),
+//! one in the host's (what crosses between sandboxes, the host and the world).
+//!
+//! A sandbox's namespace, `inet forkd`:
+//! - `forward` (policy drop): replies pass; new traffic from the guest's tap to the
+//!   uplink goes through `egress`; nothing enters the guest unasked.
+//! - `egress`: the sandbox's [`EgressPolicy`], replaced whole when it changes.
+//! - `input` (policy drop): the namespace itself answers nothing from outside.
+//! - `postrouting`: the guest's address (the same in every child of a snapshot) is
+//!   masqueraded as the namespace's own uplink address, which is unique.
+//!
+//! The host, `inet forkd`: traffic from one sandbox's link to another's is dropped, a
+//! sandbox's new connections to the host itself are dropped, traffic into a sandbox
+//! passes only as replies, and sandboxes' uplink addresses are masqueraded on the way
+//! out.
+
+use super::policy::{Destination, EgressMode, EgressPolicy, PRIVATE_RANGES};
+use super::{GUEST_LINK, HOST_LINK_PREFIX, UPLINK, UPLINK_RANGE};
+use nftables::batch::Batch;
+use nftables::expr::{Expression, Meta, MetaKey, NamedExpression, Payload, PayloadField, Prefix};
+use nftables::schema::{Chain, FlushObject, NfCmd, NfListObject, Nftables, Rule, Table};
+use nftables::stmt::{Match, Operator, Statement};
+use nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook};
+use std::borrow::Cow;
+
+/// The table forkd owns, in the host's namespace and in each sandbox's.
+pub const TABLE: &str = "forkd";
+
+/// The chain holding a sandbox's egress policy.
+const EGRESS: &str = "egress";
+
+/// The ruleset a sandbox's namespace starts with: NAT, the fixed chains, and `policy`.
+pub fn sandbox(policy: &EgressPolicy) -> Nftables<'static> {
+    let mut batch = Batch::new();
+    batch.add(NfListObject::Table(table()));
+    batch.add(NfListObject::Chain(base_chain(
+        "forward",
+        NfChainType::Filter,
+        NfHook::Forward,
+        0,
+        NfChainPolicy::Drop,
+    )));
+    batch.add(NfListObject::Chain(base_chain(
+        "input",
+        NfChainType::Filter,
+        NfHook::Input,
+        0,
+        NfChainPolicy::Drop,
+    )));
+    batch.add(NfListObject::Chain(base_chain(
+        "postrouting",
+        NfChainType::NAT,
+        NfHook::Postrouting,
+        100,
+        NfChainPolicy::Accept,
+    )));
+    batch.add(NfListObject::Chain(chain(EGRESS)));
+    batch.add(rule("forward", vec![replies(), accept()]));
+    batch.add(rule(
+        "forward",
+        vec![
+            eq(meta(MetaKey::Iifname), string(GUEST_LINK)),
+            eq(meta(MetaKey::Oifname), string(UPLINK)),
+            eq(meta(MetaKey::Nfproto), string("ipv4")),
+            Statement::Jump(nftables::stmt::JumpTarget {
+                target: EGRESS.into(),
+            }),
+        ],
+    ));
+    batch.add(rule(
+        "input",
+        vec![eq(meta(MetaKey::Iifname), string("lo")), accept()],
+    ));
+    batch.add(rule("input", vec![replies(), accept()]));
+    batch.add(rule(
+        "postrouting",
+        vec![
+            eq(meta(MetaKey::Oifname), string(UPLINK)),
+            Statement::Masquerade(None),
+        ],
+    ));
+    for r in egress_rules(policy) {
+        batch.add(r);
+    }
+    batch.to_nftables()
+}
+
+/// Replaces a running sandbox's egress policy in one transaction.
+pub fn replace_egress(policy: &EgressPolicy) -> Nftables<'static> {
+    let mut batch = Batch::new();
+    batch.add_cmd(NfCmd::Flush(FlushObject::Chain(chain(EGRESS))));
+    for r in egress_rules(policy) {
+        batch.add(r);
+    }
+    batch.to_nftables()
+}
+
+/// The host's ruleset. Applied whole each time (add, flush, fill), so that every
+/// daemon on the host leaves the same rules behind.
+pub fn host() -> Nftables<'static> {
+    let mut batch = Batch::new();
+    batch.add(NfListObject::Table(table()));
+    batch.add_cmd(NfCmd::Flush(FlushObject::Table(table())));
+    for (name, kind, hook, prio) in [
+        ("forward", NfChainType::Filter, NfHook::Forward, 0),
+        ("input", NfChainType::Filter, NfHook::Input, 0),
+        ("postrouting", NfChainType::NAT, NfHook::Postrouting, 100),
+    ] {
+        batch.add(NfListObject::Chain(base_chain(
+            name,
+            kind,
+            hook,
+            prio,
+            NfChainPolicy::Accept,
+        )));
+    }
+    let sandbox_link = || string(&format!("{HOST_LINK_PREFIX}*"));
+    batch.add(rule(
+        "forward",
+        vec![
+            eq(meta(MetaKey::Iifname), sandbox_link()),
+            eq(meta(MetaKey::Oifname), sandbox_link()),
+            drop(),
+        ],
+    ));
+    batch.add(rule(
+        "forward",
+        vec![
+            eq(meta(MetaKey::Oifname), sandbox_link()),
+            replies(),
+            accept(),
+        ],
+    ));
+    batch.add(rule(
+        "forward",
+        vec![eq(meta(MetaKey::Oifname), sandbox_link()), drop()],
+    ));
+    batch.add(rule(
+        "forward",
+        vec![eq(meta(MetaKey::Iifname), sandbox_link()), accept()],
+    ));
+    batch.add(rule(
+        "input",
+        vec![
+            eq(meta(MetaKey::Iifname), sandbox_link()),
+            replies(),
+            accept(),
+        ],
+    ));
+    batch.add(rule(
+        "input",
+        vec![eq(meta(MetaKey::Iifname), sandbox_link()), drop()],
+    ));
+    let (range, len) = UPLINK_RANGE;
+    batch.add(rule(
+        "postrouting",
+        vec![
+            eq(
+                payload("ip", "saddr"),
+                network(&Destination {
+                    addr: range,
+                    prefix: len,
+                    port: None,
+                }),
+            ),
+            Statement::Match(Match {
+                left: meta(MetaKey::Oifname),
+                right: sandbox_link(),
+                op: Operator::NEQ,
+            }),
+            Statement::Masquerade(None),
+        ],
+    ));
+    batch.to_nftables()
+}
+
+/// The rules of the `egress` chain. What falls through returns to `forward`, whose
+/// policy drops it.
+fn egress_rules(policy: &EgressPolicy) -> Vec<NfListObject<'static>> {
+    let mut rules = Vec::new();
+    if policy.egress == EgressMode::Off {
+        rules.push(rule(EGRESS, vec![drop()]));
+        return rules;
+    }
+    let (private, public): (Vec<_>, Vec<_>) = policy.allow.iter().partition(|d| d.is_private());
+    for d in private {
+        rules.push(rule(EGRESS, to(d, accept())));
+    }
+    for (addr, len) in PRIVATE_RANGES {
+        let d = Destination {
+            addr,
+            prefix: len,
+            port: None,
+        };
+        rules.push(rule(EGRESS, to(&d, drop())));
+    }
+    match policy.egress {
+        EgressMode::Deny => {
+            for d in public {
+                rules.push(rule(EGRESS, to(d, accept())));
+            }
+        }
+        EgressMode::Allow => {
+            for d in &policy.deny {
+                rules.push(rule(EGRESS, to(d, drop())));
+            }
+            rules.push(rule(EGRESS, vec![accept()]));
+        }
+        EgressMode::Off => unreachable!("handled above"),
+    }
+    rules
+}
+
+/// `ip daddr D [meta l4proto {tcp, udp} th dport P] VERDICT`.
+fn to(d: &Destination, verdict: Statement<'static>) -> Vec<Statement<'static>> {
+    let mut stmts = Vec::new();
+    if d.prefix > 0 {
+        stmts.push(eq(payload("ip", "daddr"), network(d)));
+    }
+    if let Some(port) = d.port {
+        stmts.push(eq(
+            meta(MetaKey::L4proto),
+            Expression::Named(NamedExpression::Set(vec![
+                nftables::expr::SetItem::Element(string("tcp")),
+                nftables::expr::SetItem::Element(string("udp")),
+            ])),
+        ));
+        stmts.push(eq(payload("th", "dport"), Expression::Number(port.into())));
+    }
+    stmts.push(verdict);
+    stmts
+}
+
+fn network(d: &Destination) -> Expression<'static> {
+    let addr = string(&d.addr.to_string());
+    if d.prefix == 32 {
+        addr
+    } else {
+        Expression::Named(NamedExpression::Prefix(Prefix {
+            addr: Box::new(addr),
+            len: d.prefix.into(),
+        }))
+    }
+}
+
+fn table() -> Table<'static> {
+    Table {
+        family: NfFamily::INet,
+        name: TABLE.into(),
+        ..Table::default()
+    }
+}
+
+fn chain(name: &'static str) -> Chain<'static> {
+    Chain {
+        family: NfFamily::INet,
+        table: TABLE.into(),
+        name: name.into(),
+        ..Chain::default()
+    }
+}
+
+fn base_chain(
+    name: &'static str,
+    kind: NfChainType,
+    hook: NfHook,
+    prio: i32,
+    policy: NfChainPolicy,
+) -> Chain<'static> {
+    Chain {
+        _type: Some(kind),
+        hook: Some(hook),
+        prio: Some(prio),
+        policy: Some(policy),
+        ..chain(name)
+    }
+}
+
+fn rule(chain: &'static str, stmts: Vec<Statement<'static>>) -> NfListObject<'static> {
+    NfListObject::Rule(Rule {
+        family: NfFamily::INet,
+        table: TABLE.into(),
+        chain: chain.into(),
+        expr: Cow::Owned(stmts),
+        ..Rule::default()
+    })
+}
+
+fn meta(key: MetaKey) -> Expression<'static> {
+    Expression::Named(NamedExpression::Meta(Meta { key }))
+}
+
+fn payload(protocol: &'static str, field: &'static str) -> Expression<'static> {
+    Expression::Named(NamedExpression::Payload(Payload::PayloadField(
+        PayloadField {
+            protocol: protocol.into(),
+            field: field.into(),
+        },
+    )))
+}
+
+fn string(s: &str) -> Expression<'static> {
+    Expression::String(Cow::Owned(s.to_owned()))
+}
+
+fn eq(left: Expression<'static>, right: Expression<'static>) -> Statement<'static> {
+    Statement::Match(Match {
+        left,
+        right,
+        op: Operator::EQ,
+    })
+}
+
+/// `ct state established,related`.
+fn replies() -> Statement<'static> {
+    Statement::Match(Match {
+        left: Expression::Named(NamedExpression::CT(nftables::expr::CT {
+            key: "state".into(),
+            family: None,
+            dir: None,
+        })),
+        right: Expression::List(vec![string("established"), string("related")]),
+        op: Operator::IN,
+    })
+}
+
+fn accept() -> Statement<'static> {
+    Statement::Accept(None)
+}
+
+fn drop() -> Statement<'static> {
+    Statement::Drop(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn json(n: &Nftables) -> String {
+        serde_json::to_string(n).unwrap()
+    }
+
+    #[test]
+    fn an_allow_list_lets_private_entries_through_before_private_ranges_drop() {
+        let policy: EgressPolicy =
+            serde_json::from_str(r#"{"allow":["10.9.8.7:80","203.0.113.0/24"]}"#).unwrap();
+        let rules = egress_rules(&policy);
+        let text: Vec<String> = rules
+            .iter()
+            .map(|r| serde_json::to_string(r).unwrap())
+            .collect();
+        let private = text.iter().position(|r| r.contains("10.9.8.7")).unwrap();
+        let ten = text
+            .iter()
+            .position(|r| r.contains("\"10.0.0.0\"") && r.contains("drop"))
+            .unwrap();
+        let public = text.iter().position(|r| r.contains("203.0.113.0")).unwrap();
+        assert!(private < ten && ten < public, "{text:#?}");
+        assert!(text[private].contains("\"dport\"") && text[private].contains("80"));
+        assert!(
+            !text.last().unwrap().contains("accept")
+                || text.last().unwrap().contains("203.0.113.0")
+        );
+    }
+
+    #[test]
+    fn allow_mode_ends_in_accept_and_off_in_drop() {
+        let allow: EgressPolicy =
+            serde_json::from_str(r#"{"egress":"allow","deny":["198.51.100.0/24"]}"#).unwrap();
+        let rules = egress_rules(&allow);
+        let last = serde_json::to_string(rules.last().unwrap()).unwrap();
+        assert!(last.contains("accept") && !last.contains("daddr"), "{last}");
+        let off = EgressPolicy {
+            egress: EgressMode::Off,
+            ..EgressPolicy::default()
+        };
+        let rules = egress_rules(&off);
+        assert_eq!(rules.len(), 1);
+        assert!(serde_json::to_string(&rules[0]).unwrap().contains("drop"));
+    }
+
+    #[test]
+    fn rulesets_serialize() {
+        assert!(json(&sandbox(&EgressPolicy::default())).contains("masquerade"));
+        assert!(json(&host()).contains(&format!("{HOST_LINK_PREFIX}*")));
+        assert!(json(&replace_egress(&EgressPolicy::default())).contains("flush"));
+    }
+}
