@@ -194,6 +194,17 @@ async fn fork_each(
     prepared: Vec<PreparedChild>,
 ) -> Result<Vec<Result<Sandbox, SandboxError>>, SandboxError> {
     use futures::StreamExt;
+    // Prepared children were made with the default policy; they are recorded with the
+    // fork's and get it once restored (see `fork_one`).
+    let prepared: Vec<PreparedChild> = prepared
+        .into_iter()
+        .map(|mut p| {
+            if let Some(net) = &mut p.config.network {
+                net.policy = opts.egress.clone();
+            }
+            p
+        })
+        .collect();
     let planned = match plan_fork(hv, home, snap, opts, observer, &prepared) {
         Ok(p) => p,
         Err(e) => {
@@ -480,7 +491,16 @@ async fn fork_one(
                 (p.config, p.guard, how)
             }
         };
-        launch_child(snap, hv, opts, config, guard, how).await
+        let prepared = matches!(how, Launch::Prepared { .. });
+        let child = launch_child(snap, hv, opts, config, guard, how).await?;
+        if prepared && child.config().network.is_some() && opts.egress != EgressPolicy::default() {
+            // Until now it had the pool's policy, which lets nothing out.
+            if let Err(e) = child.vm().set_egress(&opts.egress).await {
+                let _ = child.destroy().await;
+                return Err(e.into());
+            }
+        }
+        Ok(child)
     }
     .await;
     let checked = match child {

@@ -143,6 +143,9 @@ pub struct CreateSpec {
     /// Limits of the children's QEMUs beyond the defaults. Children with limits of
     /// their own are never taken from the warm pool, whose members have the defaults.
     pub limits: forkd_hypervisor::cgroup::LimitOverrides,
+    /// What the children may reach. Pool members are made with the default policy and
+    /// given this one once restored.
+    pub egress: forkd_hypervisor::network::policy::EgressPolicy,
     /// The fork's operation id (`op-...`), chosen by the caller so that it can answer
     /// with it before the fork ends.
     pub op_id: String,
@@ -159,6 +162,7 @@ impl CreateSpec {
             timeout_at: None,
             partial: false,
             limits: Default::default(),
+            egress: Default::default(),
             op_id: new_operation_id(),
         }
     }
@@ -471,6 +475,7 @@ impl Registry {
             cancel,
             env: spec.env.clone(),
             limits: spec.limits,
+            egress: spec.egress.clone(),
             ..ForkOptions::default()
         };
         let hv = self.hv.as_ref();
@@ -772,6 +777,36 @@ impl Registry {
             e.row.error = error;
         }
         Ok(())
+    }
+
+    /// Replaces a running sandbox's egress policy, in its namespace and its record.
+    pub async fn set_egress(
+        &self,
+        id: &str,
+        policy: forkd_hypervisor::network::policy::EgressPolicy,
+    ) -> Result<Entry, RegistryError> {
+        let entry = self.get(id)?;
+        if entry.row.config.network.is_none() {
+            return Err(RegistryError::Conflict(format!(
+                "sandbox {id} has no NIC: its snapshot's template was built with network = \"none\" (or on a host without networking)"
+            )));
+        }
+        entry
+            .sandbox
+            .vm()
+            .set_egress(&policy)
+            .await
+            .map_err(SandboxError::from)?;
+        let mut slots = self.slots();
+        let entry = slots
+            .live
+            .get_mut(id)
+            .ok_or_else(|| SandboxError::NotFound { id: id.to_owned() })?;
+        let mut config = entry.row.config.clone();
+        config.network = Some(forkd_hypervisor::network::NetworkConfig { policy });
+        self.state.set_config(id, &config)?;
+        entry.row.config = config;
+        Ok(entry.clone())
     }
 
     /// Sets a sandbox's deadline (None: no deadline).

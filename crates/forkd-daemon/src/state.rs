@@ -356,6 +356,14 @@ impl State {
         )? > 0)
     }
 
+    /// Replaces a sandbox's launch description (its egress policy changed).
+    pub fn set_config(&self, id: &str, config: &VmConfig) -> Result<bool, StateError> {
+        Ok(self.conn().execute(
+            "UPDATE sandboxes SET config = ?2 WHERE id = ?1",
+            params![id, serde_json::to_string(config)?],
+        )? > 0)
+    }
+
     /// One sandbox.
     pub fn sandbox(&self, id: &str) -> Result<Option<SandboxRow>, StateError> {
         let conn = self.conn();

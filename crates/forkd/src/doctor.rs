@@ -67,6 +67,7 @@ pub fn run(home: &Home, args: DoctorArgs) -> Result<i32> {
         check_tool("dpkg-deb", &["--version"], "dpkg-deb comes with dpkg: forkd needs a Debian-based host"),
         check_tool("apt-get", &["--version"], "forkd fetches the guest kernel with apt-get download: use a Debian-based host or pass --kernel-deb"),
         check_cgroups(),
+        check_network(),
         check_data_directory(home),
         check_isolation(),
         check_disk(home),
@@ -239,6 +240,21 @@ fn check_mkfs() -> Check {
     }
 }
 
+fn check_network() -> Check {
+    match forkd_hypervisor::network::unavailable() {
+        None => ok(
+            "network",
+            "templates get a NIC (network = \"auto\"); each child is in a network namespace of its own behind NAT, with egress denied unless its policy allows it, and no route to other sandboxes or the host",
+        ),
+        Some(why) => bad(
+            "network",
+            Level::Warn,
+            format!("templates built here get no NIC, so sandboxes have no network: {why}"),
+            "run the daemon as root with nftables installed (./dev setup installs it)",
+        ),
+    }
+}
+
 fn check_cgroups() -> Check {
     use forkd_hypervisor::cgroup;
     use forkd_hypervisor::enforcement::Enforcement;
@@ -328,8 +344,7 @@ fn check_isolation() -> Check {
             None => Ok(()),
         },
     };
-    let missing =
-        "not yet: network namespaces with an egress policy (sandboxes have no network device)";
+    let missing = "its network, if it has one, is a namespace of its own (see the network check)";
     match jail {
         Ok(()) => bad(
             "isolation",

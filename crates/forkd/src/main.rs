@@ -101,6 +101,9 @@ enum Command {
     Ls(sandboxes::LsArgs),
     /// Stop sandboxes and remove their files.
     Kill(sandboxes::KillArgs),
+    /// Show a sandbox's egress policy, or change it while it runs (--egress, --allow,
+    /// --deny).
+    Network(sandboxes::NetworkArgs),
     /// Build the assets and the python template (once), fork children, run a pandas
     /// cell in each and print the time of every step.
     Quickstart(quickstart::QuickstartArgs),
@@ -178,6 +181,9 @@ fn main() {
             Command::Exec(args) => sandboxes::exec(&remote::connect(&home)?, args).await,
             Command::RunCode(args) => sandboxes::run_code(&remote::connect(&home)?, args).await,
             Command::Ls(args) => sandboxes::ls(&remote::connect(&home)?, args)
+                .await
+                .map(|()| 0),
+            Command::Network(args) => sandboxes::network(&remote::connect(&home)?, args)
                 .await
                 .map(|()| 0),
             Command::Kill(args) => sandboxes::kill(&remote::connect(&home)?, args)

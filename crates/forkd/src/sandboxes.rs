@@ -44,9 +44,95 @@ pub struct ForkArgs {
     /// Processes and threads each child's QEMU may have (default 256).
     #[arg(long, value_parser = clap::value_parser!(u32).range(16..=65_536))]
     pids: Option<u32>,
+    #[command(flatten)]
+    egress: EgressArgs,
     /// Print the children as JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// An egress policy on the command line (`forkd fork`, `forkd network`).
+#[derive(clap::Args, Debug, Default)]
+pub struct EgressArgs {
+    /// What the sandbox may reach: `deny` (only what --allow lists), `allow` (every
+    /// public destination but what --deny lists) or `off` (its link is down). Default
+    /// for a fork: deny. Private ranges, the host and other sandboxes stay unreachable
+    /// unless a destination inside them is allowed.
+    #[arg(long, value_parser = ["deny", "allow", "off"])]
+    egress: Option<String>,
+    /// A destination let out, ADDRESS[/PREFIX][:PORT] (repeatable).
+    #[arg(long = "allow", value_name = "DEST")]
+    allow: Vec<String>,
+    /// A destination refused with --egress allow, ADDRESS[/PREFIX][:PORT] (repeatable).
+    #[arg(long = "deny", value_name = "DEST")]
+    deny: Vec<String>,
+}
+
+impl EgressArgs {
+    /// The API's `network` body, if anything was given.
+    fn body(&self) -> Option<Value> {
+        if self.egress.is_none() && self.allow.is_empty() && self.deny.is_empty() {
+            return None;
+        }
+        let egress = self.egress.clone().unwrap_or_else(|| {
+            if self.deny.is_empty() {
+                "deny"
+            } else {
+                "allow"
+            }
+            .to_owned()
+        });
+        Some(json!({ "egress": egress, "allow": self.allow, "deny": self.deny }))
+    }
+}
+
+/// Arguments of `forkd network`.
+#[derive(clap::Args, Debug)]
+pub struct NetworkArgs {
+    /// The sandbox.
+    id: String,
+    #[command(flatten)]
+    egress: EgressArgs,
+    /// Print the sandbox as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Shows a sandbox's egress policy, or replaces it.
+pub async fn network(client: &Client, args: NetworkArgs) -> Result<()> {
+    let id = path_id(&args.id)?;
+    let path = format!("/v1/sandboxes/{id}");
+    let info: Value = match args.egress.body() {
+        None => client.json(Method::GET, &path, None).await?,
+        Some(body) => {
+            client
+                .json(Method::PUT, &format!("{path}/network"), Some(&body))
+                .await?
+        }
+    };
+    if args.json {
+        return print_json(&info);
+    }
+    let net = &info["network"];
+    if net.is_null() {
+        println!("{id}: no NIC (its template was built without network)");
+        return Ok(());
+    }
+    let list = |k: &str| {
+        net[k]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_str)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+            .unwrap_or_default()
+    };
+    println!("egress: {}", net["egress"].as_str().unwrap_or("?"));
+    println!("allow:  {}", list("allow"));
+    println!("deny:   {}", list("deny"));
+    Ok(())
 }
 
 /// Arguments of `forkd exec`.
@@ -159,6 +245,9 @@ pub async fn fork_cmd(client: &Client, args: ForkArgs) -> Result<i32> {
     }
     if !limits.is_empty() {
         body["limits"] = Value::Object(limits);
+    }
+    if let Some(network) = args.egress.body() {
+        body["network"] = network;
     }
     let op: Value = client
         .json(Method::POST, "/v1/sandboxes", Some(&body))

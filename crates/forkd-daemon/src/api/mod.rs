@@ -129,6 +129,7 @@ pub fn router(app: App) -> Router {
             get(sandboxes::get).delete(sandboxes::delete),
         )
         .route("/v1/sandboxes/{id}/timeout", put(sandboxes::set_timeout))
+        .route("/v1/sandboxes/{id}/network", put(sandboxes::set_network))
         .route("/v1/sandboxes/{id}/branch", post(branch::branch))
         .route("/v1/sandboxes/{id}/exec", post(run::exec))
         .route("/v1/sandboxes/{id}/code", post(run::run_code))
@@ -205,6 +206,7 @@ pub fn router(app: App) -> Router {
         sandboxes::get,
         sandboxes::delete,
         sandboxes::set_timeout,
+        sandboxes::set_network,
         branch::branch,
         run::exec,
         run::run_code,

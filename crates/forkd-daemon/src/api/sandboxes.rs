@@ -2,8 +2,8 @@
 
 use super::error::ErrorBody;
 use super::types::{
-    CreateSandboxes, CreatedSandboxes, LimitsBody, SandboxInfo, SandboxLimits, SandboxList,
-    SetTimeout,
+    CreateSandboxes, CreatedSandboxes, LimitsBody, NetworkBody, SandboxInfo, SandboxLimits,
+    SandboxList, SetTimeout,
 };
 use super::{ApiError, App, JsonBody, PathParams, QueryParams};
 use crate::registry::{CreateOutcome, CreateSpec, Listed, RegistryError};
@@ -67,6 +67,7 @@ pub fn info(e: &Listed, hv: &dyn forkd_hypervisor::Hypervisor) -> SandboxInfo {
         created_at: e.row.created_at.clone(),
         timeout_at: e.row.timeout_at,
         limits: limits(e, hv),
+        network: e.row.config.network.as_ref().map(|n| (&n.policy).into()),
     }
 }
 
@@ -237,9 +238,22 @@ pub async fn create(
         }
     }
     let limits = limit_overrides(req.limits.as_ref(), m.vcpus, m.memory_mib)?;
+    let egress = match req.network {
+        None => Default::default(),
+        Some(body) => {
+            if !m.nic {
+                return Err(ApiError::bad_request(format!(
+                    "network: children of snapshot {tag} have no NIC (its template was built with network = \"none\", or on a host without networking)"
+                )));
+            }
+            body.policy()
+                .map_err(|e| ApiError::bad_request(format!("network: {e}")))?
+        }
+    };
     let spec = CreateSpec {
         labels: req.labels,
         limits,
+        egress,
         env: req.env,
         timeout_at,
         partial: req.partial,
@@ -349,6 +363,29 @@ pub async fn delete(
 ) -> Result<StatusCode, ApiError> {
     app.registry.delete(&id).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Replaces a running sandbox's egress policy; `off` takes its NIC's link down.
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/network", params(("id" = String, Path)),
+    request_body = NetworkBody,
+    responses((status = 200, body = SandboxInfo), (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn set_network(
+    State(app): State<App>,
+    PathParams(id): PathParams<String>,
+    JsonBody(req): JsonBody<NetworkBody>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    let policy = req
+        .policy()
+        .map_err(|e| ApiError::bad_request(format!("network: {e}")))?;
+    let e = app.registry.set_egress(&id, policy).await?;
+    Ok(Json(info(
+        &Listed {
+            row: e.row,
+            sandbox: Some(e.sandbox),
+        },
+        app.registry.hypervisor().as_ref(),
+    )))
 }
 
 /// Sets or clears the time after which the daemon stops the sandbox.

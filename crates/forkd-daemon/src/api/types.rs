@@ -47,6 +47,55 @@ pub struct CreateSandboxes {
     /// 512 MiB for QEMU; one core per vCPU, weight 100, 256 processes).
     #[serde(default)]
     pub limits: Option<LimitsBody>,
+    /// What each child may reach (for a snapshot whose guest has a NIC). By default
+    /// nothing: egress `deny` with an empty allow-list.
+    #[serde(default)]
+    pub network: Option<NetworkBody>,
+}
+
+/// A sandbox's egress policy. Destinations are `ADDRESS[/PREFIX][:PORT]` (IPv4; a port
+/// means TCP and UDP). Private, loopback, link-local and multicast ranges, and with
+/// them the host and other sandboxes, stay unreachable in every mode unless a
+/// destination inside them is in `allow`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkBody {
+    /// `deny` (only `allow` gets out), `allow` (all public destinations but `deny`),
+    /// or `off` (the NIC's link is down).
+    #[serde(default)]
+    #[schema(value_type = String, example = "deny")]
+    pub egress: forkd_hypervisor::network::policy::EgressMode,
+    /// Destinations let out.
+    #[serde(default)]
+    #[schema(value_type = Vec<String>, example = json!(["203.0.113.0/24", "198.51.100.7:443"]))]
+    pub allow: Vec<forkd_hypervisor::network::policy::Destination>,
+    /// Destinations refused in `allow` mode.
+    #[serde(default)]
+    #[schema(value_type = Vec<String>)]
+    pub deny: Vec<forkd_hypervisor::network::policy::Destination>,
+}
+
+impl NetworkBody {
+    /// The policy it describes, checked as a whole.
+    pub fn policy(self) -> Result<forkd_hypervisor::network::policy::EgressPolicy, String> {
+        let p = forkd_hypervisor::network::policy::EgressPolicy {
+            egress: self.egress,
+            allow: self.allow,
+            deny: self.deny,
+        };
+        p.check()?;
+        Ok(p)
+    }
+}
+
+impl From<&forkd_hypervisor::network::policy::EgressPolicy> for NetworkBody {
+    fn from(p: &forkd_hypervisor::network::policy::EgressPolicy) -> Self {
+        NetworkBody {
+            egress: p.egress,
+            allow: p.allow.clone(),
+            deny: p.deny.clone(),
+        }
+    }
 }
 
 /// Limits a fork may choose for its children.
@@ -144,6 +193,9 @@ pub struct SandboxInfo {
     /// Its limits (absent for a sandbox started before forkd had them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limits: Option<SandboxLimits>,
+    /// Its egress policy; null when its guest has no NIC.
+    #[serde(default)]
+    pub network: Option<NetworkBody>,
 }
 
 /// A list of sandboxes.

@@ -6,7 +6,7 @@
 //!   it has the gateway's address and MAC. Both are the same in every namespace, as
 //!   are the guest's: all children of a snapshot wake up with the parent's address,
 //!   routes and neighbour cache, frozen in their memory.
-//! - `uplink`, one end of a veth pair whose other end (`fk<N>`) is in the host's
+//! - `uplink`, one end of a veth pair whose other end (`fkd<N>`) is in the host's
 //!   namespace, each end with an address of a /30 that is this sandbox's alone.
 //! - the rules of [`rules`]: the guest's address is masqueraded as the uplink's (so
 //!   that replies find their way back to the right child), and its traffic is let out
@@ -43,8 +43,8 @@ pub const GATEWAY_MAC: [u8; 6] = [0x02, 0x66, 0x6b, 0x00, 0x00, 0x01];
 pub const GUEST_LINK: &str = "tap0";
 /// The namespace's end of its veth pair.
 pub const UPLINK: &str = "uplink";
-/// The host's ends of sandboxes' veth pairs are `fk<N>`, `N` the index of the /30.
-pub const HOST_LINK_PREFIX: &str = "fk";
+/// The host's ends of sandboxes' veth pairs are `fkd<N>`, `N` the index of the /30.
+pub const HOST_LINK_PREFIX: &str = "fkd";
 /// The range the uplinks' /30s are cut from.
 pub const UPLINK_RANGE: (Ipv4Addr, u8) = (Ipv4Addr::new(10, 253, 0, 0), 16);
 /// How many /30s [`UPLINK_RANGE`] holds.
@@ -308,7 +308,7 @@ mod links {
         (Ipv4Addr::from(base + 1), Ipv4Addr::from(base + 2))
     }
 
-    /// The first /30 no `fk<N>` link on the host uses.
+    /// The first /30 no `fkd<N>` link on the host uses.
     async fn free_block(host: &Handle) -> std::io::Result<u32> {
         let mut used = std::collections::HashSet::new();
         let mut links = host.link().get().execute();

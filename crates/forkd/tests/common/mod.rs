@@ -261,7 +261,11 @@ pub async fn build_snapshot(c: &Client, template: &str, tag: &str) {
     )
     .await;
     assert_eq!(s, hyper::StatusCode::ACCEPTED, "{op}");
-    let id = op["id"].as_str().unwrap().to_owned();
+    wait_operation(c, op["id"].as_str().unwrap()).await;
+}
+
+/// Waits (at most 10 minutes) for the operation `id` to succeed; panics if it fails.
+pub async fn wait_operation(c: &Client, id: &str) {
     let deadline = Instant::now() + Duration::from_secs(600);
     loop {
         let (s, op) = call(c, hyper::Method::GET, &format!("/v1/operations/{id}"), None).await;
@@ -269,9 +273,9 @@ pub async fn build_snapshot(c: &Client, template: &str, tag: &str) {
         match op["status"].as_str().unwrap() {
             "running" => {}
             "succeeded" => return,
-            other => panic!("building {template}: {other}: {op}"),
+            other => panic!("operation {id}: {other}: {op}"),
         }
-        assert!(Instant::now() < deadline, "the build did not finish");
+        assert!(Instant::now() < deadline, "operation {id} did not finish");
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }

@@ -1,0 +1,379 @@
+//! Each sandbox's network, shown on a real daemon with real VMs and test hosts this file
+//! makes itself in network namespaces on this machine (never an outside address):
+//! egress follows the policy a fork gives and changes while the child runs; a `python`
+//! child downloads a file with urllib from an allowed host; children reach neither each
+//! other, nor the host, nor the daemon; a template built with `network = "none"` has no
+//! NIC.
+//!
+//! One daemon, one `python` template (with a NIC) and one `minimal` template without
+//! are built once for the whole file.
+
+mod common;
+
+use common::{call, create, exec, runtime, Daemon};
+use hyper::{Method, StatusCode};
+use serde_json::{json, Value};
+use std::process::{Child, Command, Stdio};
+
+/// The test hosts' network: the host's side is .1, the hosts are .2 and .3.
+const NET: &str = "10.252.77";
+/// The port the test hosts serve HTTP on.
+const PORT: u16 = 8000;
+/// The daemon's TCP port (on every address of the host).
+const DAEMON_PORT: u16 = 47_131;
+
+/// Two HTTP servers (one per address) in a network namespace of their own, linked to the
+/// host by a veth pair; removed when dropped.
+struct TestHosts {
+    ns: String,
+    server: Child,
+    /// What the servers serve: `file.bin`.
+    _dir: tempfile::TempDir,
+    /// The contents of `file.bin`.
+    file: Vec<u8>,
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl TestHosts {
+    fn start() -> TestHosts {
+        let ns = format!("forkd-test-{}", std::process::id());
+        let (host_end, ns_end) = (
+            format!("nt{}h", std::process::id() % 100_000),
+            format!("nt{}n", std::process::id() % 100_000),
+        );
+        ip(&["netns", "add", &ns]);
+        ip(&[
+            "link", "add", &host_end, "type", "veth", "peer", "name", &ns_end, "netns", &ns,
+        ]);
+        ip(&["addr", "add", &format!("{NET}.1/24"), "dev", &host_end]);
+        ip(&["link", "set", &host_end, "up"]);
+        for args in [
+            vec!["addr", "add", &format!("{NET}.2/24"), "dev", &ns_end],
+            vec!["addr", "add", &format!("{NET}.3/24"), "dev", &ns_end],
+            vec!["link", "set", &ns_end, "up"],
+            vec!["link", "set", "lo", "up"],
+            vec!["route", "add", "default", "via", &format!("{NET}.1")],
+        ] {
+            let mut full = vec!["-n", ns.as_str()];
+            full.extend(args.iter().copied());
+            ip(&full);
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let file: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::write(dir.path().join("file.bin"), &file).unwrap();
+        let server = Command::new("ip")
+            .args(["netns", "exec", &ns, "python3", "-m", "http.server"])
+            .arg(PORT.to_string())
+            .arg("--directory")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let hosts = TestHosts {
+            ns,
+            server,
+            _dir: dir,
+            file,
+        };
+        // Serving once it answers from the host.
+        for _ in 0..100 {
+            if std::net::TcpStream::connect((format!("{NET}.2"), PORT)).is_ok() {
+                return hosts;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        panic!("the test hosts' HTTP server did not start");
+    }
+}
+
+impl Drop for TestHosts {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+        // The veth pair goes with the namespace.
+        let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
+    }
+}
+
+/// The daemon (also on TCP, on every address: the sandboxes must not reach it), its two
+/// snapshots (`python` with a NIC, `nonet` without) and the test hosts, made once; then
+/// each promise in turn.
+#[test]
+fn sandbox_networks() {
+    let listen = format!("0.0.0.0:{DAEMON_PORT}");
+    let secrets = tempfile::tempdir().unwrap();
+    let token = secrets.path().join("token");
+    common::write_secret(&token, "network-test-token-network-test-token");
+    let daemon = Daemon::start(&[
+        "--listen",
+        &listen,
+        "--insecure-plaintext",
+        "--token-file",
+        token.to_str().unwrap(),
+    ]);
+    let hosts = TestHosts::start();
+    runtime().block_on(async {
+        let c = daemon.unix();
+        common::build_snapshot(&c, "python", "python").await;
+        let (s, op) = call(
+            &c,
+            Method::POST,
+            "/v1/snapshots",
+            Some(json!({
+                "template": "nonet",
+                "recipe": "image = \"minimal\"\nmemory_mib = 256\nnetwork = \"none\"\n",
+            })),
+        )
+        .await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{op}");
+        common::wait_operation(&c, op["id"].as_str().unwrap()).await;
+
+        egress_follows_the_policy_and_changes_while_the_child_runs(&c, &hosts).await;
+        children_reach_neither_each_other_nor_the_host_nor_the_daemon(&c).await;
+        a_template_built_without_network_has_no_nic(&c).await;
+    });
+}
+
+/// Forks one `python` child with the egress policy `network`.
+async fn fork_with(c: &forkd_daemon::client::Client, network: Value) -> String {
+    let (s, v) = call(
+        c,
+        Method::POST,
+        "/v1/sandboxes",
+        Some(json!({"snapshot": "python", "network": network})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    v["sandboxes"][0]["id"].as_str().unwrap().to_owned()
+}
+
+/// Whether the child connects to `addr:port` within 3 s ("ok", else the error).
+async fn connect(c: &forkd_daemon::client::Client, id: &str, addr: &str, port: u16) -> String {
+    let code = format!(
+        "import socket\ntry:\n    socket.create_connection(('{addr}', {port}), timeout=3).close()\n    print('ok')\nexcept OSError as e:\n    print(type(e).__name__)\n"
+    );
+    let r = exec(c, id, &format!("python3 -c \"{code}\"")).await;
+    String::from_utf8(common::b64(&r["stdout_b64"]))
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+async fn set_network(c: &forkd_daemon::client::Client, id: &str, network: Value) -> Value {
+    let (s, v) = call(
+        c,
+        Method::PUT,
+        &format!("/v1/sandboxes/{id}/network"),
+        Some(network),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    v
+}
+
+async fn egress_follows_the_policy_and_changes_while_the_child_runs(
+    c: &forkd_daemon::client::Client,
+    hosts: &TestHosts,
+) {
+    {
+        let allowed = format!("{NET}.2:{PORT}");
+        let id = fork_with(c, json!({"allow": [allowed]})).await;
+        let (_, info) = call(c, Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+        assert_eq!(
+            info["network"],
+            json!({"egress": "deny", "allow": [allowed], "deny": []})
+        );
+
+        // The shape of a package install through an allow-list.
+        let got = exec(
+            c,
+            &id,
+            &format!(
+                "python3 -c \"import urllib.request,hashlib; d=urllib.request.urlopen('http://{NET}.2:{PORT}/file.bin', timeout=10).read(); print(len(d), hashlib.sha256(d).hexdigest())\""
+            ),
+        )
+        .await;
+        let want = {
+            use sha2::Digest;
+            format!(
+                "{} {:x}",
+                hosts.file.len(),
+                sha2::Sha256::digest(&hosts.file)
+            )
+        };
+        assert_eq!(
+            String::from_utf8(common::b64(&got["stdout_b64"]))
+                .unwrap()
+                .trim(),
+            want,
+            "{got}"
+        );
+        // The other host is not in the list.
+        assert_ne!(connect(c, &id, &format!("{NET}.3"), PORT).await, "ok");
+
+        // Allow everything public but one: private ranges stay shut (the test hosts
+        // are in one), unless listed.
+        set_network(
+            c,
+            &id,
+            json!({"egress": "allow", "deny": ["203.0.113.0/24"]}),
+        )
+        .await;
+        assert_ne!(connect(c, &id, &format!("{NET}.2"), PORT).await, "ok");
+        set_network(
+            c,
+            &id,
+            json!({"egress": "deny", "allow": [format!("{NET}.3/32")]}),
+        )
+        .await;
+        assert_eq!(connect(c, &id, &format!("{NET}.3"), PORT).await, "ok");
+        assert_ne!(connect(c, &id, &format!("{NET}.2"), PORT).await, "ok");
+
+        // Off: the guest sees its link down.
+        let v = set_network(c, &id, json!({"egress": "off"})).await;
+        assert_eq!(v["network"]["egress"], "off");
+        let carrier = exec(c, &id, "cat /sys/class/net/eth0/carrier").await;
+        assert_eq!(common::b64(&carrier["stdout_b64"]), b"0\n");
+        assert_ne!(connect(c, &id, &format!("{NET}.3"), PORT).await, "ok");
+        set_network(
+            c,
+            &id,
+            json!({"egress": "deny", "allow": [format!("{NET}.3")]}),
+        )
+        .await;
+        let carrier = exec(c, &id, "cat /sys/class/net/eth0/carrier").await;
+        assert_eq!(common::b64(&carrier["stdout_b64"]), b"1\n");
+        assert_eq!(connect(c, &id, &format!("{NET}.3"), PORT).await, "ok");
+
+        // Bad policies are refused whole, and the running one stays.
+        for bad in [
+            json!({"egress": "deny", "deny": ["203.0.113.0/24"]}),
+            json!({"allow": ["example.com"]}),
+            json!({"allow": ["10.1.2.3/8"]}),
+            json!({"egress": "sometimes"}),
+        ] {
+            let (s, v) = call(
+                c,
+                Method::PUT,
+                &format!("/v1/sandboxes/{id}/network"),
+                Some(bad.clone()),
+            )
+            .await;
+            assert!(s.is_client_error(), "{bad} -> {s} {v}");
+        }
+        assert_eq!(connect(c, &id, &format!("{NET}.3"), PORT).await, "ok");
+        let (s, _) = call(c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+        assert_eq!(s, StatusCode::NO_CONTENT);
+    }
+}
+
+/// The address of a child's end of its uplink, as the host sees it.
+fn uplink_addr(pid: u32) -> String {
+    let out = Command::new("nsenter")
+        .args([
+            "-t",
+            &pid.to_string(),
+            "-n",
+            "ip",
+            "-4",
+            "-o",
+            "addr",
+            "show",
+            "uplink",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    let word = text
+        .split_whitespace()
+        .skip_while(|w| *w != "inet")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no uplink address in {text:?}"));
+    word.split('/').next().unwrap().to_owned()
+}
+
+async fn children_reach_neither_each_other_nor_the_host_nor_the_daemon(
+    c: &forkd_daemon::client::Client,
+) {
+    {
+        // Even with every private range they might try listed: the host's own rules
+        // refuse traffic between sandboxes and to the host itself.
+        let open =
+            json!({"egress": "allow", "allow": ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"]});
+        let a = fork_with(c, open.clone()).await;
+        let b = fork_with(c, open).await;
+        let pid = |id: &str| {
+            let c = &c;
+            let id = id.to_owned();
+            async move {
+                let (_, v) = call(c, Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+                v["pid"].as_u64().unwrap() as u32
+            }
+        };
+        let (pa, pb) = (pid(&a).await, pid(&b).await);
+        // A server in B, and B's address as the host routes it.
+        exec(
+            c,
+            &b,
+            "nohup python3 -m http.server 9000 >/dev/null 2>&1 & sleep 1",
+        )
+        .await;
+        assert_eq!(connect(c, &b, "127.0.0.1", 9000).await, "ok");
+        let b_addr = uplink_addr(pb);
+        assert_ne!(connect(c, &a, &b_addr, 9000).await, "ok");
+        // Both children have the same address inside: A cannot reach B by it either
+        // (it is A itself).
+        let host_side = {
+            let a_addr = uplink_addr(pa);
+            let last: u8 = a_addr.rsplit('.').next().unwrap().parse().unwrap();
+            format!("{}.{}", a_addr.rsplit_once('.').unwrap().0, last - 1)
+        };
+        // The daemon listens on every address of the host: on A's gateway on the host,
+        // and on the test hosts' side of the host.
+        assert!(std::net::TcpStream::connect(("127.0.0.1", DAEMON_PORT)).is_ok());
+        assert_ne!(connect(c, &a, &host_side, DAEMON_PORT).await, "ok");
+        assert_ne!(connect(c, &a, &format!("{NET}.1"), DAEMON_PORT).await, "ok");
+        // While the test hosts, beyond the host, are reachable.
+        assert_eq!(connect(c, &a, &format!("{NET}.2"), PORT).await, "ok");
+        for id in [a, b] {
+            call(c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+        }
+    }
+}
+
+async fn a_template_built_without_network_has_no_nic(c: &forkd_daemon::client::Client) {
+    {
+        let id = create(c, "nonet", 1).await.remove(0);
+        let r = exec(c, &id, "ls /sys/class/net").await;
+        assert_eq!(common::b64(&r["stdout_b64"]), b"lo\n");
+        let (_, info) = call(c, Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+        assert!(info["network"].is_null(), "{info}");
+        let (s, v) = call(
+            c,
+            Method::PUT,
+            &format!("/v1/sandboxes/{id}/network"),
+            Some(json!({"egress": "allow"})),
+        )
+        .await;
+        assert_eq!(s, StatusCode::CONFLICT, "{v}");
+        let (s, v) = call(
+            c,
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"snapshot": "nonet", "network": {"egress": "allow"}})),
+        )
+        .await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+        call(c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+    }
+}
