@@ -27,6 +27,10 @@ pub enum Endpoint {
 }
 
 /// A client of one daemon.
+/// The `Upgrade:` protocol that turns a request for a sandbox's port into a tunnel to
+/// it (`/v1/sandboxes/{id}/ports/{port}`).
+pub const TUNNEL_PROTOCOL: &str = "tcp";
+
 #[derive(Debug, Clone)]
 pub struct Client {
     endpoint: Endpoint,
@@ -106,6 +110,23 @@ impl Client {
         }
         let req = req.body(body)?;
         self.dispatch(req).await
+    }
+
+    /// Asks for `path` to become a byte stream speaking `protocol` (`Upgrade:`); returns
+    /// the stream once the daemon answers 101, else its error.
+    pub async fn upgrade(&self, path: &str, protocol: &str) -> Result<hyper::upgrade::Upgraded> {
+        let req = self
+            .request(Method::GET, path)
+            .header(hyper::header::CONNECTION, "upgrade")
+            .header(hyper::header::UPGRADE, protocol)
+            .body(Full::new(Bytes::new()))?;
+        let resp = self.dispatch(req).await?;
+        if resp.status() != hyper::StatusCode::SWITCHING_PROTOCOLS {
+            let status = resp.status();
+            let body = resp.into_body().collect().await?.to_bytes();
+            return Err(failure(status, &body).into());
+        }
+        Ok(hyper::upgrade::on(resp).await?)
     }
 
     fn request(&self, method: Method, path: &str) -> hyper::http::request::Builder {
@@ -429,7 +450,8 @@ where
         .await
         .context("talking to the daemon")?;
     tokio::spawn(async move {
-        if let Err(e) = conn.await {
+        // With upgrades: a port-forward's connection becomes a tunnel.
+        if let Err(e) = conn.with_upgrades().await {
             tracing::debug!("daemon connection: {e}");
         }
     });

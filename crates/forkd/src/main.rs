@@ -104,6 +104,9 @@ enum Command {
     /// Show a sandbox's egress policy, or change it while it runs (--egress, --allow,
     /// --deny).
     Network(sandboxes::NetworkArgs),
+    /// Forward a local TCP port to a port in a sandbox, through the daemon (for a web
+    /// server an agent started in it).
+    PortForward(sandboxes::PortForwardArgs),
     /// Build the assets and the python template (once), fork children, run a pandas
     /// cell in each and print the time of every step.
     Quickstart(quickstart::QuickstartArgs),
@@ -184,6 +187,9 @@ fn main() {
                 .await
                 .map(|()| 0),
             Command::Network(args) => sandboxes::network(&remote::connect(&home)?, args)
+                .await
+                .map(|()| 0),
+            Command::PortForward(args) => sandboxes::port_forward(&remote::connect(&home)?, args)
                 .await
                 .map(|()| 0),
             Command::Kill(args) => sandboxes::kill(&remote::connect(&home)?, args)

@@ -135,6 +135,66 @@ pub async fn network(client: &Client, args: NetworkArgs) -> Result<()> {
     Ok(())
 }
 
+/// Arguments of `forkd port-forward`.
+#[derive(clap::Args, Debug)]
+pub struct PortForwardArgs {
+    /// The sandbox.
+    id: String,
+    /// The TCP port in the sandbox.
+    port: u16,
+    /// The local port to listen on (default: the same number; 0 picks a free one).
+    #[arg(long)]
+    local_port: Option<u16>,
+    /// The local address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    address: std::net::IpAddr,
+}
+
+/// Listens on a local port and carries each connection to the sandbox's port through
+/// the daemon, until interrupted.
+pub async fn port_forward(client: &Client, args: PortForwardArgs) -> Result<()> {
+    let id = path_id(&args.id)?.to_owned();
+    if args.port == 0 {
+        bail!("port 0 is not a port");
+    }
+    let path = format!("/v1/sandboxes/{id}/ports/{}", args.port);
+    // One tunnel first: a sandbox without a NIC, or a port nobody listens on, is an
+    // error now rather than at the first connection.
+    drop(
+        client
+            .upgrade(&path, forkd_daemon::client::TUNNEL_PROTOCOL)
+            .await?,
+    );
+    let local = args.local_port.unwrap_or(args.port);
+    let listener = tokio::net::TcpListener::bind((args.address, local))
+        .await
+        .with_context(|| format!("listening on {}:{local}", args.address))?;
+    eprintln!(
+        "forwarding {} to port {} of {id} (Ctrl-C stops)",
+        listener.local_addr()?,
+        args.port
+    );
+    loop {
+        let (mut conn, peer) = tokio::select! {
+            accepted = listener.accept() => accepted?,
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+        };
+        let (client, path) = (client.clone(), path.clone());
+        tokio::spawn(async move {
+            match client
+                .upgrade(&path, forkd_daemon::client::TUNNEL_PROTOCOL)
+                .await
+            {
+                Ok(tunnel) => {
+                    let mut tunnel = hyper_util::rt::TokioIo::new(tunnel);
+                    let _ = tokio::io::copy_bidirectional(&mut conn, &mut tunnel).await;
+                }
+                Err(e) => eprintln!("{peer}: {e:#}"),
+            }
+        });
+    }
+}
+
 /// Arguments of `forkd exec`.
 #[derive(clap::Args, Debug)]
 pub struct ExecArgs {

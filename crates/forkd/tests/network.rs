@@ -139,7 +139,7 @@ fn sandbox_networks() {
         common::wait_operation(&c, op["id"].as_str().unwrap()).await;
 
         egress_follows_the_policy_and_changes_while_the_child_runs(&c, &hosts).await;
-        children_reach_neither_each_other_nor_the_host_nor_the_daemon(&c).await;
+        children_reach_neither_each_other_nor_the_host_nor_the_daemon(&c, &daemon).await;
         a_template_built_without_network_has_no_nic(&c).await;
     });
 }
@@ -304,6 +304,7 @@ fn uplink_addr(pid: u32) -> String {
 
 async fn children_reach_neither_each_other_nor_the_host_nor_the_daemon(
     c: &forkd_daemon::client::Client,
+    daemon: &Daemon,
 ) {
     {
         // Even with every private range they might try listed: the host's own rules
@@ -345,6 +346,69 @@ async fn children_reach_neither_each_other_nor_the_host_nor_the_daemon(
         assert_ne!(connect(c, &a, &format!("{NET}.1"), DAEMON_PORT).await, "ok");
         // While the test hosts, beyond the host, are reachable.
         assert_eq!(connect(c, &a, &format!("{NET}.2"), PORT).await, "ok");
+
+        // B's server, reached through the daemon: as HTTP, and through a forwarded port.
+        let (s, listing) = call(
+            c,
+            Method::GET,
+            &format!("/v1/sandboxes/{b}/ports/9000/?q=1"),
+            None,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK);
+        assert!(
+            listing
+                .as_str()
+                .unwrap()
+                .contains("Directory listing for /?q=1"),
+            "{listing}"
+        );
+        let (s, v) = call(
+            c,
+            Method::GET,
+            &format!("/v1/sandboxes/{b}/ports/9001/"),
+            None,
+        )
+        .await;
+        assert_eq!(s, StatusCode::BAD_GATEWAY, "{v}");
+        let local: u16 = common::free_port()
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let mut forward = daemon
+            .forkd()
+            .args([
+                "port-forward",
+                &b,
+                "9000",
+                "--local-port",
+                &local.to_string(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let answer = tokio::task::spawn_blocking(move || {
+            use std::io::{Read, Write};
+            for _ in 0..100 {
+                if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", local)) {
+                    s.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+                    let mut answer = String::new();
+                    s.read_to_string(&mut answer).unwrap();
+                    return answer;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            panic!("port-forward did not listen");
+        })
+        .await
+        .unwrap();
+        let _ = forward.kill();
+        let _ = forward.wait();
+        assert!(answer.starts_with("HTTP/1.0 200"), "{answer}");
+        assert!(answer.contains("Directory listing for /"), "{answer}");
         for id in [a, b] {
             call(c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
         }

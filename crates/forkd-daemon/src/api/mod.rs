@@ -6,6 +6,7 @@ pub(crate) mod branch;
 mod distribution;
 pub mod error;
 pub(crate) mod files;
+mod ports;
 mod processes;
 pub(crate) mod run;
 pub(crate) mod sandboxes;
@@ -17,7 +18,7 @@ use crate::registry::Registry;
 use crate::DaemonConfig;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
-use axum::routing::{get, post, put};
+use axum::routing::{any, get, post, put};
 use axum::Router;
 pub use error::ApiError;
 use serde::de::DeserializeOwned;
@@ -130,6 +131,9 @@ pub fn router(app: App) -> Router {
         )
         .route("/v1/sandboxes/{id}/timeout", put(sandboxes::set_timeout))
         .route("/v1/sandboxes/{id}/network", put(sandboxes::set_network))
+        .route("/v1/sandboxes/{id}/ports/{port}", any(ports::root))
+        .route("/v1/sandboxes/{id}/ports/{port}/", any(ports::root))
+        .route("/v1/sandboxes/{id}/ports/{port}/{*path}", any(ports::proxy))
         .route("/v1/sandboxes/{id}/branch", post(branch::branch))
         .route("/v1/sandboxes/{id}/exec", post(run::exec))
         .route("/v1/sandboxes/{id}/code", post(run::run_code))
@@ -207,6 +211,8 @@ pub fn router(app: App) -> Router {
         sandboxes::delete,
         sandboxes::set_timeout,
         sandboxes::set_network,
+        ports::root,
+        ports::proxy,
         branch::branch,
         run::exec,
         run::run_code,

@@ -122,22 +122,47 @@ pub async fn create(policy: &EgressPolicy) -> Result<SandboxNetwork, crate::Hype
 pub async fn set_egress(pid: u32, policy: &EgressPolicy) -> Result<(), crate::HypervisorError> {
     let policy = policy.clone();
     on_own_thread(move || {
-        let netns = File::open(format!("/proc/{pid}/ns/net"))?;
-        let own = File::open("/proc/self/ns/net")?;
-        let ino = |f: &File| {
-            f.metadata()
-                .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
-        };
-        if ino(&netns)? == ino(&own)? {
-            return Err(std::io::Error::other(
-                "its QEMU is not in a network namespace of its own",
-            ));
-        }
-        nix::sched::setns(netns.as_fd(), CloneFlags::CLONE_NEWNET)?;
+        enter_sandbox_netns(pid)?;
         nft(&rules::replace_egress(&policy))
     })
     .await
     .map_err(|e| crate::HypervisorError::Network(format!("changing its egress policy: {e}")))
+}
+
+/// Opens a TCP connection to the guest's `port` from the namespace of the process `pid`
+/// (a sandbox's QEMU): the way in for port forwarding, which needs no rule, since the
+/// namespace's own connections to its guest are not forwarded traffic.
+pub async fn connect_guest(pid: u32, port: u16) -> std::io::Result<tokio::net::TcpStream> {
+    let stream = on_own_thread(move || {
+        enter_sandbox_netns(pid)?;
+        let addr = std::net::SocketAddr::from((GUEST_ADDR, port));
+        let stream = std::net::TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)?;
+        stream.set_nonblocking(true)?;
+        Ok(stream)
+    })
+    .await?;
+    tokio::net::TcpStream::from_std(stream)
+}
+
+/// How long a connection to a guest's port may take to be accepted.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Moves the calling thread into the namespace of the process `pid`, which must be a
+/// namespace of its own: never the daemon's, where rules would land on the host.
+fn enter_sandbox_netns(pid: u32) -> std::io::Result<()> {
+    let netns = File::open(format!("/proc/{pid}/ns/net"))?;
+    let own = File::open("/proc/self/ns/net")?;
+    let ino = |f: &File| {
+        f.metadata()
+            .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+    };
+    if ino(&netns)? == ino(&own)? {
+        return Err(std::io::Error::other(
+            "its QEMU is not in a network namespace of its own",
+        ));
+    }
+    nix::sched::setns(netns.as_fd(), CloneFlags::CLONE_NEWNET)?;
+    Ok(())
 }
 
 /// Runs `f` on a thread of its own, which may change namespaces and then ends.
