@@ -30,8 +30,21 @@ pub fn setup(cmdline: &str) -> Result<(), String> {
             .map_err(|_| format!("forkd.gw={gw} is not an IPv4 address"))?;
         default_route(&sock, gw).map_err(|e| format!("routing through {gw}: {e}"))?;
     }
+    if let Some(dns) = cmdline::get(cmdline, "forkd.dns") {
+        let dns: Ipv4Addr = dns
+            .parse()
+            .map_err(|_| format!("forkd.dns={dns} is not an IPv4 address"))?;
+        // The image's may be a link into a resolver daemon's directory, which does not
+        // run here.
+        let _ = std::fs::remove_file(RESOLV_CONF);
+        std::fs::write(RESOLV_CONF, format!("nameserver {dns}\n"))
+            .map_err(|e| format!("writing {RESOLV_CONF}: {e}"))?;
+    }
     Ok(())
 }
+
+/// Where the guest's C library looks for its name server.
+const RESOLV_CONF: &str = "/etc/resolv.conf";
 
 fn parse_cidr(s: &str) -> Option<(Ipv4Addr, u8)> {
     let (addr, len) = s.split_once('/')?;

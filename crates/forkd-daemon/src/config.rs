@@ -42,6 +42,9 @@ pub struct DaemonConfig {
     pub e2b: Option<crate::e2b::E2bConfig>,
     /// How push and pull reach registries (plain HTTP ones, the auth file).
     pub registries: forkd_core::oci::registry::RegistryOptions,
+    /// The DNS server sandboxes' resolvers forward allowed names to (default: the
+    /// host's first nameserver); none: sandboxes get no resolver.
+    pub dns_upstream: Option<SocketAddr>,
 }
 
 /// PEM files of the TCP listener's certificate chain and private key.
@@ -125,6 +128,7 @@ impl DaemonConfig {
             memory_overcommit: 1.0,
             e2b: None,
             registries: Default::default(),
+            dns_upstream: crate::resolver::default_upstream(),
         }
     }
 

@@ -27,6 +27,7 @@ pub mod metrics;
 pub mod owner;
 pub mod pool;
 pub mod registry;
+pub mod resolver;
 pub mod server;
 pub mod state;
 

@@ -15,6 +15,7 @@ use forkd_core::fork::{fork_partial, fork_using, ForkObserver, ForkOptions, Fork
 use forkd_core::lifecycle::SandboxState;
 use forkd_core::snapshot::{Snapshot, Store};
 use forkd_core::{Sandbox, SandboxError, SandboxOptions};
+use forkd_hypervisor::network::policy::EgressPolicy;
 use forkd_hypervisor::{Hypervisor, VmConfig};
 use forkd_image::Home;
 use std::collections::{BTreeMap, HashMap};
@@ -78,6 +79,8 @@ pub struct Registry {
     agent_timeout: Duration,
     fork_parallel: usize,
     memory_overcommit: f64,
+    /// Where sandboxes' resolvers send the names they may resolve; none: no resolver.
+    dns_upstream: Option<std::net::SocketAddr>,
     slots: Mutex<Slots>,
     /// Wakes the pool filler (a fork ended, a pool size changed).
     pub(crate) pool_wakeup: tokio::sync::Notify,
@@ -125,6 +128,9 @@ pub(crate) struct Slots {
     pub(crate) pools: crate::pool::Pools,
     /// Branches in progress: the snapshot tag each source is being branched into.
     pub(crate) branching: HashMap<String, String>,
+    /// The egress policy each running sandbox's resolver answers by; dropping one
+    /// stops that resolver.
+    resolvers: HashMap<String, tokio::sync::watch::Sender<EgressPolicy>>,
 }
 
 /// What a create request asks for.
@@ -250,6 +256,7 @@ impl Registry {
             agent_timeout: SandboxOptions::default().agent_timeout,
             fork_parallel: forkd_core::fork::default_parallel(),
             memory_overcommit: 1.0,
+            dns_upstream: None,
             slots: Mutex::new(Slots::default()),
             pool_wakeup: tokio::sync::Notify::new(),
         }
@@ -263,6 +270,22 @@ impl Registry {
 
     /// How far forks may overcommit the host's available memory (see
     /// [`crate::admission`]).
+    /// Serves each sandbox with a NIC a resolver that forwards to `upstream`.
+    pub fn with_dns_upstream(mut self, upstream: Option<std::net::SocketAddr>) -> Registry {
+        self.dns_upstream = upstream;
+        self
+    }
+
+    /// Starts the resolver of a sandbox just handed out (or taken over), if it has a NIC.
+    fn start_resolver(&self, slots: &mut Slots, entry: &Entry) {
+        let (Some(upstream), Some(net)) = (self.dns_upstream, &entry.row.config.network) else {
+            return;
+        };
+        let (tx, rx) = tokio::sync::watch::channel(net.policy.clone());
+        crate::resolver::spawn(entry.sandbox.clone(), upstream, rx);
+        slots.resolvers.insert(entry.row.id.clone(), tx);
+    }
+
     pub fn with_memory_overcommit(mut self, ratio: f64) -> Registry {
         self.memory_overcommit = ratio;
         self
@@ -547,6 +570,7 @@ impl Registry {
                     sandbox: Arc::new(child),
                 };
                 slots.live.insert(entry.row.id.clone(), entry.clone());
+                self.start_resolver(&mut slots, &entry);
                 Some(entry)
             })
             .collect())
@@ -734,7 +758,11 @@ impl Registry {
             let _ = forkd_core::sandbox::remove_dir(&entry.row.config.dir);
         }
         let forgotten = self.state.delete_sandbox(&entry.row.id);
-        self.slots().live.remove(&entry.row.id);
+        {
+            let mut slots = self.slots();
+            slots.live.remove(&entry.row.id);
+            slots.resolvers.remove(&entry.row.id);
+        }
         forgotten?;
         Ok(())
     }
@@ -806,7 +834,11 @@ impl Registry {
         config.network = Some(forkd_hypervisor::network::NetworkConfig { policy });
         self.state.set_config(id, &config)?;
         entry.row.config = config;
-        Ok(entry.clone())
+        let entry = entry.clone();
+        if let (Some(resolver), Some(net)) = (slots.resolvers.get(id), &entry.row.config.network) {
+            resolver.send_replace(net.policy.clone());
+        }
+        Ok(entry)
     }
 
     /// Sets a sandbox's deadline (None: no deadline).
@@ -872,13 +904,12 @@ impl Registry {
         }
         let mut slots = self.slots();
         slots.unattached.remove(&row.id);
-        slots.live.insert(
-            row.id.clone(),
-            Entry {
-                row,
-                sandbox: Arc::new(sb),
-            },
-        );
+        let entry = Entry {
+            row,
+            sandbox: Arc::new(sb),
+        };
+        self.start_resolver(&mut slots, &entry);
+        slots.live.insert(entry.row.id.clone(), entry);
         Ok(())
     }
 

@@ -114,7 +114,8 @@ pub async fn run(
         config.max_sandboxes,
     )
     .with_fork_parallelism(config.fork_parallelism)
-    .with_memory_overcommit(config.memory_overcommit);
+    .with_memory_overcommit(config.memory_overcommit)
+    .with_dns_upstream(config.dns_upstream);
     registry.recover_branches(&branch_sources).await?;
     let (adopted, gone) = registry.adopt_all().await?;
     let leftovers = registry.open_pools().await?;

@@ -60,6 +60,11 @@ pub struct DaemonArgs {
     /// loopback registries always are).
     #[arg(long)]
     insecure_registry: Vec<String>,
+    /// The DNS server (ADDRESS[:PORT]) that sandboxes' resolvers forward the names their
+    /// egress policy allows to (default: the host's first nameserver in
+    /// /etc/resolv.conf).
+    #[arg(long, value_parser = forkd_daemon::resolver::parse_upstream)]
+    dns_upstream: Option<SocketAddr>,
 }
 
 fn parse_alias(s: &str) -> Result<(String, String), String> {
@@ -91,6 +96,9 @@ pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
     config.max_sandboxes = args.max_sandboxes;
     config.memory_overcommit = args.memory_overcommit;
     config.registries.insecure = args.insecure_registry;
+    if let Some(up) = args.dns_upstream {
+        config.dns_upstream = Some(up);
+    }
     if let Some(k) = args.fork_parallelism {
         config.fork_parallelism = k as usize;
     }

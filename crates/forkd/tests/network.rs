@@ -2,8 +2,10 @@
 //! makes itself in network namespaces on this machine (never an outside address):
 //! egress follows the policy a fork gives and changes while the child runs; a `python`
 //! child downloads a file with urllib from an allowed host; children reach neither each
-//! other, nor the host, nor the daemon; a template built with `network = "none"` has no
-//! NIC.
+//! other, nor the host, nor the daemon; a child's web server answers through the daemon;
+//! names resolve (through a DNS server the test runs) only when allowed, and open only
+//! the public addresses they resolved to; a template built with `network = "none"` has
+//! no NIC.
 //!
 //! One daemon, one `python` template (with a NIC) and one `minimal` template without
 //! are built once for the whole file.
@@ -96,6 +98,85 @@ impl TestHosts {
     }
 }
 
+/// The names the test's DNS server knows.
+const RECORDS: [(&str, &str); 3] = [
+    ("allowed.test", "203.0.113.10"),
+    ("other.test", "203.0.113.11"),
+    // An allowed name that points into a private range: it must not open it.
+    ("private.test", "10.252.77.2"),
+];
+
+impl TestHosts {
+    /// Gives the hosts the public addresses of [`RECORDS`] too (routed to them from the
+    /// host), and serves those names on `{NET}.2:53` from a thread in their namespace.
+    fn serve_dns(&self) {
+        for (_, addr) in RECORDS {
+            if addr.starts_with("203.") {
+                let ns_end = self.ns_end();
+                ip(&[
+                    "-n",
+                    &self.ns,
+                    "addr",
+                    "add",
+                    &format!("{addr}/32"),
+                    "dev",
+                    &ns_end,
+                ]);
+                ip(&[
+                    "route",
+                    "add",
+                    &format!("{addr}/32"),
+                    "via",
+                    &format!("{NET}.2"),
+                ]);
+            }
+        }
+        let netns = std::fs::File::open(format!("/var/run/netns/{}", self.ns)).unwrap();
+        let (ready_tx, ready) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use hickory_proto::op::{Message, MessageType, ResponseCode};
+            use hickory_proto::rr::{rdata::A, RData, Record};
+            nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            let socket = std::net::UdpSocket::bind((format!("{NET}.2"), 53)).unwrap();
+            ready_tx.send(()).unwrap();
+            let mut buf = [0u8; 4096];
+            // Ends with the process (the namespace, and the socket with it, outlive
+            // nothing of the test).
+            while let Ok((n, from)) = socket.recv_from(&mut buf) {
+                let Ok(query) = Message::from_vec(&buf[..n]) else {
+                    continue;
+                };
+                let mut reply = Message::response(query.metadata.id, query.metadata.op_code);
+                reply.metadata.message_type = MessageType::Response;
+                reply.metadata.recursion_available = true;
+                reply.add_queries(query.queries.iter().cloned());
+                let q = &query.queries[0];
+                let name = q.name().to_ascii();
+                match RECORDS
+                    .iter()
+                    .find(|(n, _)| name.trim_end_matches('.') == *n)
+                {
+                    Some((_, addr)) if q.query_type() == hickory_proto::rr::RecordType::A => {
+                        reply.add_answer(Record::from_rdata(
+                            q.name().clone(),
+                            300,
+                            RData::A(A(addr.parse().unwrap())),
+                        ));
+                    }
+                    Some(_) => {}
+                    None => reply.metadata.response_code = ResponseCode::NXDomain,
+                }
+                let _ = socket.send_to(&reply.to_vec().unwrap(), from);
+            }
+        });
+        ready.recv().unwrap();
+    }
+
+    fn ns_end(&self) -> String {
+        format!("nt{}n", std::process::id() % 100_000)
+    }
+}
+
 impl Drop for TestHosts {
     fn drop(&mut self) {
         let _ = self.server.kill();
@@ -114,14 +195,17 @@ fn sandbox_networks() {
     let secrets = tempfile::tempdir().unwrap();
     let token = secrets.path().join("token");
     common::write_secret(&token, "network-test-token-network-test-token");
+    let hosts = TestHosts::start();
+    hosts.serve_dns();
     let daemon = Daemon::start(&[
         "--listen",
         &listen,
         "--insecure-plaintext",
         "--token-file",
         token.to_str().unwrap(),
+        "--dns-upstream",
+        &format!("{NET}.2"),
     ]);
-    let hosts = TestHosts::start();
     runtime().block_on(async {
         let c = daemon.unix();
         common::build_snapshot(&c, "python", "python").await;
@@ -140,6 +224,7 @@ fn sandbox_networks() {
 
         egress_follows_the_policy_and_changes_while_the_child_runs(&c, &hosts).await;
         children_reach_neither_each_other_nor_the_host_nor_the_daemon(&c, &daemon).await;
+        names_resolve_only_when_allowed_and_open_only_what_they_resolved_to(&c).await;
         a_template_built_without_network_has_no_nic(&c).await;
     });
 }
@@ -258,7 +343,7 @@ async fn egress_follows_the_policy_and_changes_while_the_child_runs(
         // Bad policies are refused whole, and the running one stays.
         for bad in [
             json!({"egress": "deny", "deny": ["203.0.113.0/24"]}),
-            json!({"allow": ["example.com"]}),
+            json!({"allow": ["not a name"]}),
             json!({"allow": ["10.1.2.3/8"]}),
             json!({"egress": "sometimes"}),
         ] {
@@ -275,6 +360,45 @@ async fn egress_follows_the_policy_and_changes_while_the_child_runs(
         let (s, _) = call(c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
         assert_eq!(s, StatusCode::NO_CONTENT);
     }
+}
+
+/// What `socket.gethostbyname(name)` says in the child (the error's name if it fails).
+async fn resolve(c: &forkd_daemon::client::Client, id: &str, name: &str) -> String {
+    let code = format!(
+        "import socket\ntry:\n    print(socket.gethostbyname('{name}'))\nexcept OSError as e:\n    print(type(e).__name__)\n"
+    );
+    let r = exec(c, id, &format!("python3 -c \"{code}\"")).await;
+    String::from_utf8(common::b64(&r["stdout_b64"]))
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+async fn names_resolve_only_when_allowed_and_open_only_what_they_resolved_to(
+    c: &forkd_daemon::client::Client,
+) {
+    let id = fork_with(
+        c,
+        json!({"allow": ["allowed.test", "*.private.test", "private.test"]}),
+    )
+    .await;
+    // Nothing resolved yet: the address is not open.
+    assert_ne!(connect(c, &id, "203.0.113.10", PORT).await, "ok");
+    assert_eq!(resolve(c, &id, "allowed.test").await, "203.0.113.10");
+    assert_eq!(connect(c, &id, "203.0.113.10", PORT).await, "ok");
+    // A name not in the list is not answered, and its address stays shut.
+    assert_eq!(resolve(c, &id, "other.test").await, "gaierror");
+    assert_ne!(connect(c, &id, "203.0.113.11", PORT).await, "ok");
+    // A name that points into a private range resolves, and opens nothing.
+    assert_eq!(resolve(c, &id, "private.test").await, format!("{NET}.2"));
+    assert_ne!(connect(c, &id, &format!("{NET}.2"), PORT).await, "ok");
+    // A new policy takes back what the old one's names had opened.
+    set_network(c, &id, json!({"allow": ["other.test"]})).await;
+    assert_ne!(connect(c, &id, "203.0.113.10", PORT).await, "ok");
+    assert_eq!(resolve(c, &id, "allowed.test").await, "gaierror");
+    assert_eq!(resolve(c, &id, "other.test").await, "203.0.113.11");
+    assert_eq!(connect(c, &id, "203.0.113.11", PORT).await, "ok");
+    call(c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
 }
 
 /// The address of a child's end of its uplink, as the host sees it.

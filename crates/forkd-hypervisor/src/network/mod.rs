@@ -63,7 +63,7 @@ pub struct NetworkConfig {
 
 /// The kernel command line that tells forkd's guest agent to configure its NIC.
 pub fn guest_cmdline() -> String {
-    format!("forkd.ip={GUEST_ADDR}/{GUEST_PREFIX} forkd.gw={GATEWAY_ADDR}")
+    format!("forkd.ip={GUEST_ADDR}/{GUEST_PREFIX} forkd.gw={GATEWAY_ADDR} forkd.dns={GATEWAY_ADDR}")
 }
 
 /// `GUEST_MAC` as QEMU writes it.
@@ -142,6 +142,36 @@ pub async fn connect_guest(pid: u32, port: u16) -> std::io::Result<tokio::net::T
     })
     .await?;
     tokio::net::TcpStream::from_std(stream)
+}
+
+/// Binds the UDP socket of the sandbox's resolver (the gateway's port 53) in the
+/// namespace of the process `pid` (a sandbox's QEMU). The guest's `resolv.conf` names
+/// it; whoever holds the socket answers for the sandbox.
+pub async fn bind_resolver(pid: u32) -> std::io::Result<tokio::net::UdpSocket> {
+    let socket = on_own_thread(move || {
+        enter_sandbox_netns(pid)?;
+        let socket = std::net::UdpSocket::bind((GATEWAY_ADDR, 53))?;
+        socket.set_nonblocking(true)?;
+        Ok(socket)
+    })
+    .await?;
+    tokio::net::UdpSocket::from_std(socket)
+}
+
+/// Lets `addrs` out of the namespace of the process `pid` for `ttl` seconds (on every
+/// port if `ports` is empty): the addresses its resolver answered for a name the
+/// policy allows.
+pub async fn let_out(
+    pid: u32,
+    addrs: Vec<Ipv4Addr>,
+    ports: Vec<u16>,
+    ttl: u32,
+) -> std::io::Result<()> {
+    on_own_thread(move || {
+        enter_sandbox_netns(pid)?;
+        nft(&rules::let_out(&addrs, &ports, ttl))
+    })
+    .await
 }
 
 /// How long a connection to a guest's port may take to be accepted.

@@ -1,9 +1,13 @@
 //! What a sandbox may reach: its egress policy.
 //!
-//! A destination is an IPv4 address or prefix with an optional port (TCP and UDP):
-//! `203.0.113.7`, `203.0.113.0/24`, `203.0.113.7:443`. Private, loopback, link-local
-//! and multicast ranges (and with them the host's side of every sandbox's link) are
-//! refused whatever the mode, unless a destination inside them is listed in `allow`.
+//! A destination is an IPv4 address or prefix, or a DNS name, with an optional port (TCP
+//! and UDP): `203.0.113.7`, `203.0.113.0/24`, `203.0.113.7:443`, `pypi.org`,
+//! `*.pythonhosted.org:443`. Private, loopback, link-local and multicast ranges (and
+//! with them the host's side of every sandbox's link) are refused whatever the mode,
+//! unless a network inside them is listed in `allow`; a name never opens them.
+//!
+//! Names are for the resolver forkd serves each sandbox: it answers only the names the
+//! policy lets out, and lets out the addresses it answered with (see `rules`).
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -54,15 +58,117 @@ impl EgressPolicy {
     }
 }
 
-/// One IPv4 destination: a prefix and, optionally, one port.
+/// One destination of an allow- or deny-list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Destination {
+    /// An IPv4 network.
+    Net(Network),
+    /// A DNS name.
+    Name(NamePattern),
+}
+
+/// An IPv4 network and, optionally, one port.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Destination {
+pub struct Network {
     /// The network address (host bits clear).
     pub addr: Ipv4Addr,
     /// The prefix length, 0..=32.
     pub prefix: u8,
     /// The TCP/UDP destination port, if only one is meant.
     pub port: Option<u16>,
+}
+
+/// A DNS name (`example.com`: that name only) or every name under one (`*.example.com`:
+/// its subdomains, not itself), and optionally one port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamePattern {
+    /// Lower case, without the trailing dot; `*.` first for a wildcard.
+    pub name: String,
+    /// The TCP/UDP destination port, if only one is meant.
+    pub port: Option<u16>,
+}
+
+impl NamePattern {
+    /// Whether `qname` (any case, trailing dot or not) is this pattern's.
+    pub fn matches(&self, qname: &str) -> bool {
+        let q = qname.trim_end_matches('.').to_ascii_lowercase();
+        match self.name.strip_prefix("*.") {
+            Some(parent) => q
+                .strip_suffix(parent)
+                .is_some_and(|head| head.len() > 1 && head.ends_with('.')),
+            None => q == self.name,
+        }
+    }
+}
+
+impl EgressPolicy {
+    /// The `allow` entries that are networks.
+    pub fn allowed_networks(&self) -> impl Iterator<Item = &Network> {
+        self.allow.iter().filter_map(Destination::network)
+    }
+
+    /// The `deny` entries that are networks.
+    pub fn denied_networks(&self) -> impl Iterator<Item = &Network> {
+        self.deny.iter().filter_map(Destination::network)
+    }
+
+    /// Whether the sandbox's resolver may answer `qname`, and if so, which ports the
+    /// addresses it answers with are let out on (`Some(vec![])`: every port; `None`
+    /// in the list form: nothing is added, the mode lets public addresses out anyway).
+    pub fn resolves(&self, qname: &str) -> Resolution {
+        let matching = |list: &[Destination]| -> Vec<Option<u16>> {
+            list.iter()
+                .filter_map(Destination::name)
+                .filter(|n| n.matches(qname))
+                .map(|n| n.port)
+                .collect()
+        };
+        match self.egress {
+            EgressMode::Off => Resolution::Refused,
+            EgressMode::Allow if matching(&self.deny).is_empty() => Resolution::Answered,
+            EgressMode::Allow => Resolution::Refused,
+            EgressMode::Deny => {
+                let ports = matching(&self.allow);
+                if ports.is_empty() {
+                    Resolution::Refused
+                } else if ports.contains(&None) {
+                    Resolution::LetOut(Vec::new())
+                } else {
+                    Resolution::LetOut(ports.into_iter().flatten().collect())
+                }
+            }
+        }
+    }
+}
+
+/// What a sandbox's resolver does with a name (see [`EgressPolicy::resolves`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolution {
+    /// Not answered.
+    Refused,
+    /// Answered; the addresses need no rule (the mode lets them out).
+    Answered,
+    /// Answered, and the (public) addresses in the answer are let out: on every port if
+    /// the list is empty, else on those ports.
+    LetOut(Vec<u16>),
+}
+
+impl Destination {
+    /// The network, if it is one.
+    pub fn network(&self) -> Option<&Network> {
+        match self {
+            Destination::Net(n) => Some(n),
+            Destination::Name(_) => None,
+        }
+    }
+
+    /// The name, if it is one.
+    pub fn name(&self) -> Option<&NamePattern> {
+        match self {
+            Destination::Name(n) => Some(n),
+            Destination::Net(_) => None,
+        }
+    }
 }
 
 /// The ranges no sandbox reaches unless a destination inside them is listed: private
@@ -80,8 +186,8 @@ pub const PRIVATE_RANGES: [(Ipv4Addr, u8); 9] = [
     (Ipv4Addr::new(240, 0, 0, 0), 4),
 ];
 
-impl Destination {
-    /// True when every address of this destination lies in one of [`PRIVATE_RANGES`].
+impl Network {
+    /// True when every address of this network lies in one of [`PRIVATE_RANGES`].
     pub fn is_private(&self) -> bool {
         PRIVATE_RANGES
             .iter()
@@ -100,19 +206,27 @@ impl FromStr for Destination {
 
     fn from_str(s: &str) -> Result<Self, String> {
         let bad = |why: &str| {
-            format!("{s:?} is not a destination ({why}); write ADDRESS[/PREFIX][:PORT], e.g. 203.0.113.0/24 or 203.0.113.7:443")
+            format!("{s:?} is not a destination ({why}); write ADDRESS[/PREFIX][:PORT] or NAME[:PORT], e.g. 203.0.113.0/24, 203.0.113.7:443, pypi.org or *.pythonhosted.org:443")
         };
-        let (net, port) = match s.rsplit_once(':') {
-            Some((net, port)) => {
+        let (target, port) = match s.rsplit_once(':') {
+            Some((target, port)) => {
                 let port: u16 = port.parse().map_err(|_| bad("bad port"))?;
                 if port == 0 {
                     return Err(bad("port 0"));
                 }
-                (net, Some(port))
+                (target, Some(port))
             }
             None => (s, None),
         };
-        let (addr, prefix) = match net.split_once('/') {
+        let looks_numeric = target
+            .chars()
+            .all(|c| c.is_ascii_digit() || c == '.' || c == '/');
+        if !looks_numeric {
+            return name_pattern(target)
+                .map(|name| Destination::Name(NamePattern { name, port }))
+                .map_err(|why| bad(&why));
+        }
+        let (addr, prefix) = match target.split_once('/') {
             Some((addr, len)) => (
                 addr,
                 len.parse::<u8>()
@@ -120,28 +234,57 @@ impl FromStr for Destination {
                     .filter(|l| *l <= 32)
                     .ok_or_else(|| bad("the prefix length must be 0 to 32"))?,
             ),
-            None => (net, 32),
+            None => (target, 32),
         };
-        let addr: Ipv4Addr = addr
-            .parse()
-            .map_err(|_| bad("not an IPv4 address; DNS names are not supported"))?;
+        let addr: Ipv4Addr = addr.parse().map_err(|_| bad("not an IPv4 address"))?;
         if mask(addr, prefix) != addr {
             return Err(bad(&format!(
                 "host bits set; the network is {}/{prefix}",
                 mask(addr, prefix)
             )));
         }
-        Ok(Destination { addr, prefix, port })
+        Ok(Destination::Net(Network { addr, prefix, port }))
     }
+}
+
+/// A DNS name or `*.` and a name, checked and lower-cased.
+fn name_pattern(s: &str) -> Result<String, String> {
+    let name = s.trim_end_matches('.').to_ascii_lowercase();
+    let bare = name.strip_prefix("*.").unwrap_or(&name);
+    if bare.len() > 253 || !bare.contains('.') {
+        return Err("a name has at least two labels and at most 253 characters".into());
+    }
+    for label in bare.split('.') {
+        let ok = !label.is_empty()
+            && label.len() <= 63
+            && !label.starts_with('-')
+            && !label.ends_with('-')
+            && label
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        if !ok {
+            return Err(format!("{label:?} is not a DNS label"));
+        }
+    }
+    Ok(name)
 }
 
 impl fmt::Display for Destination {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.addr)?;
-        if self.prefix != 32 {
-            write!(f, "/{}", self.prefix)?;
-        }
-        if let Some(port) = self.port {
+        let port = match self {
+            Destination::Net(n) => {
+                write!(f, "{}", n.addr)?;
+                if n.prefix != 32 {
+                    write!(f, "/{}", n.prefix)?;
+                }
+                n.port
+            }
+            Destination::Name(n) => {
+                f.write_str(&n.name)?;
+                n.port
+            }
+        };
+        if let Some(port) = port {
             write!(f, ":{port}")?;
         }
         Ok(())
@@ -172,24 +315,33 @@ mod tests {
             "203.0.113.0/24",
             "203.0.113.7:443",
             "0.0.0.0/0",
+            "pypi.org",
+            "*.pythonhosted.org:443",
         ] {
             assert_eq!(s.parse::<Destination>().unwrap().to_string(), s);
         }
-        let d: Destination = "10.1.2.0/24:8080".parse().unwrap();
         assert_eq!(
-            d,
-            Destination {
+            "10.1.2.0/24:8080".parse::<Destination>().unwrap(),
+            Destination::Net(Network {
                 addr: Ipv4Addr::new(10, 1, 2, 0),
                 prefix: 24,
                 port: Some(8080)
-            }
+            })
+        );
+        assert_eq!(
+            "PyPI.org.".parse::<Destination>().unwrap().to_string(),
+            "pypi.org"
         );
         for bad in [
             "10.1.2.3/24",
             "10.1.2.3/33",
             "10.1.2.3:0",
             "10.1.2.3:x",
-            "example.com",
+            "10.1.2",
+            "localhost",
+            "a..b",
+            "-a.b",
+            "*.com.*",
             "::1",
             "",
         ] {
@@ -199,13 +351,44 @@ mod tests {
 
     #[test]
     fn private_means_wholly_inside_a_private_range() {
-        let private = |s: &str| s.parse::<Destination>().unwrap().is_private();
+        let private = |s: &str| {
+            s.parse::<Destination>()
+                .unwrap()
+                .network()
+                .unwrap()
+                .is_private()
+        };
         assert!(private("10.1.2.3"));
         assert!(private("192.168.0.0/16:53"));
         assert!(private("127.0.0.1"));
         assert!(!private("0.0.0.0/0"));
         assert!(!private("8.0.0.0/7"));
         assert!(!private("203.0.113.7"));
+    }
+
+    #[test]
+    fn names_match_exactly_or_below_a_wildcard() {
+        let p = |s: &str| s.parse::<Destination>().unwrap().name().unwrap().clone();
+        assert!(p("pypi.org").matches("PYPI.org."));
+        assert!(!p("pypi.org").matches("x.pypi.org"));
+        assert!(p("*.pypi.org").matches("files.pypi.org"));
+        assert!(p("*.pypi.org").matches("a.b.pypi.org"));
+        assert!(!p("*.pypi.org").matches("pypi.org"));
+        assert!(!p("*.pypi.org").matches("evilpypi.org"));
+    }
+
+    #[test]
+    fn the_resolver_answers_what_the_mode_lets_out() {
+        let policy = |json: &str| serde_json::from_str::<EgressPolicy>(json).unwrap();
+        let deny = policy(r#"{"allow":["a.test", "b.test:443", "b.test:80", "203.0.113.1"]}"#);
+        assert_eq!(deny.resolves("a.test"), Resolution::LetOut(vec![]));
+        assert_eq!(deny.resolves("b.test"), Resolution::LetOut(vec![443, 80]));
+        assert_eq!(deny.resolves("c.test"), Resolution::Refused);
+        let allow = policy(r#"{"egress":"allow","deny":["*.bad.test"]}"#);
+        assert_eq!(allow.resolves("x.bad.test"), Resolution::Refused);
+        assert_eq!(allow.resolves("good.test"), Resolution::Answered);
+        let off = policy(r#"{"egress":"off"}"#);
+        assert_eq!(off.resolves("a.test"), Resolution::Refused);
     }
 
     #[test]

@@ -14,11 +14,16 @@
 //! passes only as replies, and sandboxes' uplink addresses are masqueraded on the way
 //! out.
 
-use super::policy::{Destination, EgressMode, EgressPolicy, PRIVATE_RANGES};
-use super::{GUEST_LINK, HOST_LINK_PREFIX, UPLINK, UPLINK_RANGE};
+use super::policy::{EgressMode, EgressPolicy, Network, PRIVATE_RANGES};
+use super::{GATEWAY_ADDR, GUEST_LINK, HOST_LINK_PREFIX, UPLINK, UPLINK_RANGE};
 use nftables::batch::Batch;
-use nftables::expr::{Expression, Meta, MetaKey, NamedExpression, Payload, PayloadField, Prefix};
-use nftables::schema::{Chain, FlushObject, NfCmd, NfListObject, Nftables, Rule, Table};
+use nftables::expr::{
+    Elem, Expression, Meta, MetaKey, NamedExpression, Payload, PayloadField, Prefix,
+};
+use nftables::schema::{
+    Chain, Element, FlushObject, NfCmd, NfListObject, Nftables, Rule, Set, SetFlag, SetType,
+    SetTypeValue, Table,
+};
 use nftables::stmt::{Match, Operator, Statement};
 use nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook};
 use std::borrow::Cow;
@@ -28,6 +33,88 @@ pub const TABLE: &str = "forkd";
 
 /// The chain holding a sandbox's egress policy.
 const EGRESS: &str = "egress";
+
+/// The addresses the sandbox's resolver answered for names let out on every port.
+const RESOLVED: &str = "resolved";
+
+/// The (address, port) pairs it answered for names let out on some ports.
+const RESOLVED_PORTS: &str = "resolved_ports";
+
+/// The resolver's address and port in the namespace: what the guest may reach of the
+/// namespace itself.
+fn resolver_rule(proto: &'static str) -> NfListObject<'static> {
+    rule(
+        "input",
+        vec![
+            eq(meta(MetaKey::Iifname), string(GUEST_LINK)),
+            eq(payload("ip", "daddr"), string(&GATEWAY_ADDR.to_string())),
+            eq(payload(proto, "dport"), Expression::Number(53)),
+            accept(),
+        ],
+    )
+}
+
+fn resolved_set(name: &'static str, kind: SetTypeValue<'static>) -> Set<'static> {
+    Set {
+        family: NfFamily::INet,
+        table: TABLE.into(),
+        name: name.into(),
+        set_type: kind,
+        flags: Some([SetFlag::Timeout].into_iter().collect()),
+        ..Set::default()
+    }
+}
+
+fn resolved_sets() -> [Set<'static>; 2] {
+    [
+        resolved_set(RESOLVED, SetTypeValue::Single(SetType::Ipv4Addr)),
+        resolved_set(
+            RESOLVED_PORTS,
+            SetTypeValue::Concatenated(Cow::Owned(vec![SetType::Ipv4Addr, SetType::InetService])),
+        ),
+    ]
+}
+
+/// Lets out `addrs`, which the resolver answered with, for `ttl` seconds: on every port
+/// if `ports` is empty, else on those.
+pub fn let_out(addrs: &[std::net::Ipv4Addr], ports: &[u16], ttl: u32) -> Nftables<'static> {
+    let elem = |val: Expression<'static>| {
+        Expression::Named(NamedExpression::Elem(Elem {
+            val: Box::new(val),
+            timeout: Some(ttl),
+            ..Elem::default()
+        }))
+    };
+    let (set, elems): (&str, Vec<Expression<'static>>) = if ports.is_empty() {
+        (
+            RESOLVED,
+            addrs.iter().map(|a| elem(string(&a.to_string()))).collect(),
+        )
+    } else {
+        (
+            RESOLVED_PORTS,
+            addrs
+                .iter()
+                .flat_map(|a| {
+                    ports.iter().map(move |p| {
+                        elem(Expression::Named(NamedExpression::Concat(vec![
+                            string(&a.to_string()),
+                            Expression::Number((*p).into()),
+                        ])))
+                    })
+                })
+                .collect(),
+        )
+    };
+    let mut batch = Batch::new();
+    batch.add(NfListObject::Element(Element {
+        family: NfFamily::INet,
+        table: TABLE.into(),
+        name: set.to_owned().into(),
+        elem: Cow::Owned(elems),
+    }));
+    batch.to_nftables()
+}
 
 /// The ruleset a sandbox's namespace starts with: NAT, the fixed chains, and `policy`.
 pub fn sandbox(policy: &EgressPolicy) -> Nftables<'static> {
@@ -55,6 +142,9 @@ pub fn sandbox(policy: &EgressPolicy) -> Nftables<'static> {
         NfChainPolicy::Accept,
     )));
     batch.add(NfListObject::Chain(chain(EGRESS)));
+    for set in resolved_sets() {
+        batch.add(NfListObject::Set(Box::new(set)));
+    }
     batch.add(rule("forward", vec![replies(), accept()]));
     batch.add(rule(
         "forward",
@@ -72,6 +162,7 @@ pub fn sandbox(policy: &EgressPolicy) -> Nftables<'static> {
         vec![eq(meta(MetaKey::Iifname), string("lo")), accept()],
     ));
     batch.add(rule("input", vec![replies(), accept()]));
+    batch.add(resolver_rule("udp"));
     batch.add(rule(
         "postrouting",
         vec![
@@ -89,6 +180,10 @@ pub fn sandbox(policy: &EgressPolicy) -> Nftables<'static> {
 pub fn replace_egress(policy: &EgressPolicy) -> Nftables<'static> {
     let mut batch = Batch::new();
     batch.add_cmd(NfCmd::Flush(FlushObject::Chain(chain(EGRESS))));
+    // What was let out for names of the old policy goes with it.
+    for set in resolved_sets() {
+        batch.add_cmd(NfCmd::Flush(FlushObject::Set(Box::new(set))));
+    }
     for r in egress_rules(policy) {
         batch.add(r);
     }
@@ -157,7 +252,7 @@ pub fn host() -> Nftables<'static> {
         vec![
             eq(
                 payload("ip", "saddr"),
-                network(&Destination {
+                network(&Network {
                     addr: range,
                     prefix: len,
                     port: None,
@@ -182,12 +277,13 @@ fn egress_rules(policy: &EgressPolicy) -> Vec<NfListObject<'static>> {
         rules.push(rule(EGRESS, vec![drop()]));
         return rules;
     }
-    let (private, public): (Vec<_>, Vec<_>) = policy.allow.iter().partition(|d| d.is_private());
+    let (private, public): (Vec<_>, Vec<_>) =
+        policy.allowed_networks().partition(|d| d.is_private());
     for d in private {
         rules.push(rule(EGRESS, to(d, accept())));
     }
     for (addr, len) in PRIVATE_RANGES {
-        let d = Destination {
+        let d = Network {
             addr,
             prefix: len,
             port: None,
@@ -199,9 +295,32 @@ fn egress_rules(policy: &EgressPolicy) -> Vec<NfListObject<'static>> {
             for d in public {
                 rules.push(rule(EGRESS, to(d, accept())));
             }
+            // What the resolver answered for allowed names (public addresses only:
+            // the private ranges were dropped above, whatever a name resolves to).
+            rules.push(rule(
+                EGRESS,
+                vec![
+                    eq(payload("ip", "daddr"), string(&format!("@{RESOLVED}"))),
+                    accept(),
+                ],
+            ));
+            rules.push(rule(
+                EGRESS,
+                vec![
+                    l4_tcp_or_udp(),
+                    eq(
+                        Expression::Named(NamedExpression::Concat(vec![
+                            payload("ip", "daddr"),
+                            payload("th", "dport"),
+                        ])),
+                        string(&format!("@{RESOLVED_PORTS}")),
+                    ),
+                    accept(),
+                ],
+            ));
         }
         EgressMode::Allow => {
-            for d in &policy.deny {
+            for d in policy.denied_networks() {
                 rules.push(rule(EGRESS, to(d, drop())));
             }
             rules.push(rule(EGRESS, vec![accept()]));
@@ -212,26 +331,31 @@ fn egress_rules(policy: &EgressPolicy) -> Vec<NfListObject<'static>> {
 }
 
 /// `ip daddr D [meta l4proto {tcp, udp} th dport P] VERDICT`.
-fn to(d: &Destination, verdict: Statement<'static>) -> Vec<Statement<'static>> {
+fn to(d: &Network, verdict: Statement<'static>) -> Vec<Statement<'static>> {
     let mut stmts = Vec::new();
     if d.prefix > 0 {
         stmts.push(eq(payload("ip", "daddr"), network(d)));
     }
     if let Some(port) = d.port {
-        stmts.push(eq(
-            meta(MetaKey::L4proto),
-            Expression::Named(NamedExpression::Set(vec![
-                nftables::expr::SetItem::Element(string("tcp")),
-                nftables::expr::SetItem::Element(string("udp")),
-            ])),
-        ));
+        stmts.push(l4_tcp_or_udp());
         stmts.push(eq(payload("th", "dport"), Expression::Number(port.into())));
     }
     stmts.push(verdict);
     stmts
 }
 
-fn network(d: &Destination) -> Expression<'static> {
+/// `meta l4proto { tcp, udp }`: what makes `th dport` mean a port.
+fn l4_tcp_or_udp() -> Statement<'static> {
+    eq(
+        meta(MetaKey::L4proto),
+        Expression::Named(NamedExpression::Set(vec![
+            nftables::expr::SetItem::Element(string("tcp")),
+            nftables::expr::SetItem::Element(string("udp")),
+        ])),
+    )
+}
+
+fn network(d: &Network) -> Expression<'static> {
     let addr = string(&d.addr.to_string());
     if d.prefix == 32 {
         addr
@@ -357,9 +481,15 @@ mod tests {
         let public = text.iter().position(|r| r.contains("203.0.113.0")).unwrap();
         assert!(private < ten && ten < public, "{text:#?}");
         assert!(text[private].contains("\"dport\"") && text[private].contains("80"));
+        // What names resolved to is let out only after the private ranges are shut.
+        let resolved = text.iter().position(|r| r.contains("@resolved")).unwrap();
+        assert!(ten < resolved, "{text:#?}");
+        // In deny mode, nothing is accepted without a destination.
         assert!(
-            !text.last().unwrap().contains("accept")
-                || text.last().unwrap().contains("203.0.113.0")
+            text.iter()
+                .filter(|r| r.contains("accept"))
+                .all(|r| r.contains("daddr")),
+            "{text:#?}"
         );
     }
 
