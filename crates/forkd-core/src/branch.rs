@@ -194,6 +194,7 @@ pub async fn branch(
             ..Default::default()
         },
         pool: 0,
+        egress: base.manifest.egress.clone(),
     };
     let snapshot = tokio::task::spawn_blocking(move || staging.publish(manifest, &|_| {}))
         .await

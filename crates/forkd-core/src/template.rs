@@ -85,6 +85,10 @@ pub struct Recipe {
     /// Whether the parent, and so every child, has a NIC.
     #[serde(default)]
     pub network: NetworkChoice,
+    /// What children may reach when their fork does not say (`[egress]`: `mode`,
+    /// `allow`, `deny`, as the API's `network`); by default nothing.
+    #[serde(default)]
+    pub egress: Option<forkd_hypervisor::network::policy::EgressPolicy>,
     /// The directory it was read from, which its `files` are relative to.
     #[serde(skip)]
     pub dir: Option<PathBuf>,
@@ -463,6 +467,18 @@ pub async fn build(
             name: recipe.name.clone(),
             detail,
         })?;
+    if let Some(egress) = &recipe.egress {
+        let bad = |detail: String| SandboxError::Template {
+            name: recipe.name.clone(),
+            detail,
+        };
+        egress.check().map_err(|e| bad(format!("[egress]: {e}")))?;
+        if !nic {
+            return Err(bad(
+                "[egress] is set, but its children have no NIC (network = \"none\", or a host without networking)".into(),
+            ));
+        }
+    }
     if !nic && recipe.network == NetworkChoice::Auto {
         if let Some(why) = forkd_hypervisor::network::unavailable() {
             progress(&format!("its children will have no network: {why}"));
@@ -549,6 +565,7 @@ pub async fn build(
             total_ms: ms(t0.elapsed()),
         },
         pool: recipe.pool,
+        egress: recipe.egress.clone(),
     };
     progress("hashing and publishing the snapshot");
     // Hashing reads hundreds of MiB: off the async threads.

@@ -1209,6 +1209,7 @@ mod tests {
             contexts: Vec::new(),
             build: BuildTimes::default(),
             pool: 0,
+            egress: None,
         };
         staging.publish(manifest, &|_| {}).unwrap()
     }

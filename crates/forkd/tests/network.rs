@@ -563,5 +563,64 @@ async fn a_template_built_without_network_has_no_nic(c: &forkd_daemon::client::C
         .await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
         call(c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+
+        // A recipe's [egress] is its children's default; without a NIC it is refused.
+        let (s, op) = call(
+            c,
+            Method::POST,
+            "/v1/snapshots",
+            Some(json!({
+                "template": "open",
+                "recipe": "image = \"minimal\"\nmemory_mib = 256\n[egress]\nmode = \"allow\"\ndeny = [\"203.0.113.0/24\"]\n",
+            })),
+        )
+        .await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{op}");
+        common::wait_operation(c, op["id"].as_str().unwrap()).await;
+        let id = create(c, "open", 1).await.remove(0);
+        let (_, info) = call(c, Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+        assert_eq!(
+            info["network"],
+            json!({"egress": "allow", "allow": [], "deny": ["203.0.113.0/24"]})
+        );
+        call(c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+        let (s, op) = call(
+            c,
+            Method::POST,
+            "/v1/snapshots",
+            Some(json!({
+                "template": "nonet2",
+                "recipe": "image = \"minimal\"\nnetwork = \"none\"\n[egress]\nmode = \"allow\"\n",
+            })),
+        )
+        .await;
+        if s == StatusCode::ACCEPTED {
+            let (_, op) = call(
+                c,
+                Method::GET,
+                &format!("/v1/operations/{}", op["id"].as_str().unwrap()),
+                None,
+            )
+            .await;
+            let mut op = op;
+            for _ in 0..100 {
+                if op["status"] != "running" {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                op = call(
+                    c,
+                    Method::GET,
+                    &format!("/v1/operations/{}", op["id"].as_str().unwrap()),
+                    None,
+                )
+                .await
+                .1;
+            }
+            assert_eq!(op["status"], "failed", "{op}");
+            assert!(op["error"].as_str().unwrap().contains("no NIC"), "{op}");
+        } else {
+            assert!(s.is_client_error(), "{s} {op}");
+        }
     }
 }

@@ -42,6 +42,7 @@ fn manifest(tag: &str, parent: Option<(&str, String)>) -> Manifest {
         contexts: Vec::new(),
         build: BuildTimes::default(),
         pool: 0,
+        egress: None,
     }
 }
 

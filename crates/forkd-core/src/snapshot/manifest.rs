@@ -73,6 +73,10 @@ pub struct Manifest {
     /// The warm pool its recipe asked for (see the recipe's `pool`).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub pool: u32,
+    /// What its children may reach when a fork does not say (its recipe's `[egress]`);
+    /// none: nothing (egress `deny`, empty allow-list).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<forkd_hypervisor::network::policy::EgressPolicy>,
 }
 
 impl Manifest {

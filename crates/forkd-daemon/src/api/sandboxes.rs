@@ -239,7 +239,7 @@ pub async fn create(
     }
     let limits = limit_overrides(req.limits.as_ref(), m.vcpus, m.memory_mib)?;
     let egress = match req.network {
-        None => Default::default(),
+        None => snap.manifest.egress.clone().unwrap_or_default(),
         Some(body) => {
             if !m.nic {
                 return Err(ApiError::bad_request(format!(

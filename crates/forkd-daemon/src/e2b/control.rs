@@ -9,7 +9,7 @@ use crate::registry::{CreateSpec, Listed};
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use forkd_core::snapshot::Tag;
 use serde::Deserialize;
@@ -29,6 +29,7 @@ pub(super) fn routes() -> Router<Shared> {
         .route("/v2/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/sandboxes/{id}/network", put(set_network))
         .route("/sandboxes/{id}/fork", post(fork))
         .route("/sandboxes/{id}/pause", post(pause))
         .route("/sandboxes/{id}/resume", post(pause))
@@ -87,6 +88,14 @@ struct NewSandbox {
     env_vars: Option<BTreeMap<String, String>>,
     #[serde(default)]
     auto_pause: Option<bool>,
+    #[serde(
+        default,
+        rename = "allow_internet_access",
+        alias = "allowInternetAccess"
+    )]
+    allow_internet_access: Option<bool>,
+    #[serde(default)]
+    network: Option<super::network::NetworkConfig>,
 }
 
 fn timeout_at(t: Option<u64>) -> Result<i64, E2bError> {
@@ -169,9 +178,22 @@ async fn create(State(e2b): State<Shared>, bytes: axum::body::Bytes) -> Result<R
     let labels = req.metadata.unwrap_or_default();
     let env = req.env_vars.unwrap_or_default();
     crate::api::sandboxes::check_labels_and_env(&labels, &env)?;
+    let network = req.network.unwrap_or_default();
+    let egress = if snap.manifest.machine.nic {
+        super::network::policy(req.allow_internet_access, &network).map_err(bad)?
+    } else if network.is_default() {
+        // A template built without a NIC has no internet to allow.
+        Default::default()
+    } else {
+        return Err(bad(format!(
+            "template {} has no network (its recipe says network = \"none\"): network settings cannot apply",
+            req.template_id
+        )));
+    };
     let spec = CreateSpec {
         labels,
         env,
+        egress,
         timeout_at: Some(timeout_at(req.timeout)?),
         ..CreateSpec::new(1)
     };
@@ -230,6 +252,19 @@ async fn set_timeout(
     e2b.app
         .registry
         .set_timeout(&id, Some(timeout_at(Some(t))?))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `PUT /sandboxes/{id}/network`: replaces the running sandbox's egress rules (omitted
+/// fields clear them: back to E2B's open default).
+async fn set_network(
+    State(e2b): State<Shared>,
+    Path(id): Path<String>,
+    bytes: axum::body::Bytes,
+) -> Result<StatusCode, E2bError> {
+    let req: super::network::NetworkConfig = body(&bytes)?;
+    let policy = super::network::policy(None, &req).map_err(bad)?;
+    e2b.app.registry.set_egress(&id, policy).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -383,6 +418,14 @@ async fn fork(
     let snap = e2b.app.registry.store().open(&tag)?;
     let spec = CreateSpec {
         labels: source.row.labels.clone(),
+        // Children of the branch keep the source's policy.
+        egress: source
+            .row
+            .config
+            .network
+            .as_ref()
+            .map(|n| n.policy.clone())
+            .unwrap_or_default(),
         timeout_at: Some(at),
         partial: true,
         ..CreateSpec::new(count as usize)

@@ -21,6 +21,7 @@ mod control;
 mod files;
 mod filesystem;
 mod interpreter;
+mod network;
 mod process;
 
 use crate::api::App;

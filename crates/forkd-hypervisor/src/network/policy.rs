@@ -30,8 +30,8 @@ pub enum EgressMode {
 /// A sandbox's egress policy.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EgressPolicy {
-    /// The mode.
-    #[serde(default)]
+    /// The mode (`mode` in a recipe's `[egress]`).
+    #[serde(default, alias = "mode")]
     pub egress: EgressMode,
     /// Destinations let through (in `deny` mode, the only ones; in `allow` mode, the
     /// private ones let through).

@@ -290,11 +290,12 @@ fn egress_rules(policy: &EgressPolicy) -> Vec<NfListObject<'static>> {
         };
         rules.push(rule(EGRESS, to(&d, drop())));
     }
+    // Listed destinations win over the deny-list (as E2B's allowOut over denyOut).
+    for d in public {
+        rules.push(rule(EGRESS, to(d, accept())));
+    }
     match policy.egress {
         EgressMode::Deny => {
-            for d in public {
-                rules.push(rule(EGRESS, to(d, accept())));
-            }
             // What the resolver answered for allowed names (public addresses only:
             // the private ranges were dropped above, whatever a name resolves to).
             rules.push(rule(
