@@ -6,7 +6,7 @@ pub(crate) mod branch;
 mod distribution;
 pub mod error;
 pub(crate) mod files;
-mod ports;
+pub mod ports;
 mod processes;
 pub(crate) mod run;
 pub(crate) mod sandboxes;

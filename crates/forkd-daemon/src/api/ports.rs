@@ -108,6 +108,25 @@ async fn forward(
     id: &str,
     port: u16,
     path: &str,
+    mut req: Request,
+) -> Result<Response, ApiError> {
+    let query = req
+        .uri()
+        .query()
+        .map(|q| format!("?{q}"))
+        .unwrap_or_default();
+    *req.uri_mut() = format!("/{path}{query}")
+        .parse()
+        .map_err(|e| ApiError::bad_request(format!("the path {path:?}: {e}")))?;
+    forward_as_is(app, id, port, req).await
+}
+
+/// Sends `req`, whose URI is already the guest server's path and query, to `port` of
+/// sandbox `id`.
+pub async fn forward_as_is(
+    app: &App,
+    id: &str,
+    port: u16,
     req: Request,
 ) -> Result<Response, ApiError> {
     let guest = connect(app, id, port).await?;
@@ -120,15 +139,17 @@ async fn forward(
         }
     });
     let (mut parts, body) = req.into_parts();
-    let query = parts
-        .uri
-        .query()
-        .map(|q| format!("?{q}"))
-        .unwrap_or_default();
-    parts.uri = format!("/{path}{query}")
-        .parse()
-        .map_err(|e| ApiError::bad_request(format!("the path {path:?}: {e}")))?;
-    parts.headers.remove(header::AUTHORIZATION);
+    if let Some(pq) = parts.uri.path_and_query().cloned() {
+        parts.uri = pq.into();
+    }
+    // Credentials for forkd, not for the guest's server.
+    for name in [
+        header::AUTHORIZATION.as_str(),
+        "x-access-token",
+        "e2b-traffic-access-token",
+    ] {
+        parts.headers.remove(name);
+    }
     parts.headers.insert(
         header::HOST,
         HeaderValue::from_str(&format!("localhost:{port}")).expect("a valid header value"),

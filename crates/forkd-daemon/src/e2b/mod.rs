@@ -232,21 +232,22 @@ async fn route(State(e2b): State<Shared>, mut req: Request, next: Next) -> Respo
                 .unwrap_or_else(|| control::error(StatusCode::UNAUTHORIZED, m)),
         };
     };
-    let prefix = match target.port {
-        ENVD_PORT => "/_envd",
-        INTERPRETER_PORT => "/_interpreter",
-        p => {
-            return (
-                StatusCode::BAD_GATEWAY,
-                format!("port {p} of sandbox {} is not open: forkd serves E2B's ports {ENVD_PORT} and {INTERPRETER_PORT}", target.id),
-            )
-                .into_response()
-        }
-    };
     if let Err(m) = access_ok(&e2b, &target, req.headers()) {
         return crate::server::failed_authentication(&e2b.failures, &req)
             .unwrap_or_else(|| (StatusCode::UNAUTHORIZED, m).into_response());
     }
+    let prefix = match target.port {
+        ENVD_PORT => "/_envd",
+        INTERPRETER_PORT => "/_interpreter",
+        // Any other port is the guest's own (a server the sandbox runs): passed on as
+        // it came, through the sandbox's network namespace.
+        port => {
+            let id = target.id.clone();
+            return crate::api::ports::forward_as_is(&e2b.app, &id, port, req)
+                .await
+                .unwrap_or_else(|e| e.into_response());
+        }
+    };
     let path_and_query = req
         .uri()
         .path_and_query()
@@ -498,9 +499,12 @@ mod tests {
             v["message"].as_str().unwrap().contains("was not found"),
             "{v}"
         );
-        // A port forkd does not serve.
+        // Another port is the guest's own: a sandbox that is not there is not found.
         let (s, _) = send(&r, stat(Some(token), "sb-000000000001", "8080")).await;
-        assert_eq!(s, StatusCode::BAD_GATEWAY);
+        assert_eq!(s, StatusCode::NOT_FOUND);
+        // And the token is checked first.
+        let (s, _) = send(&r, stat(None, "sb-000000000001", "8080")).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED);
     }
 
     #[test]
