@@ -25,6 +25,9 @@ pub enum BenchCommand {
     /// pack, unpack, push and pull times, forks of an unpacked snapshot against the
     /// original.
     Archive(crate::bench_archive::ArchiveArgs),
+    /// A network of its own against none, through the daemon's API: single forks, a fork
+    /// of N, and memory per child, for one template built both ways.
+    Network(crate::bench_network::NetworkArgs),
 }
 
 /// Arguments of `forkd bench fork`.
@@ -96,6 +99,7 @@ pub async fn run(home: &Home, cmd: BenchCommand) -> Result<()> {
         BenchCommand::Scale(args) => crate::bench_scale::run(home, args).await,
         BenchCommand::Branch(args) => crate::bench_branch::run(home, args).await,
         BenchCommand::Archive(args) => crate::bench_archive::run(home, args).await,
+        BenchCommand::Network(args) => crate::bench_network::run(home, args).await,
     }
 }
 

@@ -339,7 +339,7 @@ async fn exec_true(c: &Client, id: &str) -> Result<()> {
     Ok(())
 }
 
-async fn pids_of(c: &Client, ids: &[String]) -> Result<Vec<u32>> {
+pub(crate) async fn pids_of(c: &Client, ids: &[String]) -> Result<Vec<u32>> {
     let mut pids = Vec::new();
     for id in ids {
         let v: Value = c

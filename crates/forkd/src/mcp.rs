@@ -30,6 +30,17 @@ struct CreateSandbox {
     /// End them after this many seconds.
     #[serde(default)]
     timeout_s: Option<u64>,
+    /// What they may reach: `deny` (only `allow`; the snapshot's default otherwise,
+    /// usually nothing), `allow` (every public destination but `deny`) or `off`.
+    #[serde(default)]
+    egress: Option<String>,
+    /// Destinations let out: addresses, networks (`203.0.113.0/24`), `:PORT` suffixes,
+    /// or DNS names (`pypi.org`, `*.pythonhosted.org`).
+    #[serde(default)]
+    allow: Option<Vec<String>>,
+    /// Destinations refused with egress `allow`.
+    #[serde(default)]
+    deny: Option<Vec<String>>,
 }
 
 #[derive(Deserialize, schemars::JsonSchema)]
@@ -183,6 +194,16 @@ impl ForkdMcp {
         let mut body = json!({ "snapshot": p.snapshot, "n": p.count.unwrap_or(1) });
         if let Some(t) = p.timeout_s {
             body["timeout_s"] = t.into();
+        }
+        if p.egress.is_some() || p.allow.is_some() || p.deny.is_some() {
+            let mut network = json!({
+                "allow": p.allow.unwrap_or_default(),
+                "deny": p.deny.unwrap_or_default(),
+            });
+            if let Some(e) = p.egress {
+                network["egress"] = e.into();
+            }
+            body["network"] = network;
         }
         match self.api(Method::POST, "/v1/sandboxes", Some(body)).await {
             Ok(v) => text(

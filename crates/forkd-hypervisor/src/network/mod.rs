@@ -228,6 +228,7 @@ fn host_ready() -> std::io::Result<()> {
 }
 
 fn create_blocking(policy: &EgressPolicy) -> std::io::Result<SandboxNetwork> {
+    let t0 = std::time::Instant::now();
     host_ready()?;
     let host_ns = File::open("/proc/thread-self/ns/net")?;
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -246,7 +247,13 @@ fn create_blocking(policy: &EgressPolicy) -> std::io::Result<SandboxNetwork> {
         tokio::spawn(conn);
         links::configure(&ns, &host, host_ns.as_fd()).await
     })?;
+    let linked = t0.elapsed();
     nft(&rules::sandbox(policy))?;
+    tracing::debug!(
+        "made a sandbox network: links in {:.1} ms, rules in {:.1} ms",
+        linked.as_secs_f64() * 1000.0,
+        (t0.elapsed() - linked).as_secs_f64() * 1000.0
+    );
     Ok(SandboxNetwork {
         netns: netns.into(),
         tap,
