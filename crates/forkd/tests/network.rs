@@ -209,14 +209,10 @@ fn sandbox_networks() {
     runtime().block_on(async {
         let c = daemon.unix();
         common::build_snapshot(&c, "python", "python").await;
-        let (s, op) = call(
+        let (s, op) = common::build_recipe(
             &c,
-            Method::POST,
-            "/v1/snapshots",
-            Some(json!({
-                "template": "nonet",
-                "recipe": "image = \"minimal\"\nmemory_mib = 256\nnetwork = \"none\"\n",
-            })),
+            "nonet",
+            "image = \"minimal\"\nmemory_mib = 256\nnetwork = \"none\"\n",
         )
         .await;
         assert_eq!(s, StatusCode::ACCEPTED, "{op}");
@@ -565,14 +561,10 @@ async fn a_template_built_without_network_has_no_nic(c: &forkd_daemon::client::C
         call(c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
 
         // A recipe's [egress] is its children's default; without a NIC it is refused.
-        let (s, op) = call(
+        let (s, op) = common::build_recipe(
             c,
-            Method::POST,
-            "/v1/snapshots",
-            Some(json!({
-                "template": "open",
-                "recipe": "image = \"minimal\"\nmemory_mib = 256\n[egress]\nmode = \"allow\"\ndeny = [\"203.0.113.0/24\"]\n",
-            })),
+            "open",
+            "image = \"minimal\"\nmemory_mib = 256\n[egress]\nmode = \"allow\"\ndeny = [\"203.0.113.0/24\"]\n",
         )
         .await;
         assert_eq!(s, StatusCode::ACCEPTED, "{op}");
@@ -584,39 +576,15 @@ async fn a_template_built_without_network_has_no_nic(c: &forkd_daemon::client::C
             json!({"egress": "allow", "allow": [], "deny": ["203.0.113.0/24"]})
         );
         call(c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
-        let (s, op) = call(
+        let (s, op) = common::build_recipe(
             c,
-            Method::POST,
-            "/v1/snapshots",
-            Some(json!({
-                "template": "nonet2",
-                "recipe": "image = \"minimal\"\nnetwork = \"none\"\n[egress]\nmode = \"allow\"\n",
-            })),
+            "nonet2",
+            "image = \"minimal\"\nnetwork = \"none\"\n[egress]\nmode = \"allow\"\n",
         )
         .await;
+        // Refused when the recipe is read, or by the build.
         if s == StatusCode::ACCEPTED {
-            let (_, op) = call(
-                c,
-                Method::GET,
-                &format!("/v1/operations/{}", op["id"].as_str().unwrap()),
-                None,
-            )
-            .await;
-            let mut op = op;
-            for _ in 0..100 {
-                if op["status"] != "running" {
-                    break;
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                op = call(
-                    c,
-                    Method::GET,
-                    &format!("/v1/operations/{}", op["id"].as_str().unwrap()),
-                    None,
-                )
-                .await
-                .1;
-            }
+            let op = common::finish_operation(c, op["id"].as_str().unwrap()).await;
             assert_eq!(op["status"], "failed", "{op}");
             assert!(op["error"].as_str().unwrap().contains("no NIC"), "{op}");
         } else {

@@ -45,11 +45,11 @@ async fn connect(app: &App, id: &str, port: u16) -> Result<tokio::net::TcpStream
 }
 
 /// An HTTP request to a port of the sandbox, at the path after the port.
-#[utoipa::path(get, path = "/v1/sandboxes/{id}/ports/{port}/{path}",
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/ports/{port}/{path}", operation_id = "port_proxy",
     params(("id" = String, Path), ("port" = u16, Path), ("path" = String, Path)),
     responses((status = 200, description = "the guest server's answer, whatever it is"),
-        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody),
-        (status = 502, body = ErrorBody)))]
+        (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody), (status = 502, body = ErrorBody)))]
 pub async fn proxy(
     State(app): State<App>,
     PathParams((id, port, path)): PathParams<(String, u16, String)>,
@@ -60,12 +60,12 @@ pub async fn proxy(
 
 /// The root of a port: `Upgrade: tcp` makes the connection a tunnel to it, anything
 /// else is an HTTP request for `/`.
-#[utoipa::path(get, path = "/v1/sandboxes/{id}/ports/{port}",
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/ports/{port}", operation_id = "port_root",
     params(("id" = String, Path), ("port" = u16, Path)),
     responses((status = 101, description = "with `Upgrade: tcp`: the connection is now the port's"),
         (status = 200, description = "without: the guest server's answer to `/`"),
-        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody),
-        (status = 502, body = ErrorBody)))]
+        (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody), (status = 502, body = ErrorBody)))]
 pub async fn root(
     State(app): State<App>,
     PathParams((id, port)): PathParams<(String, u16)>,

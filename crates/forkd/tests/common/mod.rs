@@ -266,18 +266,38 @@ pub async fn build_snapshot(c: &Client, template: &str, tag: &str) {
 
 /// Waits (at most 10 minutes) for the operation `id` to succeed; panics if it fails.
 pub async fn wait_operation(c: &Client, id: &str) {
+    let op = finish_operation(c, id).await;
+    assert_eq!(op["status"], "succeeded", "operation {id}: {op}");
+}
+
+/// Waits (at most 10 minutes) for the operation `id` to end; returns it.
+pub async fn finish_operation(c: &Client, id: &str) -> serde_json::Value {
     let deadline = Instant::now() + Duration::from_secs(600);
     loop {
         let (s, op) = call(c, hyper::Method::GET, &format!("/v1/operations/{id}"), None).await;
         assert_eq!(s, hyper::StatusCode::OK);
-        match op["status"].as_str().unwrap() {
-            "running" => {}
-            "succeeded" => return,
-            other => panic!("operation {id}: {other}: {op}"),
+        if op["status"] != "running" {
+            return op;
         }
         assert!(Instant::now() < deadline, "operation {id} did not finish");
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+}
+
+/// Starts building the template `name` from the recipe text `recipe` as snapshot `name`;
+/// returns the answer (202 and the operation when the recipe is accepted).
+pub async fn build_recipe(
+    c: &Client,
+    name: &str,
+    recipe: &str,
+) -> (hyper::StatusCode, serde_json::Value) {
+    call(
+        c,
+        hyper::Method::POST,
+        "/v1/snapshots",
+        Some(serde_json::json!({ "template": name, "recipe": recipe })),
+    )
+    .await
 }
 
 impl Daemon {
