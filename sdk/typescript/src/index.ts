@@ -22,6 +22,7 @@ export type {
   Execution,
   ExecutionError,
   Limits,
+  Network,
   OutputHandler,
   ProcessInfo,
   Result,
@@ -29,4 +30,5 @@ export type {
   RunOptions,
   SandboxInfo,
   SandboxLimits,
+  SandboxNetwork,
 } from "./sandbox.js";

@@ -180,6 +180,45 @@ export interface SandboxLimits {
   memoryUsedBytes: number | null;
 }
 
+/**
+ * A sandbox's egress policy: what its guest may reach. Chosen at fork (a fork that
+ * gives none takes its snapshot's default), changed while it runs with
+ * {@link Sandbox.setNetwork}, and read back in `info.network`.
+ *
+ * Destinations are `ADDRESS[/PREFIX][:PORT]` (IPv4; a port means TCP and UDP) or
+ * `NAME[:PORT]` (a DNS name: `pypi.org`, or `*.pythonhosted.org` for the names under
+ * it). Private ranges, the host and other sandboxes stay shut in every mode unless a
+ * network inside them is in `allow`.
+ */
+export interface Network {
+  /** `deny` (the default): only what `allow` lists gets out; `allow`: every public
+   * destination but what `deny` lists; `off`: the NIC's link is down (no lists). */
+  egress?: "deny" | "allow" | "off";
+  /** Destinations let out. */
+  allow?: string[];
+  /** Destinations refused, in `allow` mode only (`allow` entries win over them). */
+  deny?: string[];
+}
+
+/** A sandbox's egress policy as the daemon reports it, every field present. */
+export interface SandboxNetwork {
+  egress: "deny" | "allow" | "off";
+  allow: string[];
+  deny: string[];
+}
+
+const networkBody = (n: Network): Json => ({
+  egress: n.egress ?? "deny",
+  allow: n.allow ?? [],
+  deny: n.deny ?? [],
+});
+
+const sandboxNetwork = (v: Json): SandboxNetwork => ({
+  egress: (v.egress as SandboxNetwork["egress"] | undefined) ?? "deny",
+  allow: ((v.allow as unknown[] | undefined) ?? []).map(String),
+  deny: ((v.deny as unknown[] | undefined) ?? []).map(String),
+});
+
 /** A sandbox as the daemon lists it. */
 export interface SandboxInfo {
   id: string;
@@ -192,6 +231,8 @@ export interface SandboxInfo {
   timeoutAt: number | null;
   error: string | null;
   limits: SandboxLimits | null;
+  /** Its egress policy; null for a sandbox without NIC. */
+  network: SandboxNetwork | null;
 }
 
 const sandboxLimits = (v: Json): SandboxLimits => ({
@@ -215,6 +256,7 @@ const sandboxInfo = (v: Json): SandboxInfo => ({
   timeoutAt: (v.timeout_at as number | null) ?? null,
   error: (v.error as string | null) ?? null,
   limits: v.limits ? sandboxLimits(v.limits as Json) : null,
+  network: v.network ? sandboxNetwork(v.network as Json) : null,
 });
 
 export interface RunOptions {
@@ -470,6 +512,8 @@ export interface CreateOptions extends ConnectionOptions {
   memoryMib?: number;
   /** Limits of its QEMU beyond the daemon's defaults. */
   limits?: Limits;
+  /** Its egress policy (default: the snapshot's). */
+  network?: Network;
   /** Reuse a connection. */
   connection?: Connection;
 }
@@ -490,6 +534,7 @@ function forkBody(snapshot: string, n: number, o: CreateOptions): Json {
     if (l.pids !== undefined) limits.pids = l.pids;
     body.limits = limits;
   }
+  if (o.network) body.network = networkBody(o.network);
   return body;
 }
 
@@ -610,6 +655,17 @@ export class Sandbox {
   /** Ends the sandbox `timeout` seconds from now (null: never). */
   async setTimeout(timeout: number | null): Promise<void> {
     await this.conn.request("PUT", `/v1/sandboxes/${this.id}/timeout`, { json: { timeout_s: timeout } });
+  }
+
+  /** Replaces the sandbox's egress policy while it runs; it takes effect at once (what
+   * the old policy's names had opened is shut again). Resolves to the sandbox's info
+   * with the new policy; rejects with ConflictError for a sandbox without NIC. */
+  async setNetwork(network: Network): Promise<SandboxInfo> {
+    const v = await this.conn.request<Json>("PUT", `/v1/sandboxes/${this.id}/network`, {
+      json: networkBody(network),
+    });
+    this.info = sandboxInfo(v);
+    return this.info;
   }
 
   /** Snapshots this running sandbox, which runs on; the snapshot forks like a template. */

@@ -45,6 +45,26 @@ describe("a sandbox", () => {
     }
   });
 
+  test("a network policy chosen at fork comes back and changes while the child runs", async () => {
+    const policy = { egress: "allow", allow: [], deny: ["203.0.113.0/24"] };
+    const [child] = await Sandbox.fork(snapshot, 1, { network: { egress: "allow", deny: ["203.0.113.0/24"] } });
+    try {
+      assert.deepEqual(child.info.network, policy);
+      assert.deepEqual((await Sandbox.connect(child.id)).info.network, policy);
+      const off = { egress: "off", allow: [], deny: [] };
+      assert.deepEqual((await child.setNetwork({ egress: "off" })).network, off);
+      assert.deepEqual(child.info.network, off);
+      assert.equal((await child.refresh()).network?.egress, "off");
+    } finally {
+      await child.kill();
+    }
+    // A deny-list means something only in allow mode: the daemon refuses it.
+    await assert.rejects(
+      Sandbox.create("python", { snapshot, network: { deny: ["203.0.113.0/24"] } }),
+      (e) => e instanceof BadRequestError && /deny-list/.test(e.message),
+    );
+  });
+
   test("commands give output as bytes and text, and exit codes", async () => {
     const r = await sbx.commands.run("echo out; echo err >&2; exit 3");
     assert.deepEqual([r.exitCode, r.stdout, r.stderr], [3, "out\n", "err\n"]);

@@ -8,7 +8,7 @@ import codecs
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 from .errors import ForkdError, SandboxFailedError
-from .models import CodeContext, CommandResult, Execution, ExecutionError, Limits, Result
+from .models import CodeContext, CommandResult, Execution, ExecutionError, Limits, Network, Result
 
 OutputHandler = Callable[[str], None]
 
@@ -84,10 +84,13 @@ def fork_body(
     memory_mib: Optional[int] = None,
     envs: Optional[Mapping[str, str]] = None,
     limits: Optional[Limits] = None,
+    network: Optional[Network] = None,
 ) -> Dict[str, Any]:
     body: Dict[str, Any] = {"snapshot": snapshot, "n": n}
     if limits is not None:
         body["limits"] = limits.to_api()
+    if network is not None:
+        body["network"] = network.to_api()
     if timeout is not None:
         body["timeout_s"] = timeout
     if labels:

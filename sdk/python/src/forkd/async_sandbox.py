@@ -28,6 +28,7 @@ from .models import (
     Execution,
     ExecutionError,
     Limits,
+    Network,
     ProcessInfo,
     Result,
     SandboxInfo,
@@ -274,10 +275,13 @@ class AsyncSandbox:
         envs: Optional[Mapping[str, str]] = None,
         env: Optional[Mapping[str, str]] = None,
         limits: Optional[Limits] = None,
+        network: Optional[Network] = None,
     ) -> List["AsyncSandbox"]:
         # ``envs`` as in E2B's SDK and ``commands.run``; ``env`` as the REST API names it.
         merged = {**(env or {}), **(envs or {})}
-        body = _api.fork_body(snapshot, n, timeout, labels, vcpus, memory_mib, merged, limits)
+        body = _api.fork_body(
+            snapshot, n, timeout, labels, vcpus, memory_mib, merged, limits, network
+        )
         v = await conn.request("POST", "/v1/sandboxes", body)
         return [cls(s, conn) for s in v["sandboxes"]]
 
@@ -343,6 +347,15 @@ class AsyncSandbox:
         await self._conn.request(
             "PUT", f"/v1/sandboxes/{self.id}/timeout", {"timeout_s": timeout}
         )
+
+    async def set_network(self, network: Network) -> SandboxInfo:
+        """Replaces the sandbox's egress policy while it runs (see
+        :meth:`forkd.Sandbox.set_network`); returns its info with the new policy."""
+        v = await self._conn.request(
+            "PUT", f"/v1/sandboxes/{self.id}/network", network.to_api()
+        )
+        self.info = SandboxInfo.from_api(v)
+        return self.info
 
     async def branch(self, tag: Optional[str] = None, mode: Optional[str] = None) -> AsyncSnapshot:
         v = await self._conn.request(

@@ -193,6 +193,37 @@ class Limits:
 
 
 @dataclass
+class Network:
+    """A sandbox's egress policy: what its guest may reach. Chosen at fork (a fork that
+    gives none takes its snapshot's default), changed while it runs with
+    :meth:`forkd.Sandbox.set_network`, and read back in :attr:`SandboxInfo.network`.
+
+    Destinations are ``ADDRESS[/PREFIX][:PORT]`` (IPv4; a port means TCP and UDP) or
+    ``NAME[:PORT]`` (a DNS name: ``pypi.org``, or ``*.pythonhosted.org`` for the names
+    under it). Private ranges, the host and other sandboxes stay shut in every mode
+    unless a network inside them is in ``allow``."""
+
+    egress: str = "deny"
+    """``"deny"``: only what ``allow`` lists gets out; ``"allow"``: every public
+    destination but what ``deny`` lists; ``"off"``: the NIC's link is down (no lists)."""
+    allow: List[str] = field(default_factory=list)
+    """Destinations let out."""
+    deny: List[str] = field(default_factory=list)
+    """Destinations refused, in ``"allow"`` mode only (``allow`` entries win over them)."""
+
+    def to_api(self) -> Dict[str, Any]:
+        return {"egress": self.egress, "allow": list(self.allow), "deny": list(self.deny)}
+
+    @classmethod
+    def from_api(cls, v: Dict[str, Any]) -> "Network":
+        return cls(
+            egress=v.get("egress") or "deny",
+            allow=list(v.get("allow") or []),
+            deny=list(v.get("deny") or []),
+        )
+
+
+@dataclass
 class SandboxLimits:
     """A sandbox's limits as the daemon reports them, with what its cgroup counts."""
 
@@ -232,6 +263,8 @@ class SandboxInfo:
     timeout_at: Optional[int]
     error: Optional[str]
     limits: Optional[SandboxLimits] = None
+    network: Optional[Network] = None
+    """Its egress policy; None for a sandbox without NIC."""
 
     @classmethod
     def from_api(cls, v: Dict[str, Any]) -> "SandboxInfo":
@@ -246,4 +279,5 @@ class SandboxInfo:
             timeout_at=v.get("timeout_at"),
             error=v.get("error"),
             limits=SandboxLimits.from_api(v["limits"]) if v.get("limits") else None,
+            network=Network.from_api(v["network"]) if v.get("network") else None,
         )

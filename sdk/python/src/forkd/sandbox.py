@@ -16,6 +16,7 @@ from .models import (
     Execution,
     ExecutionError,
     Limits,
+    Network,
     ProcessInfo,
     Result,
     SandboxInfo,
@@ -290,10 +291,13 @@ class Sandbox:
         envs: Optional[Mapping[str, str]] = None,
         env: Optional[Mapping[str, str]] = None,
         limits: Optional[Limits] = None,
+        network: Optional[Network] = None,
     ) -> List["Sandbox"]:
         # ``envs`` as in E2B's SDK and ``commands.run``; ``env`` as the REST API names it.
         merged = {**(env or {}), **(envs or {})}
-        body = _api.fork_body(snapshot, n, timeout, labels, vcpus, memory_mib, merged, limits)
+        body = _api.fork_body(
+            snapshot, n, timeout, labels, vcpus, memory_mib, merged, limits, network
+        )
         v = conn.request("POST", "/v1/sandboxes", body)
         return [cls(s, conn) for s in v["sandboxes"]]
 
@@ -310,7 +314,9 @@ class Sandbox:
     ) -> "Sandbox":
         """A new sandbox forked from ``snapshot`` (or from the template's snapshot,
         which has the template's name). ``timeout`` is its lifetime in seconds; ``envs``
-        are environment variables its commands and code contexts get."""
+        are environment variables its commands and code contexts get; ``limits`` (a
+        :class:`Limits`) bounds its QEMU and ``network`` (a :class:`Network`) is its
+        egress policy (default: the snapshot's)."""
         conn = connection or Connection()
         return cls._fork(conn, snapshot or template, 1, timeout, labels, envs=envs, **options)[0]
 
@@ -354,6 +360,14 @@ class Sandbox:
     def set_timeout(self, timeout: Optional[int]) -> None:
         """Ends the sandbox ``timeout`` seconds from now (None: never)."""
         self._conn.request("PUT", f"/v1/sandboxes/{self.id}/timeout", {"timeout_s": timeout})
+
+    def set_network(self, network: Network) -> SandboxInfo:
+        """Replaces the sandbox's egress policy while it runs; it takes effect at once
+        (what the old policy's names had opened is shut again). Returns the sandbox's
+        info with the new policy; a sandbox without NIC raises :class:`ConflictError`."""
+        v = self._conn.request("PUT", f"/v1/sandboxes/{self.id}/network", network.to_api())
+        self.info = SandboxInfo.from_api(v)
+        return self.info
 
     def branch(self, tag: Optional[str] = None, mode: Optional[str] = None) -> Snapshot:
         """Snapshots this running sandbox, which runs on; the snapshot forks like a
