@@ -20,6 +20,11 @@ pub fn setup(cmdline: &str) -> Result<(), String> {
     let Some(ip) = cmdline::get(cmdline, "forkd.ip") else {
         return Ok(());
     };
+    // The host forwards IPv4 only: without IPv6 the guest does not solicit routers or
+    // probe its addresses on the link, which nobody answers.
+    for conf in ["all", "default"] {
+        let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{conf}/disable_ipv6"), "1");
+    }
     let (addr, prefix) =
         parse_cidr(ip).ok_or_else(|| format!("forkd.ip={ip} is not ADDR/PREFIX"))?;
     set_addr(&sock, NIC, addr, prefix).map_err(|e| format!("giving {NIC} {ip}: {e}"))?;

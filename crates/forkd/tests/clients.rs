@@ -202,7 +202,14 @@ fn the_sdks_and_the_mcp_server_work_against_a_real_daemon() {
     e2b_env.push(("E2B_API_URL", e2b_url.clone()));
     e2b_env.push(("E2B_SANDBOX_URL", e2b_url));
     e2b_env.push(("E2B_API_KEY", token.to_owned()));
-    let report = run(&dir, &python, &["e2b_flow.py"], &e2b_env);
+    // faulthandler: a crash at the interpreter's exit (seen once, SIGABRT after `ok`)
+    // says where it happened.
+    let report = run(
+        &dir,
+        &python,
+        &["-X", "faulthandler", "e2b_flow.py"],
+        &e2b_env,
+    );
     assert!(report.lines().any(|l| l == "ok"), "{report}\n{}", d.log());
     // The JavaScript SDKs honour the same variables.
     let js = dir.join("e2b-js");

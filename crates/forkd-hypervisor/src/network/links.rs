@@ -3,11 +3,10 @@
 
 use super::{
     GATEWAY_ADDR, GATEWAY_MAC, GUEST_LINK, GUEST_PREFIX, HOST_LINK_PREFIX, UPLINK, UPLINKS,
-    UPLINK_LOCK, UPLINK_RANGE,
+    UPLINK_RANGE,
 };
 use futures::TryStreamExt;
 use rtnetlink::{Handle, LinkUnspec, LinkVeth, RouteMessageBuilder};
-use std::fs::File;
 use std::net::Ipv4Addr;
 use std::os::fd::AsRawFd;
 use std::os::fd::BorrowedFd;
@@ -39,27 +38,45 @@ pub async fn configure(
         .map_err(io)?;
     set_up(ns, tap).await?;
 
-    let (block, host_link) = {
-        let _lock = uplink_lock()?;
-        let block = free_block(host).await?;
-        let host_link = format!("{HOST_LINK_PREFIX}{block}");
-        ns.link()
-            .add(LinkVeth::new(UPLINK, &host_link).build())
-            .execute()
-            .await
-            .map_err(io)?;
-        let peer = index(ns, &host_link).await?;
-        ns.link()
+    // The veth pair is made here with a name for the peer that is this namespace's
+    // alone, and the peer moves to the host under the name of a free /30: the kernel
+    // refuses a name the host has already (EEXIST), so two sandboxes, of one daemon or
+    // of two, never take the same /30, and nothing needs a lock or a list of the links.
+    ns.link()
+        .add(LinkVeth::new(UPLINK, PEER).build())
+        .execute()
+        .await
+        .map_err(io)?;
+    let peer = index(ns, PEER).await?;
+    let start = random_block();
+    let mut taken = None;
+    for attempt in 0..MAX_ATTEMPTS {
+        let block = (start + attempt) % UPLINKS;
+        let name = format!("{HOST_LINK_PREFIX}{block}");
+        let moved = ns
+            .link()
             .set(
                 LinkUnspec::new_with_index(peer)
                     .setns_by_fd(host_ns.as_raw_fd())
+                    .name(name.clone())
                     .build(),
             )
             .execute()
-            .await
-            .map_err(io)?;
-        (block, host_link)
-    };
+            .await;
+        match moved {
+            Ok(()) => {
+                taken = Some((block, name));
+                break;
+            }
+            Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::EEXIST => continue,
+            Err(e) => return Err(io(e)),
+        }
+    }
+    let (block, host_link) = taken.ok_or_else(|| {
+        std::io::Error::other(format!(
+            "no free sandbox uplink after {MAX_ATTEMPTS} tries (too many sandboxes on this host?)"
+        ))
+    })?;
     let (host_addr, ns_addr) = block_addrs(block);
     let peer = index(host, &host_link).await?;
     host.address()
@@ -93,35 +110,24 @@ pub fn block_addrs(block: u32) -> (Ipv4Addr, Ipv4Addr) {
     (Ipv4Addr::from(base + 1), Ipv4Addr::from(base + 2))
 }
 
-/// The first /30 no `fkd<N>` link on the host uses.
-async fn free_block(host: &Handle) -> std::io::Result<u32> {
-    let mut used = std::collections::HashSet::new();
-    let mut links = host.link().get().execute();
-    while let Some(msg) = links.try_next().await.map_err(io)? {
-        for attr in msg.attributes {
-            if let rtnetlink::packet_route::link::LinkAttribute::IfName(name) = attr {
-                if let Some(n) = name
-                    .strip_prefix(HOST_LINK_PREFIX)
-                    .and_then(|n| n.parse::<u32>().ok())
-                {
-                    used.insert(n);
-                }
-            }
-        }
-    }
-    (0..UPLINKS)
-        .find(|n| !used.contains(n))
-        .ok_or_else(|| std::io::Error::other("every sandbox uplink is taken"))
+/// Where the search for a free /30 starts: anywhere, so that sandboxes made at once
+/// rarely try the same names.
+fn random_block() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    (h.finish() % u64::from(UPLINKS)) as u32
 }
 
-fn uplink_lock() -> std::io::Result<nix::fcntl::Flock<File>> {
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(UPLINK_LOCK)?;
-    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive).map_err(|(_, e)| e.into())
-}
+/// The peer's name while it is still in the sandbox's namespace.
+const PEER: &str = "uplink-peer";
+
+/// How many taken /30s the search passes over before it gives up.
+const MAX_ATTEMPTS: u32 = 1024;
 
 async fn index(handle: &Handle, name: &str) -> std::io::Result<u32> {
     let mut links = handle.link().get().match_name(name.to_owned()).execute();

@@ -51,9 +51,6 @@ pub const UPLINK_RANGE: (Ipv4Addr, u8) = (Ipv4Addr::new(10, 253, 0, 0), 16);
 /// How many /30s [`UPLINK_RANGE`] holds.
 const UPLINKS: u32 = 1 << (32 - 16 - 2);
 
-/// Serializes the choice of uplinks among every forkd on the host.
-const UPLINK_LOCK: &str = "/run/forkd-network.lock";
-
 /// What a VM's network is, as its [`crate::VmConfig`] records it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NetworkConfig {
