@@ -160,8 +160,11 @@ pub fn build(config: &VmConfig, disk: &Disk, hardening: &Hardening, tap: bool) -
     ));
 
     if config.network.is_some() {
+        // guest_announce=off: after every restore QEMU would have the guest send
+        // gratuitous ARPs, rounds of them, for switches to learn where it moved; a child's
+        // link is a tap of its own that no switch stands behind.
         let mut nic = format!(
-            "virtio-net-device,id={NIC_ID},mac={}",
+            "virtio-net-device,id={NIC_ID},mac={},guest_announce=off",
             crate::network::guest_mac()
         );
         if tap {
@@ -294,7 +297,7 @@ mod tests {
             .collect::<Vec<_>>()
             .join(" ");
         assert!(
-            with_tap.contains(&format!("-netdev tap,id=net0,fd={TAP_FD} -device virtio-net-device,id=nic0,mac=02:66:6b:00:00:02,netdev=net0")),
+            with_tap.contains(&format!("-netdev tap,id=net0,fd={TAP_FD} -device virtio-net-device,id=nic0,mac=02:66:6b:00:00:02,guest_announce=off,netdev=net0")),
             "{with_tap}"
         );
         let receiver = build_receiver(&c, &Disk::default(), &Hardening::default())
@@ -303,8 +306,9 @@ mod tests {
             .collect::<Vec<_>>()
             .join(" ");
         assert!(
-            receiver.contains("-device virtio-net-device,id=nic0,mac=02:66:6b:00:00:02 ")
-                && !receiver.contains("-netdev"),
+            receiver.contains(
+                "-device virtio-net-device,id=nic0,mac=02:66:6b:00:00:02,guest_announce=off "
+            ) && !receiver.contains("-netdev"),
             "{receiver}"
         );
     }
