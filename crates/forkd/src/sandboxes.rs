@@ -523,22 +523,35 @@ pub async fn ls(client: &Client, args: LsArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:16} {:20} {:8} {:>8} {:>6} {:>15}  CREATED",
-        "ID", "SNAPSHOT", "STATUS", "PID", "CPUS", "MEMORY"
+        "{:16} {:20} {:8} {:>8} {:>6} {:>15} {:9}  CREATED",
+        "ID", "SNAPSHOT", "STATUS", "PID", "CPUS", "MEMORY", "EGRESS"
     );
     for s in list {
         println!(
-            "{:16} {:20} {:8} {:>8} {:>6} {:>15}  {}",
+            "{:16} {:20} {:8} {:>8} {:>6} {:>15} {:9}  {}",
             s["id"].as_str().unwrap_or(""),
             s["snapshot"].as_str().unwrap_or(""),
             s["status"].as_str().unwrap_or(""),
             s["pid"],
             cpus_column(&s["limits"]),
             memory_column(&s["limits"]),
+            egress_column(&s["network"]),
             s["created_at"].as_str().unwrap_or("")
         );
     }
     Ok(())
+}
+
+/// A sandbox's egress policy for `forkd ls`: its mode, with how many destinations its
+/// list holds (`deny+2`: two allowed; `allow-1`: one denied), or `-` without a NIC.
+fn egress_column(network: &Value) -> String {
+    let count = |k: &str| network[k].as_array().map_or(0, Vec::len);
+    match network["egress"].as_str() {
+        None => "-".into(),
+        Some("deny") if count("allow") > 0 => format!("deny+{}", count("allow")),
+        Some("allow") if count("deny") > 0 => format!("allow-{}", count("deny")),
+        Some(mode) => mode.to_owned(),
+    }
 }
 
 /// A sandbox's CPU quota for `forkd ls`: cores, `-` for none, `?` when unknown.

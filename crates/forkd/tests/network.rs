@@ -442,6 +442,13 @@ async fn children_reach_neither_each_other_nor_the_host_nor_the_daemon(
             }
         };
         let (pa, pb) = (pid(&a).await, pid(&b).await);
+        let ls = daemon.forkd().arg("ls").output().unwrap();
+        let ls = String::from_utf8(ls.stdout).unwrap();
+        let row = ls
+            .lines()
+            .find(|l| l.starts_with(&a))
+            .unwrap_or_else(|| panic!("{ls}"));
+        assert!(row.contains(" allow "), "{ls}");
         // A server in B, and B's address as the host routes it.
         exec(
             c,
