@@ -110,6 +110,11 @@ pub struct SandboxNetwork {
 
 /// Makes a sandbox's namespace with `policy` in force.
 pub async fn create(policy: &EgressPolicy) -> Result<SandboxNetwork, crate::HypervisorError> {
+    if let Some(why) = unavailable() {
+        return Err(crate::HypervisorError::Network(format!(
+            "its snapshot's guest has a NIC, and this host cannot give it a network: {why}"
+        )));
+    }
     let policy = policy.clone();
     on_own_thread(move || create_blocking(&policy))
         .await
