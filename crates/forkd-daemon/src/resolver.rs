@@ -1,5 +1,5 @@
-//! The resolver each sandbox with a NIC asks for names: the gateway's port 53 in its
-//! namespace, served by the daemon.
+//! The resolver each sandbox with a NIC asks for names: the gateway's port 53 (UDP and
+//! TCP) in its namespace, served by the daemon. Queries go upstream over UDP.
 //!
 //! It answers only what the sandbox's egress policy lets out (see
 //! [`EgressPolicy::resolves`]): other names are refused (REFUSED). Allowed queries go
@@ -68,7 +68,8 @@ async fn serve(
     let Some(pid) = sandbox.pid() else {
         return Ok(());
     };
-    let socket = Arc::new(forkd_hypervisor::network::bind_resolver(pid).await?);
+    let (socket, listener) = forkd_hypervisor::network::bind_resolver(pid).await?;
+    let socket = Arc::new(socket);
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     let mut buf = vec![0u8; 4096];
     loop {
@@ -79,6 +80,17 @@ async fn serve(
                 }
             }
             _ = sandbox.vm().wait_exit() => return Ok(()),
+            accepted = listener.accept() => {
+                let (conn, _) = accepted?;
+                let Ok(permit) = slots.clone().try_acquire_owned() else {
+                    continue;
+                };
+                let policy = policy.clone();
+                tokio::spawn(async move {
+                    let _ = serve_tcp(conn, policy, pid, upstream).await;
+                    drop(permit);
+                });
+            }
             received = socket.recv_from(&mut buf) => {
                 let (n, from) = received?;
                 let Ok(permit) = slots.clone().try_acquire_owned() else {
@@ -97,6 +109,40 @@ async fn serve(
         }
     }
 }
+
+/// Queries over one TCP connection (each with its two-byte length, RFC 1035 4.2.2),
+/// until the guest closes it or is idle for [`TCP_IDLE`].
+async fn serve_tcp(
+    mut conn: tokio::net::TcpStream,
+    policy: watch::Receiver<EgressPolicy>,
+    pid: u32,
+    upstream: SocketAddr,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    loop {
+        let mut len = [0u8; 2];
+        match tokio::time::timeout(TCP_IDLE, conn.read_exact(&mut len)).await {
+            Ok(Ok(_)) => {}
+            _ => return Ok(()),
+        }
+        let mut query = vec![0u8; usize::from(u16::from_be_bytes(len))];
+        tokio::time::timeout(TCP_IDLE, conn.read_exact(&mut query))
+            .await
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "idle"))??;
+        let current = policy.borrow().clone();
+        let Some(reply) = answer(&query, &current, pid, upstream).await else {
+            return Ok(());
+        };
+        let Ok(n) = u16::try_from(reply.len()) else {
+            return Ok(());
+        };
+        conn.write_all(&n.to_be_bytes()).await?;
+        conn.write_all(&reply).await?;
+    }
+}
+
+/// How long a TCP connection to the resolver may stay silent.
+const TCP_IDLE: Duration = Duration::from_secs(10);
 
 /// The reply to `query` (none for what is not a DNS query).
 async fn answer(

@@ -358,6 +358,27 @@ async fn egress_follows_the_policy_and_changes_while_the_child_runs(
     }
 }
 
+/// DNS queries over TCP to the sandbox's resolver, by hand (the image has no DNS
+/// tools): prints each answer's response code and whether it holds the test's address.
+const TCP_QUERIES: &str = r#"python3 - <<'EOF'
+import socket, struct
+def ask(name):
+    qname = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+    msg = struct.pack(">HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0) + qname + struct.pack(">HH", 1, 1)
+    s = socket.create_connection(("10.254.254.1", 53), timeout=5)
+    s.sendall(struct.pack(">H", len(msg)) + msg)
+    data = b""
+    while len(data) < 2 or len(data) < 2 + struct.unpack(">H", data[:2])[0]:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    reply = data[2:]
+    print(reply[3] & 15, socket.inet_aton("203.0.113.10") in reply)
+ask("allowed.test")
+ask("other.test")
+EOF"#;
+
 /// What `socket.gethostbyname(name)` says in the child (the error's name if it fails).
 async fn resolve(c: &forkd_daemon::client::Client, id: &str, name: &str) -> String {
     let code = format!(
@@ -382,6 +403,13 @@ async fn names_resolve_only_when_allowed_and_open_only_what_they_resolved_to(
     assert_ne!(connect(c, &id, "203.0.113.10", PORT).await, "ok");
     assert_eq!(resolve(c, &id, "allowed.test").await, "203.0.113.10");
     assert_eq!(connect(c, &id, "203.0.113.10", PORT).await, "ok");
+    // The same over TCP (RFC 1035 4.2.2): the answer's code and address, then a refusal.
+    let tcp = exec(c, &id, TCP_QUERIES).await;
+    assert_eq!(
+        String::from_utf8(common::b64(&tcp["stdout_b64"])).unwrap(),
+        "0 True\n5 False\n",
+        "{tcp}"
+    );
     // A name not in the list is not answered, and its address stays shut.
     assert_eq!(resolve(c, &id, "other.test").await, "gaierror");
     assert_ne!(connect(c, &id, "203.0.113.11", PORT).await, "ok");

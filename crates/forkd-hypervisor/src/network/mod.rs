@@ -147,18 +147,25 @@ pub async fn connect_guest(pid: u32, port: u16) -> std::io::Result<tokio::net::T
     tokio::net::TcpStream::from_std(stream)
 }
 
-/// Binds the UDP socket of the sandbox's resolver (the gateway's port 53) in the
-/// namespace of the process `pid` (a sandbox's QEMU). The guest's `resolv.conf` names
-/// it; whoever holds the socket answers for the sandbox.
-pub async fn bind_resolver(pid: u32) -> std::io::Result<tokio::net::UdpSocket> {
-    let socket = on_own_thread(move || {
+/// Binds the sockets of the sandbox's resolver (UDP and TCP on the gateway's port 53)
+/// in the namespace of the process `pid` (a sandbox's QEMU). The guest's `resolv.conf`
+/// names it; whoever holds the sockets answers for the sandbox.
+pub async fn bind_resolver(
+    pid: u32,
+) -> std::io::Result<(tokio::net::UdpSocket, tokio::net::TcpListener)> {
+    let (udp, tcp) = on_own_thread(move || {
         enter_sandbox_netns(pid)?;
-        let socket = std::net::UdpSocket::bind((GATEWAY_ADDR, 53))?;
-        socket.set_nonblocking(true)?;
-        Ok(socket)
+        let udp = std::net::UdpSocket::bind((GATEWAY_ADDR, 53))?;
+        udp.set_nonblocking(true)?;
+        let tcp = std::net::TcpListener::bind((GATEWAY_ADDR, 53))?;
+        tcp.set_nonblocking(true)?;
+        Ok((udp, tcp))
     })
     .await?;
-    tokio::net::UdpSocket::from_std(socket)
+    Ok((
+        tokio::net::UdpSocket::from_std(udp)?,
+        tokio::net::TcpListener::from_std(tcp)?,
+    ))
 }
 
 /// Lets `addrs` out of the namespace of the process `pid` for `ttl` seconds (on every

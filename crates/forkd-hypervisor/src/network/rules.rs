@@ -163,6 +163,7 @@ pub fn sandbox(policy: &EgressPolicy) -> Nftables<'static> {
     ));
     batch.add(rule("input", vec![replies(), accept()]));
     batch.add(resolver_rule("udp"));
+    batch.add(resolver_rule("tcp"));
     batch.add(rule(
         "postrouting",
         vec![
