@@ -240,8 +240,19 @@ async fn fork_with(c: &forkd_daemon::client::Client, network: Value) -> String {
 
 /// Whether the child connects to `addr:port` within 3 s ("ok", else the error).
 async fn connect(c: &forkd_daemon::client::Client, id: &str, addr: &str, port: u16) -> String {
+    socket_call(
+        c,
+        id,
+        &format!("socket.create_connection(('{addr}', {port}), timeout=3).close(); print('ok')"),
+    )
+    .await
+}
+
+/// Runs `statement` (Python, with `socket` imported) in the child; returns what it
+/// printed, or the name of the `OSError` it raised.
+async fn socket_call(c: &forkd_daemon::client::Client, id: &str, statement: &str) -> String {
     let code = format!(
-        "import socket\ntry:\n    socket.create_connection(('{addr}', {port}), timeout=3).close()\n    print('ok')\nexcept OSError as e:\n    print(type(e).__name__)\n"
+        "import socket\ntry:\n    {statement}\nexcept OSError as e:\n    print(type(e).__name__)\n"
     );
     let r = exec(c, id, &format!("python3 -c \"{code}\"")).await;
     String::from_utf8(common::b64(&r["stdout_b64"]))
@@ -381,14 +392,7 @@ EOF"#;
 
 /// What `socket.gethostbyname(name)` says in the child (the error's name if it fails).
 async fn resolve(c: &forkd_daemon::client::Client, id: &str, name: &str) -> String {
-    let code = format!(
-        "import socket\ntry:\n    print(socket.gethostbyname('{name}'))\nexcept OSError as e:\n    print(type(e).__name__)\n"
-    );
-    let r = exec(c, id, &format!("python3 -c \"{code}\"")).await;
-    String::from_utf8(common::b64(&r["stdout_b64"]))
-        .unwrap()
-        .trim()
-        .to_owned()
+    socket_call(c, id, &format!("print(socket.gethostbyname('{name}'))")).await
 }
 
 async fn names_resolve_only_when_allowed_and_open_only_what_they_resolved_to(
