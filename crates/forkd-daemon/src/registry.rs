@@ -268,8 +268,6 @@ impl Registry {
         self
     }
 
-    /// How far forks may overcommit the host's available memory (see
-    /// [`crate::admission`]).
     /// Serves each sandbox with a NIC a resolver that forwards to `upstream`.
     pub fn with_dns_upstream(mut self, upstream: Option<std::net::SocketAddr>) -> Registry {
         self.dns_upstream = upstream;
@@ -286,6 +284,8 @@ impl Registry {
         slots.resolvers.insert(entry.row.id.clone(), tx);
     }
 
+    /// How far forks may overcommit the host's available memory (see
+    /// [`crate::admission`]).
     pub fn with_memory_overcommit(mut self, ratio: f64) -> Registry {
         self.memory_overcommit = ratio;
         self
@@ -831,12 +831,14 @@ impl Registry {
             .get_mut(id)
             .ok_or_else(|| SandboxError::NotFound { id: id.to_owned() })?;
         let mut config = entry.row.config.clone();
-        config.network = Some(forkd_hypervisor::network::NetworkConfig { policy });
+        config.network = Some(forkd_hypervisor::network::NetworkConfig {
+            policy: policy.clone(),
+        });
         self.state.set_config(id, &config)?;
         entry.row.config = config;
         let entry = entry.clone();
-        if let (Some(resolver), Some(net)) = (slots.resolvers.get(id), &entry.row.config.network) {
-            resolver.send_replace(net.policy.clone());
+        if let Some(resolver) = slots.resolvers.get(id) {
+            resolver.send_replace(policy);
         }
         Ok(entry)
     }

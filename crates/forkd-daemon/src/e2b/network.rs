@@ -11,7 +11,9 @@
 use forkd_hypervisor::network::policy::{Destination, EgressMode, EgressPolicy};
 use serde::Deserialize;
 
-/// `network` of E2B's create call, and the body of its network update.
+/// `network` of E2B's create call, and the body of its network update. Fields forkd has
+/// nothing to do with are ignored: `allowPublicTraffic` asks whether sandbox URLs answer
+/// without the access token, and forkd's always need it.
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct NetworkConfig {
@@ -19,11 +21,6 @@ pub struct NetworkConfig {
     allow_out: Vec<String>,
     #[serde(default)]
     deny_out: Vec<String>,
-    /// Whether sandbox URLs answer without the access token: forkd's always need it,
-    /// which is what `false` asks for; `true` is E2B's default and changes nothing.
-    #[serde(default)]
-    #[allow(dead_code)]
-    allow_public_traffic: Option<bool>,
     #[serde(default)]
     egress_proxy: Option<serde_json::Value>,
     #[serde(default)]

@@ -31,12 +31,7 @@ pub async fn configure(
         .execute()
         .await
         .map_err(io)?;
-    ns.address()
-        .add(tap, GATEWAY_ADDR.into(), GUEST_PREFIX)
-        .execute()
-        .await
-        .map_err(io)?;
-    set_up(ns, tap).await?;
+    address_and_up(ns, tap, GATEWAY_ADDR, GUEST_PREFIX).await?;
 
     // The veth pair is made here with a name for the peer that is this namespace's
     // alone, and the peer moves to the host under the name of a free /30: the kernel
@@ -79,19 +74,9 @@ pub async fn configure(
     })?;
     let (host_addr, ns_addr) = block_addrs(block);
     let peer = index(host, &host_link).await?;
-    host.address()
-        .add(peer, host_addr.into(), 30)
-        .execute()
-        .await
-        .map_err(io)?;
-    set_up(host, peer).await?;
+    address_and_up(host, peer, host_addr, 30).await?;
     let uplink = index(ns, UPLINK).await?;
-    ns.address()
-        .add(uplink, ns_addr.into(), 30)
-        .execute()
-        .await
-        .map_err(io)?;
-    set_up(ns, uplink).await?;
+    address_and_up(ns, uplink, ns_addr, 30).await?;
     ns.route()
         .add(
             RouteMessageBuilder::<Ipv4Addr>::new()
@@ -135,6 +120,22 @@ async fn index(handle: &Handle, name: &str) -> std::io::Result<u32> {
         Some(msg) => Ok(msg.header.index),
         None => Err(std::io::Error::other(format!("no link {name}"))),
     }
+}
+
+/// `ip addr add ADDR/PREFIX dev INDEX; ip link set INDEX up`.
+async fn address_and_up(
+    handle: &Handle,
+    index: u32,
+    addr: Ipv4Addr,
+    prefix: u8,
+) -> std::io::Result<()> {
+    handle
+        .address()
+        .add(index, addr.into(), prefix)
+        .execute()
+        .await
+        .map_err(io)?;
+    set_up(handle, index).await
 }
 
 async fn set_up(handle: &Handle, index: u32) -> std::io::Result<()> {

@@ -110,7 +110,10 @@ pub struct SandboxNetwork {
 
 /// Makes a sandbox's namespace with `policy` in force.
 pub async fn create(policy: &EgressPolicy) -> Result<SandboxNetwork, crate::HypervisorError> {
-    if let Some(why) = unavailable() {
+    // Checked once: whether forkd is root, the tun device and nft are there does not
+    // change while it runs, and the fork path need not look again.
+    static UNAVAILABLE: OnceLock<Option<String>> = OnceLock::new();
+    if let Some(why) = UNAVAILABLE.get_or_init(unavailable) {
         return Err(crate::HypervisorError::Network(format!(
             "its snapshot's guest has a NIC, and this host cannot give it a network: {why}"
         )));
