@@ -3,6 +3,7 @@ E2B listener. Only E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY point them at it
 template is the forkd snapshot FORKD_TEST_SNAPSHOT. Prints `ok` when every step held."""
 
 import asyncio
+import gc
 import hashlib
 import os
 
@@ -169,6 +170,14 @@ async def on_asyncio() -> None:
     assert r.stdout == "a\nb\n" and "".join(seen) == r.stdout, r
     h = await sbx.commands.run("sleep 600", background=True)
     assert await h.kill()
+    # Waited for, so that no response stream is left open when asyncio.run returns:
+    # the SDK's HTTP client (pyqwest) aborts the interpreter when a body chunk of an
+    # abandoned stream arrives during its finalization.
+    try:
+        await h.wait()
+        raise AssertionError("a killed command did not raise")
+    except CommandExitException as e:
+        assert e.exit_code != 0, e
     await sbx.files.write("async.txt", "from asyncio")
     assert await sbx.files.read("async.txt") == "from asyncio"
     await sbx.kill()
@@ -180,4 +189,9 @@ async def on_asyncio() -> None:
 
 
 asyncio.run(on_asyncio())
+# What the asyncio SDK left for the garbage collector goes now, while the interpreter
+# runs: collected during its finalization, a body stream of the SDK's HTTP client
+# (pyqwest) hands its last chunk to a dying interpreter from a thread of its own, and
+# CPython aborts the process.
+gc.collect()
 print("ok")
