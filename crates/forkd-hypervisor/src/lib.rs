@@ -13,6 +13,7 @@ pub mod enforcement;
 pub mod error;
 #[cfg(feature = "fake")]
 pub mod fake;
+pub mod lifeline;
 pub mod network;
 pub mod process;
 pub mod qemu;

@@ -57,8 +57,82 @@ fn run_streams_output_and_exits_with_the_commands_code() {
     assert_eq!(out.stdout, b"hello forkd\n");
     assert!(String::from_utf8_lossy(&out.stderr).contains("oops"));
 
-    // Nothing of either sandbox is left behind.
+    a_killed_run_takes_its_vm_along();
+
+    // Nothing of any sandbox is left behind.
     assert_eq!(sandboxes_left(), before);
+}
+
+/// The real user id of process `pid`.
+fn uid_of(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("Uid:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// `forkd run` killed outright takes its VM with it, jailed or not: a jailed QEMU has
+/// changed user, which clears the parent-death signal, and is held by its PID
+/// namespace's lifeline instead. (Run by the test of `forkd run`: both watch the
+/// sandboxes that appear.)
+fn a_killed_run_takes_its_vm_along() {
+    use std::time::{Duration, Instant};
+    let before = sandboxes_left();
+    let home = forkd_image::Home::from_env();
+    let qemu = forkd_hypervisor::qemu::Qemu::from_env();
+    let jailed = forkd_hypervisor::qemu::version::current_version(qemu.binary())
+        .ok()
+        .is_some_and(|v| forkd_hypervisor::qemu::jail::unjailable(v).is_none());
+    let mut run = forkd()
+        .args(["run", "--image", "minimal", "--", "sleep", "600"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Its VM, once it runs the guest (as its own user, when jailed).
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let (dir, qemu_pid) = loop {
+        let found = sandboxes_left()
+            .into_iter()
+            .filter(|s| !before.contains(s))
+            .map(|s| home.run_dir().join("sandboxes").join(s))
+            .find_map(|dir| {
+                let pids = forkd_hypervisor::process::find_inside(&dir);
+                let (pid, _) = pids.into_iter().next()?;
+                let settled = !jailed
+                    || uid_of(pid).is_some_and(|u| u >= forkd_hypervisor::qemu::jail::FIRST_UID);
+                settled.then_some((dir, pid))
+            });
+        if let Some(found) = found {
+            break found;
+        }
+        assert!(
+            run.try_wait().unwrap().is_none(),
+            "forkd run ended before its VM ran"
+        );
+        assert!(Instant::now() < deadline, "no VM of forkd run appeared");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    if jailed {
+        let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/pid")).unwrap();
+        assert_ne!(
+            ns(&qemu_pid.to_string()),
+            ns("self"),
+            "not in a PID namespace of its own"
+        );
+    }
+    run.kill().unwrap();
+    run.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while forkd_hypervisor::process::is_alive(qemu_pid) {
+        assert!(
+            Instant::now() < deadline,
+            "the VM of a killed forkd run outlived it (jailed: {jailed})"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // What a killed run leaves: its directory (its cgroup goes with the next daemon's
+    // sweep).
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]

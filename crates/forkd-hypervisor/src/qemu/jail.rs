@@ -69,21 +69,14 @@ pub fn unjailable(version: QemuVersion) -> Option<String> {
 /// The hardening of the VM `config` describes, under this process's [`ENV`],
 /// started by QEMU `version`. Makes the jail's empty root directory.
 ///
-/// Only detached VMs (forked children and warm-pool members: where untrusted code runs
-/// by the hundred) are jailed. A VM bound to the process that starts it (a template's
-/// parent, a build VM, `forkd run`, a branch's receiver) dies with that process through
-/// the parent-death signal, and the kernel clears that signal when a process changes
-/// user: jailed, it would outlive an owner killed outright.
+/// Every VM is jailed alike. One bound to the process that starts it (a template's
+/// parent, a build VM, `forkd run`, a branch's receiver) is also tied to that process by
+/// a [`Lifeline`](crate::lifeline::Lifeline): the kernel clears the parent-death signal
+/// when QEMU changes user.
 pub fn hardening(config: &VmConfig, version: QemuVersion) -> Result<Hardening, HypervisorError> {
     let readonly_ram = matches!(config.memory, MemoryBackend::File { shared: false, .. })
         && version >= READONLY_PRIVATE_RAM;
     let policy = Enforcement::from_env(ENV).map_err(HypervisorError::Config)?;
-    if !config.detached {
-        return Ok(Hardening {
-            jail: None,
-            readonly_ram,
-        });
-    }
     let jail = match (policy, unjailable(version)) {
         (Enforcement::Off, _) | (Enforcement::Auto, Some(_)) => None,
         (Enforcement::Required, Some(why)) => {

@@ -261,6 +261,15 @@ impl QemuVm {
         }
         let inherited = Inherited::new(&inherited)
             .map_err(|e| HypervisorError::io("passing descriptors to QEMU", e))?;
+        // A jailed QEMU loses its parent-death signal when it changes user: one bound
+        // to this process is tied to it by a lifeline instead (which it is spawned
+        // through, from a thread that ends at once: the signal would follow that thread).
+        let lifeline = match (&hardening.jail, config.detached) {
+            (Some(_), false) => Some(crate::lifeline::Lifeline::new().map_err(|e| {
+                HypervisorError::io(format!("making the PID namespace of VM {}", config.id), e)
+            })?),
+            _ => None,
+        };
         let cgroup = make_cgroup(config)?;
         let mut cmd = tokio::process::Command::new(binary);
         cmd.args(&args)
@@ -274,6 +283,8 @@ impl QemuVm {
             // Own process group: a Ctrl-C meant for the CLI must not reach the VM
             // directly; the CLI tears it down itself.
             cmd.process_group(0);
+        }
+        if !config.detached && lifeline.is_none() {
             // A VM this process owns dies with it even when it is killed outright
             // (kill -9 of `forkd run`, or of a daemon in the middle of a template
             // build), instead of running on with nobody to stop it. The signal follows
@@ -326,7 +337,10 @@ impl QemuVm {
             cmd.pre_exec(move || Inherited::place(&moves));
         }
         tracing::debug!(id = %config.id, "starting {} {:?}", binary.display(), args);
-        let spawned = cmd.spawn();
+        let spawned = match &lifeline {
+            Some(lifeline) => lifeline.spawn(&mut cmd),
+            None => cmd.spawn(),
+        };
         drop((procs, inherited, top_rw, top_ro, network));
         let mut child = match spawned {
             Ok(child) => child,
@@ -356,6 +370,7 @@ impl QemuVm {
                     child.wait().await
                 }
             };
+            drop(lifeline);
             let desc = match status {
                 Ok(s) => s.to_string(),
                 Err(e) => format!("wait failed: {e}"),
