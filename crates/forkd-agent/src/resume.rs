@@ -56,7 +56,10 @@ pub async fn resume(
         return Err(ApiError::invalid(problem));
     }
     state.add_env(&req.env);
-    let contexts_reseeded = state.contexts.reseed_all(RESEED_WAIT, &req.env).await;
+    let contexts_reseeded = state
+        .contexts
+        .reseed_all(RESEED_WAIT, &req.env, req.settle)
+        .await;
     Ok(Json(ResumeResponse {
         clock_step_ms,
         contexts_reseeded,

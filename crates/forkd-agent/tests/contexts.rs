@@ -170,3 +170,40 @@ async fn reset_clears_state_and_delete_ends_the_context() {
         .await;
     assert_eq!(status, StatusCode::NOT_FOUND);
 }
+
+/// With `settle`, the resume hook answers once every context's reseed has run: a warm
+/// pool's member is paused right after it.
+#[tokio::test]
+async fn a_settled_resume_answers_after_the_reseeds_ran() {
+    use forkd_proto::context::{ResumeRequest, ResumeResponse};
+    let agent = Agent::start().await;
+    let mut c = agent.connect().await;
+    let ctx = create(&mut c).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mark = dir.path().join("seeded");
+    // random.seed, which the reseed calls, takes a second and then leaves a mark.
+    let code = format!(
+        "import random, time\n_seed = random.seed\ndef _slow(*a, **k):\n    time.sleep(1)\n    open({:?}, 'w').close()\n    return _seed(*a, **k)\nrandom.seed = _slow",
+        mark.to_str().unwrap()
+    );
+    assert!(run(&mut c, &ctx.id, &code).await.error.is_none());
+    let req = ResumeRequest {
+        wall_clock_ns: 0,
+        entropy_hex: "00".repeat(16),
+        hostname: String::new(),
+        env: [("SEEDED".to_owned(), "yes".to_owned())].into(),
+        settle: true,
+    };
+    let (status, answer): (_, ResumeResponse) = c
+        .json(
+            Method::POST,
+            forkd_proto::routes::RESUME,
+            Some(serde_json::to_value(&req).unwrap()),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(answer.contexts_reseeded, 1);
+    assert!(mark.exists(), "the hook answered before the reseed ran");
+    let seen = run(&mut c, &ctx.id, "import os; os.environ['SEEDED']").await;
+    assert_eq!(seen.text(), Some("'yes'"));
+}

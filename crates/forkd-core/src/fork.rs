@@ -4,6 +4,7 @@
 //! frozen disk and its own agent socket. The snapshot is checked once per fork call
 //! (its seal: one `stat` per part), never re-hashed.
 
+use crate::agent::AgentClient;
 use crate::error::SandboxError;
 use crate::sandbox::{new_sandbox_dir, Launch, Sandbox, SandboxOptions};
 use crate::snapshot::manifest::parts;
@@ -11,8 +12,7 @@ use crate::snapshot::Snapshot;
 use forkd_hypervisor::network::policy::EgressPolicy;
 use forkd_hypervisor::network::NetworkConfig;
 use forkd_hypervisor::{
-    accel, Accel, AccelChoice, DiskFormat, DiskLayer, Hypervisor, MemoryBackend, PreparedVm,
-    VmConfig,
+    accel, Accel, AccelChoice, DiskFormat, DiskLayer, Hypervisor, MemoryBackend, Vm, VmConfig,
 };
 use forkd_image::Home;
 use std::collections::BTreeMap;
@@ -339,33 +339,65 @@ impl PlannedChild {
         &self.config
     }
 
-    /// Makes the child's disk layer and starts its VM up to the restore (see
-    /// [`Hypervisor::prepare_restore`]): what a warm pool keeps.
+    /// Makes the child's disk layer, restores its VM, waits until its agent has answered
+    /// the resume hook once, and pauses it: what a warm pool keeps. A fork that takes it
+    /// only starts its vCPUs again and runs the resume hook with its own variables, on a
+    /// connection already open and on code the guest (and, under TCG, QEMU's translator)
+    /// has already run once in that VM. A paused member costs no CPU.
     pub async fn prepare(
         self,
         hv: &dyn Hypervisor,
         snap: &Snapshot,
+        ready_timeout: Duration,
     ) -> Result<PreparedChild, SandboxError> {
         same_release(hv, snap)?;
         create_layer(hv, snap, &self.config).await?;
-        let vm = hv
-            .prepare_restore(&self.config, &snap.part(parts::STATE))
-            .await?;
-        Ok(PreparedChild {
-            config: self.config,
-            guard: self.guard,
-            vm,
-        })
+        let vm = hv.restore(&self.config, &snap.part(parts::STATE)).await?;
+        let no_env = BTreeMap::new();
+        let socket = self.config.agent_socket();
+        let warm = async {
+            let agent = tokio::select! {
+                res = crate::sandbox::ready_agent(
+                    &socket,
+                    None,
+                    ready_timeout,
+                    Some((&self.config.id, &no_env)),
+                    true,
+                ) => res?,
+                reason = vm.wait_exit() => {
+                    return Err(SandboxError::GuestExited {
+                        id: self.config.id.clone(),
+                        reason,
+                        console: vm.console_tail(30),
+                    });
+                }
+            };
+            vm.pause().await?;
+            Ok(agent)
+        };
+        match warm.await {
+            Ok(agent) => Ok(PreparedChild {
+                config: self.config,
+                guard: self.guard,
+                vm,
+                agent,
+            }),
+            Err(e) => {
+                vm.kill();
+                Err(e)
+            }
+        }
     }
 }
 
-/// A child made ready ahead of a fork: its directory, disk layer and a VM waiting for
-/// its restore. Dropping it removes the directory; [`PreparedChild::discard`] also ends
-/// the VM.
+/// A child made ready ahead of a fork (see [`PlannedChild::prepare`]): its directory,
+/// disk layer and a paused VM whose agent has answered. Dropping it removes the
+/// directory; [`PreparedChild::discard`] also ends the VM.
 pub struct PreparedChild {
     config: VmConfig,
     guard: crate::sandbox::DirGuard,
-    vm: Box<dyn PreparedVm>,
+    vm: Box<dyn Vm>,
+    agent: AgentClient,
 }
 
 impl PreparedChild {
@@ -386,7 +418,8 @@ impl PreparedChild {
 
     /// Ends the VM and removes the child's files.
     pub async fn discard(self) {
-        self.vm.discard().await;
+        self.agent.close();
+        self.vm.kill();
         drop(self.guard);
     }
 }
@@ -482,16 +515,29 @@ async fn fork_one(
                 };
                 (p.config, p.guard, how)
             }
-            Unit::Prepared(p) => {
-                let how = Launch::Prepared {
-                    vm: p.vm,
+            // A member whose VM died while it waited: its disk layer may have been
+            // written, so the child is made afresh in its directory.
+            Unit::Prepared(p) if p.exited() => {
+                tracing::warn!(id = %p.config.id, "a warm pool member's VM had exited; restoring the child afresh");
+                p.agent.close();
+                let _ = std::fs::remove_file(&p.config.root_disk);
+                create_layer(hv, snap, &p.config).await?;
+                let how = Launch::Restore {
                     state: snap.part(parts::STATE),
                     tag: snap.tag.to_string(),
                 };
                 (p.config, p.guard, how)
             }
+            Unit::Prepared(p) => {
+                let how = Launch::Warmed {
+                    vm: p.vm,
+                    agent: p.agent,
+                    tag: snap.tag.to_string(),
+                };
+                (p.config, p.guard, how)
+            }
         };
-        let prepared = matches!(how, Launch::Prepared { .. });
+        let prepared = matches!(how, Launch::Warmed { .. });
         let child = launch_child(snap, hv, opts, config, guard, how).await?;
         if prepared && child.config().network.is_some() && opts.egress != EgressPolicy::default() {
             // Until now it had the pool's policy, which lets nothing out.

@@ -4,8 +4,7 @@
 use crate::agent::{AgentClient, AgentError, ExecOutput, ExecResult, ExecStream};
 use crate::error::SandboxError;
 use forkd_hypervisor::{
-    accel, AccelChoice, DiskFormat, DiskLayer, Hypervisor, MemoryBackend, PreparedVm, Vm, VmConfig,
-    VmStatus,
+    accel, AccelChoice, DiskFormat, DiskLayer, Hypervisor, MemoryBackend, Vm, VmConfig, VmStatus,
 };
 use forkd_image::{GuestAssets, Home};
 use forkd_proto::exec::ExecRequest;
@@ -119,15 +118,15 @@ pub enum Launch {
         /// The snapshot's tag (recorded in the catalog).
         tag: String,
     },
-    /// Finish the restore of a VM prepared ahead (a warm pool's member), then run the
-    /// agent's resume hook. If that VM cannot be restored (its process died while it
-    /// waited, say), the child is restored afresh from `state` instead: the directory and
-    /// disk layer it was prepared with are unused until its vCPUs run.
-    Prepared {
-        /// The VM, its process started and its device state open.
-        vm: Box<dyn PreparedVm>,
-        /// The device-state file, for a fresh restore.
-        state: PathBuf,
+    /// Start the vCPUs of a VM restored ahead and paused once its agent had answered
+    /// the resume hook (a warm pool's member, see
+    /// [`PlannedChild::prepare`](crate::fork::PlannedChild::prepare)), then run the
+    /// resume hook again, with this child's variables, on the connection kept open.
+    Warmed {
+        /// The VM, paused.
+        vm: Box<dyn Vm>,
+        /// Its agent's connection.
+        agent: AgentClient,
         /// The snapshot's tag (recorded in the catalog).
         tag: String,
     },
@@ -187,18 +186,18 @@ impl Sandbox {
         let started = Instant::now();
         let snapshot = match &how {
             Launch::Boot => None,
-            Launch::Restore { tag, .. } | Launch::Prepared { tag, .. } => Some(tag.clone()),
+            Launch::Restore { tag, .. } | Launch::Warmed { tag, .. } => Some(tag.clone()),
         };
-        let vm = match how {
-            Launch::Boot => hv.boot(&config).await?,
-            Launch::Restore { state, .. } => hv.restore(&config, &state).await?,
-            Launch::Prepared { vm, state, .. } => match vm.finish().await {
-                Ok(vm) => vm,
-                Err(e) => {
-                    tracing::warn!(%id, "the prepared VM could not be restored ({e}); restoring afresh");
-                    hv.restore(&config, &state).await?
+        let (vm, warmed) = match how {
+            Launch::Boot => (hv.boot(&config).await?, None),
+            Launch::Restore { state, .. } => (hv.restore(&config, &state).await?, None),
+            Launch::Warmed { vm, agent, .. } => {
+                if let Err(e) = vm.resume().await {
+                    vm.kill();
+                    return Err(e.into());
                 }
-            },
+                (vm, Some(agent))
+            }
         };
         crate::failpoint::hit(match snapshot {
             None => "build.after_boot",
@@ -208,7 +207,7 @@ impl Sandbox {
         let agent_socket = config.agent_socket();
         let restored = snapshot.is_some();
         let agent = tokio::select! {
-            res = connect_agent(&agent_socket, opts.boot_timeout, restored.then_some((id.as_str(), &opts.env))) => match res {
+            res = ready_agent(&agent_socket, warmed, opts.boot_timeout, restored.then_some((id.as_str(), &opts.env)), false) => match res {
                 Ok(a) => a,
                 Err(AgentError::HandshakeTimeout { .. }) => {
                     vm.kill();
@@ -281,7 +280,7 @@ impl Sandbox {
         let started = Instant::now();
         let socket = record.config.agent_socket();
         let agent = tokio::select! {
-            res = connect_agent(&socket, opts.boot_timeout, None) => res?,
+            res = ready_agent(&socket, None, opts.boot_timeout, None, false) => res?,
             _ = vm.wait_exit() => {
                 let _ = remove_dir(&record.config.dir);
                 return Err(SandboxError::Gone { id: id.to_owned() });
@@ -656,30 +655,41 @@ async fn watch(inner: std::sync::Weak<Inner>) {
 /// shows it has left its session.
 const QUIESCE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Connects to the agent and waits for its first answer: a ping, or for a restored
-/// child (`resume_as` its id and its own variables) the resume hook, so that nothing
-/// reaches the child before its clock, RNG, hostname and environment are its own.
-async fn connect_agent(
+/// The agent of a VM whose vCPUs run, once it has given its first answer: a ping, or
+/// for a restored child (`resume_as` its id and its own variables) the resume hook, so
+/// that nothing reaches the child before its clock, RNG, hostname and environment are its
+/// own. `warmed` is a connection already made (a warm pool member's); else one is made.
+/// `settle`: see [`ResumeRequest::settle`](forkd_proto::context::ResumeRequest::settle).
+pub(crate) async fn ready_agent(
     socket: &Path,
+    warmed: Option<AgentClient>,
     timeout: Duration,
     resume_as: Option<(&str, &std::collections::BTreeMap<String, String>)>,
+    settle: bool,
 ) -> Result<AgentClient, AgentError> {
     let t = Instant::now();
-    let agent = AgentClient::connect(socket, timeout).await?;
+    let agent = match warmed {
+        Some(agent) => agent,
+        None => AgentClient::connect(socket, timeout).await?,
+    };
     tracing::debug!("agent handshake in {:?}", t.elapsed());
     if let Some((id, env)) = resume_as {
         let wall_clock_ns = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
             .unwrap_or(0);
-        agent
-            .resume(&forkd_proto::context::ResumeRequest {
-                wall_clock_ns,
-                entropy_hex: crate::ids::random_hex(64),
-                hostname: id.to_owned(),
-                env: env.clone(),
-            })
-            .await?;
+        let req = forkd_proto::context::ResumeRequest {
+            wall_clock_ns,
+            entropy_hex: crate::ids::random_hex(64),
+            hostname: id.to_owned(),
+            env: env.clone(),
+            settle,
+        };
+        tokio::time::timeout(timeout, agent.resume(&req))
+            .await
+            .map_err(|_| AgentError::HandshakeTimeout {
+                secs: timeout.as_secs(),
+            })??;
         tracing::debug!("agent handshake and resume hook in {:?}", t.elapsed());
     } else {
         agent.ping().await?;

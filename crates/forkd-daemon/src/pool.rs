@@ -1,8 +1,8 @@
 //! Warm pools: per snapshot, children made ready ahead of forks. A member has its
-//! directory, its disk layer and a QEMU started with `-incoming defer`, its sockets made
-//! and its control channel answering (see [`forkd_core::fork::PlannedChild::prepare`]);
-//! a fork that takes it only restores the device state, starts the vCPUs and greets the
-//! agent.
+//! directory, its disk layer and a restored VM, paused once its agent answered the
+//! resume hook, with the connection to it kept open (see
+//! [`forkd_core::fork::PlannedChild::prepare`]); a fork that takes it only starts the
+//! vCPUs and runs the resume hook with the fork's variables.
 //!
 //! A pool's size is its recipe's `pool`, unless the API set another. Members are made
 //! one at a time, in the background, and only while no fork runs (under TCG, preparing
@@ -397,7 +397,8 @@ impl Registry {
             created_at: crate::now_rfc3339(),
         };
         self.state().put_pool_member(&row)?;
-        let member = match planned.prepare(self.hypervisor().as_ref(), snap).await {
+        let prepared = planned.prepare(self.hypervisor().as_ref(), snap, opts.ready_timeout);
+        let member = match prepared.await {
             Ok(m) => m,
             Err(e) => {
                 let _ = self.state().delete_pool_member(&row.id);

@@ -195,8 +195,7 @@ pub trait Hypervisor: Send + Sync {
 
     /// The first half of [`Hypervisor::restore`]: starts the hypervisor process for
     /// `config`, with `state` open and its control channel answering, and stops there.
-    /// [`PreparedVm::finish`] reads the state and starts the vCPUs. What a warm pool
-    /// holds: a fork then pays only for the second half.
+    /// [`PreparedVm::finish`] reads the state and starts the vCPUs.
     async fn prepare_restore(
         &self,
         config: &VmConfig,

@@ -186,6 +186,11 @@ pub struct ResumeRequest {
     /// top of the environment it inherited (its sandbox's own `env`).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Answer only once every context's reseed has run. A warm pool's member is paused
+    /// right after its first resume hook: a reseed still running then would hold its
+    /// context, and delay the next hook, until the member runs again.
+    #[serde(default)]
+    pub settle: bool,
 }
 
 /// Answer to `POST /v1/resume`.
@@ -194,7 +199,7 @@ pub struct ResumeResponse {
     /// How far the guest's clock was moved, in milliseconds (positive: forward).
     pub clock_step_ms: i64,
     /// Code contexts whose random generators are reseeded (queued ahead of any code
-    /// sent to them later; the answer does not wait for them).
+    /// sent to them later; the answer waits for them only when `settle` was asked).
     pub contexts_reseeded: u32,
 }
 

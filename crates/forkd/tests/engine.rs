@@ -1002,12 +1002,17 @@ fn a_warm_pool_serves_forks_refills_and_is_removed_by_the_next_daemon() {
             metrics.contains(&format!("forkd_pool_idle{{snapshot=\"{TAG}\"}} 2")),
             "{metrics}"
         );
-        // The fork takes a member: its QEMU is one that was already running.
-        let child = create(&c, 1).await.remove(0);
+        // The fork takes a member: its QEMU is one that was already running. Its resume
+        // hook ran again with the fork's variables, and its hostname is its id.
+        let body = json!({"snapshot": TAG, "env": {"FORKED_AS": "pooled"}});
+        let (s, v) = call(&c, Method::POST, "/v1/sandboxes", Some(body)).await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        let child = v["sandboxes"][0].clone();
         assert!(members.contains(&pid_of(&child)), "{child} is not a member");
+        let id = child["id"].as_str().unwrap();
         assert_eq!(
-            exec_ok(&c, child["id"].as_str().unwrap(), "echo pooled").await,
-            "pooled\n"
+            exec_ok(&c, id, "echo $FORKED_AS $(hostname)").await,
+            format!("pooled {id}\n")
         );
         wait_pool(&c, 2, Duration::from_secs(120)).await;
         assert_eq!(h.qemus().len(), 3, "the pool refilled beside the child");

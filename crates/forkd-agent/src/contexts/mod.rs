@@ -293,23 +293,35 @@ impl Contexts {
     /// sent to it later, waiting up to `wait` for a busy one. Returns how many were
     /// queued. The reseeds run in the background: a restored child answers its host
     /// without waiting for its interpreters (whose first instructions, under TCG, are
-    /// slow), and no code of the child's can run in a context before its reseed has.
+    /// slow), and no code of the child's can run in a context before its reseed has;
+    /// with `settle` this waits for them (a warm pool member is paused next).
     /// `env` joins each interpreter's `os.environ` in the same step.
-    pub async fn reseed_all(&self, wait: Duration, env: &BTreeMap<String, String>) -> u32 {
+    pub async fn reseed_all(
+        &self,
+        wait: Duration,
+        env: &BTreeMap<String, String>,
+        settle: bool,
+    ) -> u32 {
         let mut n = 0;
+        let mut reseeds = Vec::new();
         for ctx in self.all() {
             let Ok(slot) = tokio::time::timeout(wait, ctx.proc.clone().lock_owned()).await else {
                 continue;
             };
             n += 1;
             let env = env.clone();
-            tokio::spawn(async move {
+            reseeds.push(tokio::spawn(async move {
                 let (tx, mut rx) = mpsc::channel(16);
                 let drain = tokio::spawn(async move { while rx.recv().await.is_some() {} });
                 let op = serde_json::json!({ "op": "reseed", "env": env });
                 ctx.run_locked(slot, op, None, tx).await;
                 let _ = drain.await;
-            });
+            }));
+        }
+        if settle {
+            for reseed in reseeds {
+                let _ = reseed.await;
+            }
         }
         n
     }
