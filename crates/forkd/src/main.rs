@@ -40,7 +40,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Boot a throwaway sandbox, run one command in it, stream its output and exit with
-    /// its exit code. Everything the sandbox made is removed afterwards.
+    /// its exit code. Everything the sandbox made is removed afterwards. It has no
+    /// network (fork a template's child for one).
     Run(run::RunArgs),
     /// Build or list the guest assets (kernel, initramfs, rootfs images).
     #[command(subcommand)]
