@@ -20,7 +20,7 @@ pub async fn configure(
     host_ns: BorrowedFd<'_>,
 ) -> std::io::Result<String> {
     let lo = index(ns, "lo").await?;
-    set_up(ns, lo).await?;
+    set_up(ns, lo).await.map_err(step("bringing up lo"))?;
     let tap = index(ns, GUEST_LINK).await?;
     ns.link()
         .set(
@@ -30,30 +30,42 @@ pub async fn configure(
         )
         .execute()
         .await
-        .map_err(io)?;
-    address_and_up(ns, tap, GATEWAY_ADDR, GUEST_PREFIX).await?;
+        .map_err(io)
+        .map_err(step("setting the tap's MAC"))?;
+    address_and_up(ns, tap, GATEWAY_ADDR, GUEST_PREFIX)
+        .await
+        .map_err(step("addressing the tap"))?;
 
-    // The veth pair is made here with a name for the peer that is this namespace's
-    // alone, and the peer moves to the host under the name of a free /30: the kernel
-    // refuses a name the host has already (EEXIST), so two sandboxes, of one daemon or
-    // of two, never take the same /30, and nothing needs a lock or a list of the links.
+    // The veth pair is made here, and its peer moves to the host under the name of a
+    // free /30: the kernel refuses a move into a namespace that has the link's name
+    // already (EEXIST), so two sandboxes, of one daemon or of two, never take the same
+    // /30, and nothing needs a lock or a list of the links. The peer is named here
+    // first, where no other link can have that name, and then moved without a name: a
+    // move that also renames moves the link first and renames it after, so a refused
+    // name would leave the link in the host under its old one.
     ns.link()
         .add(LinkVeth::new(UPLINK, PEER).build())
         .execute()
         .await
-        .map_err(io)?;
+        .map_err(io)
+        .map_err(step("making the veth pair"))?;
     let peer = index(ns, PEER).await?;
     let start = random_block();
     let mut taken = None;
     for attempt in 0..MAX_ATTEMPTS {
         let block = (start + attempt) % UPLINKS;
         let name = format!("{HOST_LINK_PREFIX}{block}");
+        ns.link()
+            .set(LinkUnspec::new_with_index(peer).name(name.clone()).build())
+            .execute()
+            .await
+            .map_err(io)
+            .map_err(step(&format!("naming the uplink's peer {name}")))?;
         let moved = ns
             .link()
             .set(
                 LinkUnspec::new_with_index(peer)
                     .setns_by_fd(host_ns.as_raw_fd())
-                    .name(name.clone())
                     .build(),
             )
             .execute()
@@ -64,7 +76,11 @@ pub async fn configure(
                 break;
             }
             Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::EEXIST => continue,
-            Err(e) => return Err(io(e)),
+            Err(e) => {
+                return Err(step(&format!(
+                    "moving the uplink's peer {name} to the host"
+                ))(io(e)))
+            }
         }
     }
     let (block, host_link) = taken.ok_or_else(|| {
@@ -74,9 +90,13 @@ pub async fn configure(
     })?;
     let (host_addr, ns_addr) = block_addrs(block);
     let peer = index(host, &host_link).await?;
-    address_and_up(host, peer, host_addr, 30).await?;
+    address_and_up(host, peer, host_addr, 30)
+        .await
+        .map_err(step(&format!("addressing {host_link} (index {peer})")))?;
     let uplink = index(ns, UPLINK).await?;
-    address_and_up(ns, uplink, ns_addr, 30).await?;
+    address_and_up(ns, uplink, ns_addr, 30)
+        .await
+        .map_err(step("addressing the uplink"))?;
     ns.route()
         .add(
             RouteMessageBuilder::<Ipv4Addr>::new()
@@ -85,7 +105,8 @@ pub async fn configure(
         )
         .execute()
         .await
-        .map_err(io)?;
+        .map_err(io)
+        .map_err(step("adding the default route"))?;
     Ok(host_link)
 }
 
@@ -108,7 +129,7 @@ fn random_block() -> u32 {
     (h.finish() % u64::from(UPLINKS)) as u32
 }
 
-/// The peer's name while it is still in the sandbox's namespace.
+/// The peer's name while it is made in the sandbox's namespace.
 const PEER: &str = "uplink-peer";
 
 /// How many taken /30s the search passes over before it gives up.
@@ -145,6 +166,11 @@ async fn set_up(handle: &Handle, index: u32) -> std::io::Result<()> {
         .execute()
         .await
         .map_err(io)
+}
+
+/// Names the step an error happened in.
+fn step(what: &str) -> impl FnOnce(std::io::Error) -> std::io::Error + '_ {
+    move |e| std::io::Error::new(e.kind(), format!("{what}: {e}"))
 }
 
 fn io(e: rtnetlink::Error) -> std::io::Error {
