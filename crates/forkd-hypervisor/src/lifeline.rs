@@ -78,6 +78,18 @@ impl Lifeline {
     }
 }
 
+/// Why this process cannot make lifelines, if it cannot (a root without CAP_SYS_ADMIN,
+/// as in a container): found out once, by making one.
+pub fn unavailable() -> Option<String> {
+    static WHY: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    WHY.get_or_init(|| {
+        Lifeline::new()
+            .err()
+            .map(|e| format!("a PID namespace cannot be made here ({e})"))
+    })
+    .clone()
+}
+
 impl Drop for Lifeline {
     fn drop(&mut self) {
         end(self.init);

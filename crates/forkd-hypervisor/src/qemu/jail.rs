@@ -77,7 +77,18 @@ pub fn hardening(config: &VmConfig, version: QemuVersion) -> Result<Hardening, H
     let readonly_ram = matches!(config.memory, MemoryBackend::File { shared: false, .. })
         && version >= READONLY_PRIVATE_RAM;
     let policy = Enforcement::from_env(ENV).map_err(HypervisorError::Config)?;
-    let jail = match (policy, unjailable(version)) {
+    // A bound VM is jailed only where a lifeline can hold it.
+    let why_not = |version| {
+        unjailable(version).or_else(|| {
+            (!config.detached)
+                .then(crate::lifeline::unavailable)
+                .flatten()
+                .map(|why| {
+                    format!("a VM bound to the process that starts it needs a lifeline: {why}")
+                })
+        })
+    };
+    let jail = match (policy, why_not(version)) {
         (Enforcement::Off, _) | (Enforcement::Auto, Some(_)) => None,
         (Enforcement::Required, Some(why)) => {
             return Err(HypervisorError::Config(format!(
