@@ -416,6 +416,17 @@ impl PreparedChild {
         self.vm.exited()
     }
 
+    /// A member whose VM died while it waited, as a child to make afresh in the same
+    /// directory: its disk layer may have been written, so it goes.
+    fn replan(self) -> PlannedChild {
+        self.agent.close();
+        let _ = std::fs::remove_file(&self.config.root_disk);
+        PlannedChild {
+            config: self.config,
+            guard: self.guard,
+        }
+    }
+
     /// Ends the VM and removes the child's files.
     pub async fn discard(self) {
         self.agent.close();
@@ -506,21 +517,15 @@ async fn fork_one(
             }
             return Err(SandboxError::Cancelled);
         }
-        let (config, guard, how) = match unit {
-            Unit::Planned(p) => {
-                create_layer(hv, snap, &p.config).await?;
-                let how = Launch::Restore {
-                    state: snap.part(parts::STATE),
-                    tag: snap.tag.to_string(),
-                };
-                (p.config, p.guard, how)
-            }
-            // A member whose VM died while it waited: its disk layer may have been
-            // written, so the child is made afresh in its directory.
+        let unit = match unit {
             Unit::Prepared(p) if p.exited() => {
                 tracing::warn!(id = %p.config.id, "a warm pool member's VM had exited; restoring the child afresh");
-                p.agent.close();
-                let _ = std::fs::remove_file(&p.config.root_disk);
+                Unit::Planned(p.replan())
+            }
+            unit => unit,
+        };
+        let (config, guard, how) = match unit {
+            Unit::Planned(p) => {
                 create_layer(hv, snap, &p.config).await?;
                 let how = Launch::Restore {
                     state: snap.part(parts::STATE),

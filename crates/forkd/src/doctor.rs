@@ -345,19 +345,21 @@ fn check_isolation() -> Check {
         },
     };
     let missing = "its network, if it has one, is a namespace of its own (see the network check)";
-    let bound = match forkd_hypervisor::lifeline::unavailable() {
-        None => "every VM is jailed once it runs (a user id of its own, no capabilities, an empty root directory; a child maps the template's RAM read-only), and one bound to the command that starts it (a template build, `forkd run`) dies with that command through its PID namespace".to_owned(),
-        Some(why) => format!("forked children are jailed once they run (a user id of their own, no capabilities, an empty root directory, the template's RAM read-only); VMs bound to the command that starts them (template builds, `forkd run`) are not, since {why}"),
-    };
     match jail {
-        Ok(()) => bad(
+        Ok(()) => {
+            let bound = match forkd_hypervisor::lifeline::unavailable() {
+                None => "every VM is jailed once it runs (a user id of its own, no capabilities, an empty root directory; a child maps the template's RAM read-only), and one bound to the command that starts it (a template build, `forkd run`) dies with that command through its PID namespace".to_owned(),
+                Some(why) => format!("forked children are jailed once they run (a user id of their own, no capabilities, an empty root directory, the template's RAM read-only); VMs bound to the command that starts them (template builds, `forkd run`) are not, since {why}"),
+            };
+            bad(
             "isolation",
             Level::Warn,
             format!(
                 "each sandbox is its own QEMU VM under QEMU's seccomp filter; {bound}; each is limited by a cgroup of its own where the cgroups check says so; {missing}"
             ),
             "under TCG, QEMU is not a security boundary: run untrusted code on a host that holds nothing else of value",
-        ),
+            )
+        }
         Err(why) => bad(
             "isolation",
             Level::Warn,

@@ -39,28 +39,31 @@ pub async fn configure(
     // The veth pair is made here, and its peer moves to the host under the name of a
     // free /30: the kernel refuses a move into a namespace that has the link's name
     // already (EEXIST), so two sandboxes, of one daemon or of two, never take the same
-    // /30, and nothing needs a lock or a list of the links. The peer is named here
-    // first, where no other link can have that name, and then moved without a name: a
-    // move that also renames moves the link first and renames it after, so a refused
-    // name would leave the link in the host under its old one.
+    // /30, and nothing needs a lock or a list of the links. The peer gets each name
+    // here, where no other link can have it, and is then moved without a name: a move
+    // that also renames moves the link first and renames it after, so a refused name
+    // would leave the link in the host under its old one.
+    let start = random_block();
+    let name_of = |attempt: u32| format!("{HOST_LINK_PREFIX}{}", (start + attempt) % UPLINKS);
     ns.link()
-        .add(LinkVeth::new(UPLINK, PEER).build())
+        .add(LinkVeth::new(UPLINK, &name_of(0)).build())
         .execute()
         .await
         .map_err(io)
         .map_err(step("making the veth pair"))?;
-    let peer = index(ns, PEER).await?;
-    let start = random_block();
+    let peer = index(ns, &name_of(0)).await?;
     let mut taken = None;
     for attempt in 0..MAX_ATTEMPTS {
         let block = (start + attempt) % UPLINKS;
-        let name = format!("{HOST_LINK_PREFIX}{block}");
-        ns.link()
-            .set(LinkUnspec::new_with_index(peer).name(name.clone()).build())
-            .execute()
-            .await
-            .map_err(io)
-            .map_err(step(&format!("naming the uplink's peer {name}")))?;
+        let name = name_of(attempt);
+        if attempt > 0 {
+            ns.link()
+                .set(LinkUnspec::new_with_index(peer).name(name.clone()).build())
+                .execute()
+                .await
+                .map_err(io)
+                .map_err(step(&format!("naming the uplink's peer {name}")))?;
+        }
         let moved = ns
             .link()
             .set(
@@ -128,9 +131,6 @@ fn random_block() -> u32 {
     );
     (h.finish() % u64::from(UPLINKS)) as u32
 }
-
-/// The peer's name while it is made in the sandbox's namespace.
-const PEER: &str = "uplink-peer";
 
 /// How many taken /30s the search passes over before it gives up.
 const MAX_ATTEMPTS: u32 = 1024;
