@@ -471,6 +471,7 @@ pub fn plan(
         accel: m.accel,
         cpu: m.cpu.clone(),
         clock: m.clock,
+        pit: m.pit,
         limits: Some(opts.limits.resolve(m.vcpus, m.memory_mib)),
         network: m.nic.then(|| NetworkConfig {
             policy: opts.egress.clone(),

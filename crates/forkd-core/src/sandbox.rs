@@ -151,6 +151,7 @@ impl Sandbox {
         })
         .await?;
         let accel = accel::resolve(opts.accel)?;
+        let clock = clock_for(accel);
         let config = VmConfig {
             id: id.clone(),
             dir: dir.clone(),
@@ -163,7 +164,8 @@ impl Sandbox {
             memory: MemoryBackend::Anonymous,
             accel,
             cpu: accel.default_cpu_model().to_owned(),
-            clock: clock_for(accel),
+            clock,
+            pit: clock.needs_pit(accel),
             limits: Some(opts.limits.resolve(opts.vcpus, opts.memory_mib)),
             network: None,
             seccomp: opts.seccomp,

@@ -543,6 +543,7 @@ pub async fn build(
             cpu: config.cpu.clone(),
             cmdline: config.cmdline.clone(),
             clock: config.clock,
+            pit: config.pit,
             nic: config.network.is_some(),
         },
         versions: Versions {
@@ -645,6 +646,7 @@ pub(crate) async fn boot_vm(
     }
     // The parent's network lets nothing out: what it is built from comes in as files.
     let network = nic.then(forkd_hypervisor::network::NetworkConfig::default);
+    let clock = crate::sandbox::clock_for(accel);
     let config = VmConfig {
         cmdline,
         network,
@@ -658,7 +660,8 @@ pub(crate) async fn boot_vm(
         memory,
         accel,
         cpu: recipe.cpu_model(accel),
-        clock: crate::sandbox::clock_for(accel),
+        clock,
+        pit: clock.needs_pit(accel),
         limits: Some(forkd_hypervisor::cgroup::ResourceLimits::for_vm(
             recipe.vcpus,
             recipe.memory_mib,

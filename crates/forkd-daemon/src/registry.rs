@@ -1197,6 +1197,7 @@ mod tests {
                 cpu: "max".into(),
                 cmdline: String::new(),
                 clock: Default::default(),
+                pit: true,
                 nic: false,
             },
             versions: Versions {

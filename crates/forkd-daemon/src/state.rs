@@ -767,6 +767,7 @@ mod tests {
                 accel: Accel::Tcg,
                 cpu: "Westmere-v1".into(),
                 clock: Default::default(),
+                pit: true,
                 limits: None,
                 network: None,
                 seccomp: true,

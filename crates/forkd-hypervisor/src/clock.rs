@@ -50,6 +50,15 @@ impl GuestClock {
         }
     }
 
+    /// Whether a guest with this clock needs the legacy PIT (i8254). A TCG kernel told
+    /// the host's TSC rate calibrates nothing against it, and QEMU's PIT, left counting
+    /// in its reset mode by a kernel that never reprograms it (Debian's 6.1), wakes
+    /// QEMU's main loop and the vCPU ~36 times a second. An instruction-counting kernel
+    /// calibrates against it, and under KVM it stays as it was (not measured without).
+    pub fn needs_pit(self, accel: crate::Accel) -> bool {
+        !(accel == crate::Accel::Tcg && matches!(self, GuestClock::HostTsc { .. }))
+    }
+
     /// Whether a guest frozen with this clock can be restored on this host: a host TSC
     /// guest keeps the rate it calibrated at boot, so this host's must match it.
     pub fn check_restorable(self) -> Result<(), String> {

@@ -53,6 +53,11 @@ pub struct VmConfig {
     /// How a TCG guest keeps time (records made before it are icount guests).
     #[serde(default)]
     pub clock: crate::GuestClock,
+    /// The machine has the legacy PIT (see [`crate::GuestClock::needs_pit`]). A frozen
+    /// guest restores only into the machine it was frozen in, so this is recorded with
+    /// it; records made before it have a PIT.
+    #[serde(default = "with_pit")]
+    pub pit: bool,
     /// The limits of the VM's process (its own cgroup), if it gets any. Records made
     /// before limits existed have none.
     #[serde(default)]
@@ -67,6 +72,10 @@ pub struct VmConfig {
     /// killed when the handle (or the process holding it) goes away. Forked children are
     /// detached so that they keep running after the CLI that forked them exits.
     pub detached: bool,
+}
+
+fn with_pit() -> bool {
+    true
 }
 
 impl VmConfig {

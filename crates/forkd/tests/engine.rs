@@ -1038,6 +1038,14 @@ fn a_warm_pool_serves_forks_refills_and_is_removed_by_the_next_daemon() {
         );
         let id = child["id"].as_str().unwrap();
         assert_eq!(exec_ok(&c, id, "echo adopted").await, "adopted\n");
+        // A process whose parent exits first is re-parented to the agent (PID 1), which
+        // reaps it on its SIGCHLD: no zombie is left behind.
+        let orphan = "sh -c 'sleep 0.2 >/dev/null 2>&1 &'; sleep 1; \
+            for i in $(seq 50); do \
+              grep -qs '^State:.*Z' /proc/[0-9]*/status || { echo reaped; exit 0; }; \
+              sleep 0.1; \
+            done; grep -ls '^State:.*Z' /proc/[0-9]*/status";
+        assert_eq!(exec_ok(&c, id, orphan).await, "reaped\n");
         // Size 0 ends the members; a graceful stop ends them too.
         let (s, v) = call(&c, Method::PUT, &pool, Some(json!({"size": 0}))).await;
         assert_eq!((s, v["idle"].as_u64()), (StatusCode::OK, Some(0)), "{v}");

@@ -28,6 +28,7 @@ fn manifest(tag: &str, parent: Option<(&str, String)>) -> Manifest {
             cpu: "max".into(),
             cmdline: "console=ttyS0".into(),
             clock: Default::default(),
+            pit: true,
             nic: false,
         },
         versions: Versions {

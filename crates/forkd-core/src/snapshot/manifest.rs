@@ -105,6 +105,10 @@ pub struct BranchInfo {
     pub pages_changed: u64,
 }
 
+fn with_pit() -> bool {
+    true
+}
+
 fn is_zero(n: &u32) -> bool {
     *n == 0
 }
@@ -126,6 +130,10 @@ pub struct Machine {
     /// whose TSC runs at the same rate (snapshots without it are icount guests).
     #[serde(default)]
     pub clock: forkd_hypervisor::GuestClock,
+    /// The machine has the legacy PIT; a child's must match (snapshots without it had
+    /// one).
+    #[serde(default = "with_pit")]
+    pub pit: bool,
     /// The guest has a NIC: each child gets a network namespace of its own.
     #[serde(default)]
     pub nic: bool,
