@@ -133,6 +133,10 @@ fn main() {
         eprintln!("forkd: {e}");
         std::process::exit(2);
     }
+    if let Err(e) = forkd_hypervisor::qemu::cmdline::tcg_tb_mib() {
+        eprintln!("forkd: {e}");
+        std::process::exit(2);
+    }
     let home = cli.home.map(Home::new).unwrap_or_else(Home::from_env);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -34,7 +34,9 @@ fn run_streams_output_and_exits_with_the_commands_code() {
         String::from_utf8_lossy(&out.stderr)
     );
 
+    // Under a translation buffer cap (TCG) the guest boots and answers all the same.
     let out = forkd()
+        .env("FORKD_TCG_TB_MIB", "16")
         .args([
             "run",
             "--image",
@@ -157,6 +159,18 @@ fn bad_arguments_are_refused_clearly() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("auto, kvm or tcg"));
+
+    let out = forkd()
+        .env("FORKD_TCG_TB_MIB", "lots")
+        .args(["run", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("FORKD_TCG_TB_MIB=\"lots\": must be"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

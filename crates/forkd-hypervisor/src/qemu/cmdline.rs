@@ -48,17 +48,24 @@ pub const MEMORY_ID: &str = "mem";
 /// an idle child 0.14 % of a core instead of 0.08 %; 8 MiB cost 2.4 times the CPU).
 pub const TB_MIB_ENV: &str = "FORKD_TCG_TB_MIB";
 
-/// The translation buffer cap [`TB_MIB_ENV`] asks for; a value that is not a whole
-/// number of MiB from 1 to 4096 is ignored, with a warning.
-fn tb_mib_from_env() -> Option<u32> {
-    let value = std::env::var(TB_MIB_ENV).ok()?;
-    match value.trim().parse::<u32>() {
-        Ok(mib) if (1..=4096).contains(&mib) => Some(mib),
-        _ => {
-            tracing::warn!("{TB_MIB_ENV}={value:?} is not a size in MiB from 1 to 4096; ignored");
-            None
+/// The translation buffer cap [`TB_MIB_ENV`] asks for, read once per process; an error
+/// for a value that is not a whole number of MiB from 1 to 4096. `forkd` checks it at
+/// start and refuses to run with a bad one, so a VM never starts without the cap its
+/// owner asked for.
+pub fn tcg_tb_mib() -> Result<Option<u32>, String> {
+    static CAP: std::sync::OnceLock<Result<Option<u32>, String>> = std::sync::OnceLock::new();
+    CAP.get_or_init(|| {
+        let Ok(value) = std::env::var(TB_MIB_ENV) else {
+            return Ok(None);
+        };
+        match value.trim().parse::<u32>() {
+            Ok(mib) if (1..=4096).contains(&mib) => Ok(Some(mib)),
+            _ => Err(format!(
+                "{TB_MIB_ENV}={value:?}: must be a whole number of MiB from 1 to 4096"
+            )),
         }
-    }
+    })
+    .clone()
 }
 
 /// The value of `-accel`: under TCG, with the translation buffer cap if there is one.
@@ -105,7 +112,7 @@ pub fn build(config: &VmConfig, disk: &Disk, hardening: &Hardening, tap: bool) -
     }
     args.push("-M").push(machine);
     args.push("-accel")
-        .push(accel_arg(config.accel, tb_mib_from_env()));
+        .push(accel_arg(config.accel, tcg_tb_mib().unwrap_or_default()));
     args.push("-cpu").push(cpu_arg(config));
     // Under TCG the 6.1 cloud kernel on microvm cannot calibrate against the PIT (jiffies
     // stuck at zero): either QEMU counts instructions, or the kernel is told the TSC rate
