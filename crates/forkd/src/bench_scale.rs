@@ -5,7 +5,8 @@
 //! guest assets (so the user's daemon, snapshots and sandboxes are never touched), has
 //! it build the template, then for each fork size N and each mode:
 //!
-//! - wall time from the create request to every child having answered an exec;
+//! - wall time from the create request to every child having answered an exec (the
+//!   median of `--wall-runs` forks, with their spread);
 //! - after the children idle (2 minutes by default), how many are alive and answer;
 //! - idle CPU per child: utime + stime of each child's QEMU over the end of the idle time;
 //! - per child: the whole QEMU process's PSS and private memory (`smaps_rollup`), and
@@ -57,6 +58,11 @@ pub struct ScaleArgs {
     /// Cold boots, and single forks in each mode, to take the median of.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=50))]
     runs: u32,
+    /// Forks of each size and mode whose wall time is taken, to report the median of
+    /// (this machine's figures drift by ~15 % between runs minutes apart); only the last
+    /// one idles and is measured further.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=50))]
+    wall_runs: u32,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -92,7 +98,9 @@ struct SingleFork {
 struct ScaleRow {
     mode: Mode,
     count: u32,
-    /// Create request to every child having answered an exec.
+    /// Create request to every child having answered an exec, each run.
+    wall_runs_ms: Vec<f64>,
+    /// Their median.
     wall_ms: f64,
     /// Children alive and answering an exec after the idle time.
     alive_after_idle: u32,
@@ -227,18 +235,20 @@ async fn measure(
     args: &ScaleArgs,
     say: &dyn Fn(&str),
 ) -> Result<ScaleRow> {
+    let mut wall_runs_ms = Vec::new();
+    for _ in 1..args.wall_runs {
+        let (ids, wall) = timed_fork(c, tag, count, mode).await?;
+        say(&format!("  {count} children answered in {wall:.0} ms"));
+        wall_runs_ms.push(wall);
+        delete_all(c, &ids).await?;
+    }
     let before = forkd_daemon::admission::mem_available().unwrap_or(0);
-    if mode == Mode::Pool {
-        set_pool(c, tag, count).await?;
-    }
-    let t = Instant::now();
-    let (ids, _) = fork_and_exec(c, tag, count, mode).await?;
-    let wall_ms = ms(t.elapsed());
-    if mode == Mode::Pool {
-        wait_pool(c, tag, 0).await?;
-    }
+    let (ids, wall) = timed_fork(c, tag, count, mode).await?;
+    wall_runs_ms.push(wall);
+    let wall_ms = median(wall_runs_ms.clone());
     say(&format!(
-        "  {count} children answered in {wall_ms:.0} ms; idling {} s",
+        "  {count} children answered in {wall:.0} ms (median of {}: {wall_ms:.0} ms); idling {} s",
+        wall_runs_ms.len(),
         args.idle_secs
     ));
     let pids = pids_of(c, &ids).await?;
@@ -277,6 +287,7 @@ async fn measure(
     Ok(ScaleRow {
         mode,
         count,
+        wall_runs_ms,
         wall_ms,
         alive_after_idle,
         pss_mib,
@@ -288,6 +299,21 @@ async fn measure(
 }
 
 const MIB: f64 = 1024.0 * 1024.0;
+
+/// One fork of `count` in `mode` (its pool filled first), timed from the create request
+/// to every child having answered an exec; returns the children and the time in ms.
+async fn timed_fork(c: &Client, tag: &str, count: u32, mode: Mode) -> Result<(Vec<String>, f64)> {
+    if mode == Mode::Pool {
+        set_pool(c, tag, count).await?;
+    }
+    let t = Instant::now();
+    let (ids, _) = fork_and_exec(c, tag, count, mode).await?;
+    let wall = ms(t.elapsed());
+    if mode == Mode::Pool {
+        wait_pool(c, tag, 0).await?;
+    }
+    Ok((ids, wall))
+}
 
 /// Forks `count` children of `tag` through the API and runs `true` in each; returns
 /// their ids once every one has answered, and how long the create request took. In pool
@@ -506,15 +532,31 @@ fn print_report(r: &ScaleReport) {
         );
     }
     println!(
-        "  {:>5} {:>5} {:>10} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8}",
-        "mode", "N", "wall ms", "alive", "PSS MiB", "priv MiB", "host MiB", "idle CPU", "vs N=10"
+        "  {:>5} {:>5} {:>10} {:>13} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8}",
+        "mode",
+        "N",
+        "wall ms",
+        "(min-max)",
+        "alive",
+        "PSS MiB",
+        "priv MiB",
+        "host MiB",
+        "idle CPU",
+        "vs N=10"
     );
     for row in &r.rows {
+        let low = row
+            .wall_runs_ms
+            .iter()
+            .copied()
+            .fold(f64::INFINITY, f64::min);
+        let high = row.wall_runs_ms.iter().copied().fold(0.0, f64::max);
         println!(
-            "  {:>5} {:>5} {:>10.0} {:>3}/{:<3} {:>9.1} {:>9.1} {:>9.1} {:>8.2}% {:>8}",
+            "  {:>5} {:>5} {:>10.0} {:>13} {:>3}/{:<3} {:>9.1} {:>9.1} {:>9.1} {:>8.2}% {:>8}",
             format!("{:?}", row.mode).to_lowercase(),
             row.count,
             row.wall_ms,
+            format!("({low:.0}-{high:.0})"),
             row.alive_after_idle,
             row.count,
             row.pss_mib,
