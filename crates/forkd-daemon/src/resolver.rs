@@ -1,5 +1,8 @@
 //! The resolver each sandbox with a NIC asks for names: the gateway's port 53 (UDP and
-//! TCP) in its namespace, served by the daemon. Queries go upstream over UDP.
+//! TCP) in its namespace, served by the daemon. Queries go upstream over UDP; one the
+//! guest sent over TCP is asked again upstream over TCP when the UDP answer comes back
+//! truncated (a guest asking over UDP gets the truncated answer and asks again over TCP,
+//! as it would any server).
 //!
 //! It answers only what the sandbox's egress policy lets out (see
 //! [`EgressPolicy::resolves`]): other names are refused (REFUSED). Allowed queries go
@@ -100,7 +103,7 @@ async fn serve(
                 let policy = policy.borrow().clone();
                 let socket = socket.clone();
                 tokio::spawn(async move {
-                    if let Some(reply) = answer(&query, &policy, pid, upstream).await {
+                    if let Some(reply) = answer(&query, &policy, pid, upstream, false).await {
                         let _ = socket.send_to(&reply, from).await;
                     }
                     drop(permit);
@@ -130,7 +133,7 @@ async fn serve_tcp(
             .await
             .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "idle"))??;
         let current = policy.borrow().clone();
-        let Some(reply) = answer(&query, &current, pid, upstream).await else {
+        let Some(reply) = answer(&query, &current, pid, upstream, true).await else {
             return Ok(());
         };
         let Ok(n) = u16::try_from(reply.len()) else {
@@ -144,12 +147,14 @@ async fn serve_tcp(
 /// How long a TCP connection to the resolver may stay silent.
 const TCP_IDLE: Duration = Duration::from_secs(10);
 
-/// The reply to `query` (none for what is not a DNS query).
+/// The reply to `query`, which came over TCP when `over_tcp` (none for what is not a DNS
+/// query).
 async fn answer(
     query: &[u8],
     policy: &EgressPolicy,
     pid: u32,
     upstream: SocketAddr,
+    over_tcp: bool,
 ) -> Option<Vec<u8>> {
     let msg = Message::from_vec(query).ok()?;
     if msg.metadata.message_type != MessageType::Query {
@@ -160,7 +165,7 @@ async fn answer(
     if resolution == Resolution::Refused {
         return failure(&msg, ResponseCode::Refused);
     }
-    let reply = match forward(query, upstream).await {
+    let reply = match forward(query, upstream, over_tcp).await {
         Ok(reply) => reply,
         Err(e) => {
             tracing::debug!("resolving {name} upstream: {e}");
@@ -217,8 +222,60 @@ fn failure(query: &Message, code: ResponseCode) -> Option<Vec<u8>> {
     reply.to_vec().ok()
 }
 
-/// Asks `upstream` (from the daemon's own namespace) and returns its answer.
-async fn forward(query: &[u8], upstream: SocketAddr) -> std::io::Result<Vec<u8>> {
+/// Asks `upstream` (from the daemon's own namespace) and returns its answer: over UDP,
+/// and again over TCP when that answer is truncated and `over_tcp` (the guest asked over
+/// TCP, so it already had a truncated answer, or wants the whole one).
+async fn forward(query: &[u8], upstream: SocketAddr, over_tcp: bool) -> std::io::Result<Vec<u8>> {
+    let reply = within_timeout(forward_udp(query, upstream)).await?;
+    if over_tcp && truncated(&reply) {
+        return within_timeout(forward_tcp(query, upstream)).await;
+    }
+    Ok(reply)
+}
+
+async fn within_timeout(
+    f: impl std::future::Future<Output = std::io::Result<Vec<u8>>>,
+) -> std::io::Result<Vec<u8>> {
+    tokio::time::timeout(UPSTREAM_TIMEOUT, f)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer"))?
+}
+
+/// Whether a DNS message has its TC (truncated) flag: bit 1 of the header's third byte
+/// (RFC 1035 4.1.1).
+fn truncated(message: &[u8]) -> bool {
+    message.get(2).is_some_and(|b| b & 0x02 != 0)
+}
+
+/// Whether `reply` answers `query`: the same id, so a stray message is not the answer.
+fn same_id(query: &[u8], reply: &[u8]) -> bool {
+    reply.len() >= 2 && query.len() >= 2 && reply[..2] == query[..2]
+}
+
+/// One query over TCP, with its two-byte length either way (RFC 1035 4.2.2).
+async fn forward_tcp(query: &[u8], upstream: SocketAddr) -> std::io::Result<Vec<u8>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let len = u16::try_from(query.len())
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "query too long"))?;
+    let mut conn = tokio::net::TcpStream::connect(upstream).await?;
+    let mut framed = len.to_be_bytes().to_vec();
+    framed.extend_from_slice(query);
+    conn.write_all(&framed).await?;
+    let mut n = [0u8; 2];
+    conn.read_exact(&mut n).await?;
+    let mut reply = vec![0u8; usize::from(u16::from_be_bytes(n))];
+    conn.read_exact(&mut reply).await?;
+    if !same_id(query, &reply) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "the upstream server answered another query over TCP",
+        ));
+    }
+    Ok(reply)
+}
+
+/// One query over UDP.
+async fn forward_udp(query: &[u8], upstream: SocketAddr) -> std::io::Result<Vec<u8>> {
     let bind: SocketAddr = if upstream.is_ipv4() {
         (Ipv4Addr::UNSPECIFIED, 0).into()
     } else {
@@ -227,20 +284,16 @@ async fn forward(query: &[u8], upstream: SocketAddr) -> std::io::Result<Vec<u8>>
     let socket = UdpSocket::bind(bind).await?;
     socket.connect(upstream).await?;
     socket.send(query).await?;
-    let mut buf = vec![0u8; 4096];
-    let n = tokio::time::timeout(UPSTREAM_TIMEOUT, async {
-        loop {
-            let n = socket.recv(&mut buf).await?;
-            // The same id as the query's: a stray datagram is not the answer.
-            if n >= 2 && query.len() >= 2 && buf[..2] == query[..2] {
-                return Ok::<usize, std::io::Error>(n);
-            }
+    // The largest datagram: an EDNS answer may be bigger than 4 KiB, and a smaller
+    // buffer would cut it silently.
+    let mut buf = vec![0u8; 65_535];
+    loop {
+        let n = socket.recv(&mut buf).await?;
+        if same_id(query, &buf[..n]) {
+            buf.truncate(n);
+            return Ok(buf);
         }
-    })
-    .await
-    .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer"))??;
-    buf.truncate(n);
-    Ok(buf)
+    }
 }
 
 #[cfg(test)]
@@ -258,6 +311,77 @@ mod tests {
             "10.0.0.1:5353".parse().unwrap()
         );
         assert!(parse_upstream("resolver").is_err());
+    }
+
+    /// An upstream server on loopback that answers `name` truncated over UDP and with
+    /// `records` A records over TCP, on one port; returns its address.
+    async fn truncating_upstream(records: u8) -> SocketAddr {
+        use hickory_proto::rr::{rdata::A, Record};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (udp, tcp) = loop {
+            let udp = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+            if let Ok(tcp) = tokio::net::TcpListener::bind(udp.local_addr().unwrap()).await {
+                break (udp, tcp);
+            }
+        };
+        let addr = udp.local_addr().unwrap();
+        let reply = move |query: &[u8], full: bool| {
+            let q = Message::from_vec(query).unwrap();
+            let mut r = Message::response(q.metadata.id, q.metadata.op_code);
+            r.add_queries(q.queries.iter().cloned());
+            r.metadata.truncation = !full;
+            if full {
+                for i in 0..records {
+                    r.add_answer(Record::from_rdata(
+                        q.queries[0].name().clone(),
+                        300,
+                        RData::A(A(Ipv4Addr::new(198, 51, 100, i))),
+                    ));
+                }
+            }
+            r.to_vec().unwrap()
+        };
+        tokio::spawn(async move {
+            let mut buf = [0u8; 512];
+            while let Ok((n, from)) = udp.recv_from(&mut buf).await {
+                let _ = udp.send_to(&reply(&buf[..n], false), from).await;
+            }
+        });
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = tcp.accept().await {
+                let mut n = [0u8; 2];
+                conn.read_exact(&mut n).await.unwrap();
+                let mut query = vec![0u8; usize::from(u16::from_be_bytes(n))];
+                conn.read_exact(&mut query).await.unwrap();
+                let r = reply(&query, true);
+                let mut framed = u16::try_from(r.len()).unwrap().to_be_bytes().to_vec();
+                framed.extend_from_slice(&r);
+                conn.write_all(&framed).await.unwrap();
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn a_tcp_query_whose_udp_answer_is_truncated_is_asked_again_over_tcp() {
+        let upstream = truncating_upstream(100).await;
+        let mut q = Message::query();
+        q.metadata.id = 777;
+        q.add_query(hickory_proto::op::Query::query(
+            "big.test.".parse().unwrap(),
+            hickory_proto::rr::RecordType::A,
+        ));
+        let query = q.to_vec().unwrap();
+        // A guest asking over UDP gets the truncated answer, to ask again over TCP.
+        let over_udp = forward(&query, upstream, false).await.unwrap();
+        assert!(truncated(&over_udp));
+        // Over TCP it gets the whole answer, longer than any 512-byte datagram.
+        let over_tcp = forward(&query, upstream, true).await.unwrap();
+        assert!(!truncated(&over_tcp));
+        assert!(over_tcp.len() > 512, "{}", over_tcp.len());
+        let whole = Message::from_vec(&over_tcp).unwrap();
+        assert_eq!(whole.metadata.id, 777);
+        assert_eq!(whole.answers.len(), 100);
     }
 
     #[test]

@@ -131,51 +131,90 @@ impl TestHosts {
                 ]);
             }
         }
-        let netns = std::fs::File::open(format!("/var/run/netns/{}", self.ns)).unwrap();
-        let (ready_tx, ready) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            use hickory_proto::op::{Message, MessageType, ResponseCode};
-            use hickory_proto::rr::{rdata::A, RData, Record};
-            nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-            let socket = std::net::UdpSocket::bind((format!("{NET}.2"), 53)).unwrap();
-            ready_tx.send(()).unwrap();
-            let mut buf = [0u8; 4096];
-            // Ends with the process (the namespace, and the socket with it, outlive
+        for over_tcp in [false, true] {
+            let netns = std::fs::File::open(format!("/var/run/netns/{}", self.ns)).unwrap();
+            let (ready_tx, ready) = std::sync::mpsc::channel();
+            // Each ends with the process (the namespace, and the socket with it, outlive
             // nothing of the test).
-            while let Ok((n, from)) = socket.recv_from(&mut buf) {
-                let Ok(query) = Message::from_vec(&buf[..n]) else {
-                    continue;
-                };
-                let mut reply = Message::response(query.metadata.id, query.metadata.op_code);
-                reply.metadata.message_type = MessageType::Response;
-                reply.metadata.recursion_available = true;
-                reply.add_queries(query.queries.iter().cloned());
-                let q = &query.queries[0];
-                let name = q.name().to_ascii();
-                match RECORDS
-                    .iter()
-                    .find(|(n, _)| name.trim_end_matches('.') == *n)
-                {
-                    Some((_, addr)) if q.query_type() == hickory_proto::rr::RecordType::A => {
-                        reply.add_answer(Record::from_rdata(
-                            q.name().clone(),
-                            300,
-                            RData::A(A(addr.parse().unwrap())),
-                        ));
+            std::thread::spawn(move || {
+                nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+                let at = (format!("{NET}.2"), 53);
+                if over_tcp {
+                    let listener = std::net::TcpListener::bind(at).unwrap();
+                    ready_tx.send(()).unwrap();
+                    for mut conn in listener.incoming().flatten() {
+                        use std::io::{Read, Write};
+                        let mut n = [0u8; 2];
+                        let mut query = Vec::new();
+                        if conn.read_exact(&mut n).is_ok() {
+                            query.resize(usize::from(u16::from_be_bytes(n)), 0);
+                            let _ = conn.read_exact(&mut query);
+                        }
+                        if let Some(reply) = dns_reply(&query, true) {
+                            let mut framed = (reply.len() as u16).to_be_bytes().to_vec();
+                            framed.extend_from_slice(&reply);
+                            let _ = conn.write_all(&framed);
+                        }
                     }
-                    Some(_) => {}
-                    None => reply.metadata.response_code = ResponseCode::NXDomain,
+                } else {
+                    let socket = std::net::UdpSocket::bind(at).unwrap();
+                    ready_tx.send(()).unwrap();
+                    let mut buf = [0u8; 4096];
+                    while let Ok((n, from)) = socket.recv_from(&mut buf) {
+                        if let Some(reply) = dns_reply(&buf[..n], false) {
+                            let _ = socket.send_to(&reply, from);
+                        }
+                    }
                 }
-                let _ = socket.send_to(&reply.to_vec().unwrap(), from);
-            }
-        });
-        ready.recv().unwrap();
+            });
+            ready.recv().unwrap();
+        }
     }
 
     fn ns_end(&self) -> String {
         format!("nt{}n", std::process::id() % 100_000)
     }
 }
+
+/// The test's DNS server's answer to `query`, asked over TCP when `over_tcp`: the
+/// address of a name of [`RECORDS`], and for [`BIG_NAME`] [`BIG_COUNT`] addresses, too
+/// many for a 512-byte datagram, so that over UDP it answers truncated and empty.
+fn dns_reply(query: &[u8], over_tcp: bool) -> Option<Vec<u8>> {
+    use hickory_proto::op::{Message, MessageType, ResponseCode};
+    use hickory_proto::rr::{rdata::A, RData, Record};
+    let query = Message::from_vec(query).ok()?;
+    let mut reply = Message::response(query.metadata.id, query.metadata.op_code);
+    reply.metadata.message_type = MessageType::Response;
+    reply.metadata.recursion_available = true;
+    reply.add_queries(query.queries.iter().cloned());
+    let q = query.queries.first()?;
+    let name = q.name().to_ascii();
+    let name = name.trim_end_matches('.');
+    let is_a = q.query_type() == hickory_proto::rr::RecordType::A;
+    let a = |addr: std::net::Ipv4Addr| Record::from_rdata(q.name().clone(), 300, RData::A(A(addr)));
+    if name == BIG_NAME {
+        if !over_tcp {
+            reply.metadata.truncation = true;
+        } else if is_a {
+            for i in 0..BIG_COUNT {
+                reply.add_answer(a(std::net::Ipv4Addr::new(198, 51, 100, i)));
+            }
+        }
+        return reply.to_vec().ok();
+    }
+    match RECORDS.iter().find(|(n, _)| name == *n) {
+        Some((_, addr)) if is_a => {
+            reply.add_answer(a(addr.parse().unwrap()));
+        }
+        Some(_) => {}
+        None => reply.metadata.response_code = ResponseCode::NXDomain,
+    }
+    reply.to_vec().ok()
+}
+
+/// A name the test's DNS server answers with [`BIG_COUNT`] addresses.
+const BIG_NAME: &str = "big.test";
+const BIG_COUNT: u8 = 40;
 
 impl Drop for TestHosts {
     fn drop(&mut self) {
@@ -370,7 +409,8 @@ async fn egress_follows_the_policy_and_changes_while_the_child_runs(
 }
 
 /// DNS queries over TCP to the sandbox's resolver, by hand (the image has no DNS
-/// tools): prints each answer's response code and whether it holds the test's address.
+/// tools): prints each answer's response code, whether it holds the test's address, and
+/// how many answers it has.
 const TCP_QUERIES: &str = r#"python3 - <<'EOF'
 import socket, struct
 def ask(name):
@@ -385,9 +425,10 @@ def ask(name):
             break
         data += chunk
     reply = data[2:]
-    print(reply[3] & 15, socket.inet_aton("203.0.113.10") in reply)
+    print(reply[3] & 15, socket.inet_aton("203.0.113.10") in reply, struct.unpack(">H", reply[6:8])[0])
 ask("allowed.test")
 ask("other.test")
+ask("big.test")
 EOF"#;
 
 /// What `socket.gethostbyname(name)` says in the child (the error's name if it fails).
@@ -400,18 +441,20 @@ async fn names_resolve_only_when_allowed_and_open_only_what_they_resolved_to(
 ) {
     let id = fork_with(
         c,
-        json!({"allow": ["allowed.test", "*.private.test", "private.test"]}),
+        json!({"allow": ["allowed.test", "*.private.test", "private.test", BIG_NAME]}),
     )
     .await;
     // Nothing resolved yet: the address is not open.
     assert_ne!(connect(c, &id, "203.0.113.10", PORT).await, "ok");
     assert_eq!(resolve(c, &id, "allowed.test").await, "203.0.113.10");
     assert_eq!(connect(c, &id, "203.0.113.10", PORT).await, "ok");
-    // The same over TCP (RFC 1035 4.2.2): the answer's code and address, then a refusal.
+    // The same over TCP (RFC 1035 4.2.2): the answer's code, address and count, then a
+    // refusal, then a name whose answer the upstream server truncates over UDP: the
+    // resolver asks again over TCP, and the guest gets every address.
     let tcp = exec(c, &id, TCP_QUERIES).await;
     assert_eq!(
         String::from_utf8(common::b64(&tcp["stdout_b64"])).unwrap(),
-        "0 True\n5 False\n",
+        format!("0 True 1\n5 False 0\n0 False {BIG_COUNT}\n"),
         "{tcp}"
     );
     // A name not in the list is not answered, and its address stays shut.
