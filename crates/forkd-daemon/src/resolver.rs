@@ -224,11 +224,16 @@ fn failure(query: &Message, code: ResponseCode) -> Option<Vec<u8>> {
 
 /// Asks `upstream` (from the daemon's own namespace) and returns its answer: over UDP,
 /// and again over TCP when that answer is truncated and `over_tcp` (the guest asked over
-/// TCP, so it already had a truncated answer, or wants the whole one).
+/// TCP, so it already had a truncated answer, or wants the whole one). An upstream
+/// server that does not answer over TCP leaves the guest the truncated answer, which is
+/// what there is.
 async fn forward(query: &[u8], upstream: SocketAddr, over_tcp: bool) -> std::io::Result<Vec<u8>> {
     let reply = within_timeout(forward_udp(query, upstream)).await?;
     if over_tcp && truncated(&reply) {
-        return within_timeout(forward_tcp(query, upstream)).await;
+        match within_timeout(forward_tcp(query, upstream)).await {
+            Ok(whole) => return Ok(whole),
+            Err(e) => tracing::debug!("asking {upstream} again over TCP: {e}"),
+        }
     }
     Ok(reply)
 }
@@ -382,6 +387,23 @@ mod tests {
         let whole = Message::from_vec(&over_tcp).unwrap();
         assert_eq!(whole.metadata.id, 777);
         assert_eq!(whole.answers.len(), 100);
+
+        // An upstream server with nothing on TCP leaves the truncated answer, not a
+        // failure.
+        let udp_only = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let at = udp_only.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 512];
+            while let Ok((n, from)) = udp_only.recv_from(&mut buf).await {
+                let mut r = Message::from_vec(&buf[..n]).unwrap();
+                r.metadata.message_type = MessageType::Response;
+                r.metadata.truncation = true;
+                let _ = udp_only.send_to(&r.to_vec().unwrap(), from).await;
+            }
+        });
+        let partial = forward(&query, at, true).await.unwrap();
+        assert!(truncated(&partial));
+        assert_eq!(Message::from_vec(&partial).unwrap().metadata.id, 777);
     }
 
     #[test]
