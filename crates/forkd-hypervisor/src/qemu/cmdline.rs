@@ -97,9 +97,27 @@ pub struct Disk {
     pub base: Option<std::path::PathBuf>,
 }
 
-/// Builds the argument vector (without the program name). With `tap`, the NIC (if the
-/// VM has one) is backed by the tap device at [`TAP_FD`]; without, it has no peer.
+/// How a VM's guest comes to run: booted from its kernel, or restored from saved state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Start {
+    Boot,
+    Restore,
+}
+
+/// Builds the argument vector of a VM that boots its kernel (without the program name).
+/// With `tap`, the NIC (if the VM has one) is backed by the tap device at [`TAP_FD`];
+/// without, it has no peer.
 pub fn build(config: &VmConfig, disk: &Disk, hardening: &Hardening, tap: bool) -> Vec<OsString> {
+    assemble(config, disk, hardening, tap, Start::Boot)
+}
+
+fn assemble(
+    config: &VmConfig,
+    disk: &Disk,
+    hardening: &Hardening,
+    tap: bool,
+    start: Start,
+) -> Vec<OsString> {
     let backing_levels = disk.backing_levels;
     let mut args = Args::default();
     let mut machine = format!(
@@ -147,31 +165,9 @@ pub fn build(config: &VmConfig, disk: &Disk, hardening: &Hardening, tap: bool) -
     console.push(escape(config.console_socket().as_os_str()));
     args.push("-chardev").push(console);
     args.push("-serial").push("chardev:console0");
-    args.push("-kernel").push(config.kernel.as_os_str());
-    args.push("-initrd").push(config.initramfs.as_os_str());
-    let mut append = config.cmdline.clone();
-    if let (Accel::Tcg, GuestClock::HostTsc { khz }) = (config.accel, config.clock) {
-        // Told the rate, the kernel need not watch the TSC against another clock (there
-        // is none without the PIT): the watchdog woke the guest twice a second.
-        append.push_str(&format!(" tsc_early_khz={khz} tsc=reliable"));
+    if start == Start::Boot {
+        push_kernel(&mut args, config);
     }
-    // The guest kernel's speculation mitigations protect the guest's kernel from the
-    // guest's own processes, which in a sandbox run as root anyway; the host's side is
-    // the host kernel's and QEMU's business. Under TCG they cost a lot: a named Intel
-    // model (Westmere) makes the guest turn on page table isolation, a TLB flush at
-    // every kernel entry, which TCG pays for dearly (measured: a fork of 10 minimal
-    // children all answering took 1.4-1.8 s against 1.1 s without it). Under KVM the
-    // guest keeps its defaults.
-    if config.accel == Accel::Tcg {
-        append.push_str(" mitigations=off");
-        // Each wakeup of an idle guest costs the host real CPU under TCG: the lockup
-        // detectors and pressure-stall averaging wake it every few seconds for nothing
-        // a sandbox reads (measured with the other idle fixes: 0.37 % of a host core
-        // idle with them, 0.33 % without).
-        append.push_str(" nowatchdog psi=0");
-    }
-    args.push("-append").push(append);
-
     for fd in [DISK_RW_FD, DISK_RO_FD] {
         let mut add = OsString::from(format!("fd={fd},set={DISK_FDSET},opaque="));
         add.push(escape(config.root_disk.as_os_str()));
@@ -243,6 +239,38 @@ pub fn build(config: &VmConfig, disk: &Disk, hardening: &Hardening, tap: bool) -
     args.0
 }
 
+/// The kernel, initramfs and command line of a VM that boots. A restored VM gets none of
+/// them: its guest is past booting, and QEMU would read the whole kernel into its own
+/// memory and keep it there for the firmware interface (`fw_cfg`) to hand out at a boot
+/// that never comes, 13.5 MiB per child for Debian's cloud kernel. The device state
+/// loads without them: `fw_cfg` saves only its read position, not its files.
+fn push_kernel(args: &mut Args, config: &VmConfig) {
+    args.push("-kernel").push(config.kernel.as_os_str());
+    args.push("-initrd").push(config.initramfs.as_os_str());
+    let mut append = config.cmdline.clone();
+    if let (Accel::Tcg, GuestClock::HostTsc { khz }) = (config.accel, config.clock) {
+        // Told the rate, the kernel need not watch the TSC against another clock (there
+        // is none without the PIT): the watchdog woke the guest twice a second.
+        append.push_str(&format!(" tsc_early_khz={khz} tsc=reliable"));
+    }
+    // The guest kernel's speculation mitigations protect the guest's kernel from the
+    // guest's own processes, which in a sandbox run as root anyway; the host's side is
+    // the host kernel's and QEMU's business. Under TCG they cost a lot: a named Intel
+    // model (Westmere) makes the guest turn on page table isolation, a TLB flush at
+    // every kernel entry, which TCG pays for dearly (measured: a fork of 10 minimal
+    // children all answering took 1.4-1.8 s against 1.1 s without it). Under KVM the
+    // guest keeps its defaults.
+    if config.accel == Accel::Tcg {
+        append.push_str(" mitigations=off");
+        // Each wakeup of an idle guest costs the host real CPU under TCG: the lockup
+        // detectors and pressure-stall averaging wake it every few seconds for nothing
+        // a sandbox reads (measured with the other idle fixes: 0.37 % of a host core
+        // idle with them, 0.33 % without).
+        append.push_str(" nowatchdog psi=0");
+    }
+    args.push("-append").push(append);
+}
+
 /// The command line of a VM restored from saved device state: QEMU starts with
 /// `-incoming defer` and waits, paused, for `migrate-incoming` over QMP. (Giving the
 /// source on the command line does not work with `x-ignore-shared`: the capability must
@@ -253,7 +281,7 @@ pub fn build_restore(
     hardening: &Hardening,
     tap: bool,
 ) -> Vec<OsString> {
-    let mut args = build(config, disk, hardening, tap);
+    let mut args = assemble(config, disk, hardening, tap, Start::Restore);
     args.push("-incoming".into());
     args.push("defer".into());
     args
@@ -479,6 +507,24 @@ mod tests {
             "KVM guests have their own clock"
         );
         assert!(!s.contains("mitigations"), "{s}");
+    }
+
+    #[test]
+    fn only_a_booting_vm_is_given_its_kernel() {
+        let c = config();
+        let boot = joined(&c);
+        assert!(
+            boot.contains("-kernel /k -initrd /i -append console=ttyS0"),
+            "{boot}"
+        );
+        let restore = build_restore(&c, &Disk::default(), &Hardening::default(), false)
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect::<Vec<_>>();
+        for flag in ["-kernel", "-initrd", "-append"] {
+            assert!(!restore.iter().any(|a| a == flag), "{restore:?}");
+        }
+        assert!(restore.ends_with(&["-incoming".into(), "defer".into()]));
     }
 
     #[test]
