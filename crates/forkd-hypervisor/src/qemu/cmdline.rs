@@ -41,11 +41,11 @@ pub const MEMORY_ID: &str = "mem";
 
 /// The environment variable that caps TCG's translation buffer, in MiB (QEMU's
 /// `tb-size`). Unset, QEMU's default applies: the buffer grows with the code the guest
-/// has run, ~26 MiB per python child after its first exec, nearly half of what a child
+/// has run, ~26 MiB per python child after its first exec, over half of what a child
 /// costs the host. A cap trades that memory for CPU: the buffer is emptied when full and
-/// the code translated again (measured, python children under TCG: 16 MiB cut host
-/// memory per child from ~62 to ~39 MiB, and made a first exec cost 30 % more CPU and
-/// an idle child 0.14 % of a core instead of 0.08 %; 8 MiB cost 2.4 times the CPU).
+/// the code translated again (measured, 10 python children under TCG: 16 MiB cut host
+/// memory per child from ~50 to ~32 MiB and made a first exec cost 10-15 % more CPU;
+/// 8 MiB cost 2.4 times the CPU).
 pub const TB_MIB_ENV: &str = "FORKD_TCG_TB_MIB";
 
 /// The translation buffer cap [`TB_MIB_ENV`] asks for, read once per process; an error
