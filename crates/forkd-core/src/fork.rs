@@ -458,10 +458,18 @@ impl PreparedChild {
         }
     }
 
-    /// Ends the VM and removes the child's files.
+    /// Ends the VM, waits (up to 10 s) until its process is gone, and removes the
+    /// child's files: a pool that shrinks or a snapshot about to be removed then has no
+    /// QEMU of the member left holding its files.
     pub async fn discard(self) {
         self.agent.close();
         self.vm.kill();
+        if tokio::time::timeout(Duration::from_secs(10), self.vm.wait_exit())
+            .await
+            .is_err()
+        {
+            tracing::warn!(id = %self.config.id, "a discarded pool member's QEMU did not exit within 10 s of SIGKILL");
+        }
         drop(self.guard);
     }
 }
