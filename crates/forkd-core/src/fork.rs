@@ -409,14 +409,14 @@ async fn warm_launch_path(agent: &AgentClient, timeout: Duration) {
         forkd_proto::exec::ExecRequest::new(forkd_proto::exec::Command::Shell("exit".into()));
     req.timeout_ms = u64::try_from(timeout.as_millis()).ok();
     for _ in 0..2 {
-        match tokio::time::timeout(timeout, agent.exec_output(req.clone(), None)).await {
-            Ok(Ok(r)) if r.status.success() => continue,
-            Ok(Ok(r)) => tracing::debug!("warming a pool member's launch path: {:?}", r.status),
-            Ok(Err(e)) => tracing::debug!("warming a pool member's launch path: {e}"),
-            Err(_) => {
-                tracing::debug!("warming a pool member's launch path: no answer in {timeout:?}")
-            }
-        }
+        let failure =
+            match tokio::time::timeout(timeout, agent.exec_output(req.clone(), None)).await {
+                Ok(Ok(r)) if r.status.success() => continue,
+                Ok(Ok(r)) => format!("{:?}", r.status),
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("no answer in {timeout:?}"),
+            };
+        tracing::debug!("warming a pool member's launch path: {failure}");
         return;
     }
 }
