@@ -17,6 +17,7 @@ pub mod lifeline;
 pub mod network;
 pub mod process;
 pub mod qemu;
+pub mod sched;
 pub mod smaps;
 
 pub use accel::{Accel, AccelChoice};

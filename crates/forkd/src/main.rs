@@ -133,7 +133,11 @@ fn main() {
         eprintln!("forkd: {e}");
         std::process::exit(2);
     }
-    if let Err(e) = forkd_hypervisor::qemu::cmdline::tcg_tb_mib() {
+    let env_checks = [
+        forkd_hypervisor::qemu::cmdline::tcg_tb_mib().map(drop),
+        forkd_hypervisor::sched::tcg_sched().map(drop),
+    ];
+    if let Some(Err(e)) = env_checks.into_iter().find(Result::is_err) {
         eprintln!("forkd: {e}");
         std::process::exit(2);
     }

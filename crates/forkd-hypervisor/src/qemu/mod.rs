@@ -9,7 +9,8 @@ pub mod qmp;
 pub mod version;
 
 use crate::cgroup::Cgroups;
-use crate::{HypervisorError, Vm, VmConfig, VmStatus};
+use crate::sched::VmSched;
+use crate::{Accel, HypervisorError, Vm, VmConfig, VmStatus};
 use async_trait::async_trait;
 use qmp::Qmp;
 use serde_json::json;
@@ -296,6 +297,16 @@ impl QemuVm {
                 cmd.pre_exec(|| {
                     nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
                         .map_err(std::io::Error::from)
+                });
+            }
+        }
+        if config.accel == Accel::Tcg && crate::sched::tcg_sched() == Ok(VmSched::Batch) {
+            // SAFETY: runs in the forked child before exec; make_batch only makes system
+            // calls.
+            unsafe {
+                cmd.pre_exec(|| {
+                    crate::sched::make_batch();
+                    Ok(())
                 });
             }
         }
