@@ -10,7 +10,8 @@
 //! All of QEMU's threads inherit both.
 //!
 //! Measured on a 2-core host, python children from a warm pool, each then running
-//! `true` (QEMU's CPU per child for that exec; 10 and 100 children at once):
+//! `true` (QEMU's CPU per child for that exec; 10 and 100 children at once; the policy
+//! set on the children after the fork):
 //!
 //! | policy | 10 | 100 |
 //! |---|---|---|
@@ -18,9 +19,13 @@
 //! | `SCHED_BATCH` | 0.063 | 0.088 |
 //! | `SCHED_BATCH`, 20 ms slice | 0.057 | 0.075 |
 //!
-//! Context switches per child fell from ~300 to ~90 at 100 children. The daemon and
-//! everything else on the host keep the default policy, so they still preempt VMs at
-//! once. The cost: under overload a VM's wakeup (a packet, a timer) can wait for the
+//! Started that way, against the default in interleaved runs: 0.068-0.074 against
+//! 0.089-0.096 at 100 children, a fresh fork of 100 with its execs 29.4 s against
+//! 33.6 s, idle CPU the same; context switches per child ~360 against ~95 at 100
+//! children.
+//!
+//! The daemon and everything else on the host keep the default policy, so their
+//! wakeups may still preempt a VM. The cost: under overload a VM's wakeup (a packet, a timer) can wait for the
 //! running VM's slice to end. KVM VMs keep the default: their vCPUs run in the guest,
 //! not in translated code, and nothing was measured there.
 //! [`SCHED_ENV`]`=normal` keeps the default for TCG too.
