@@ -196,7 +196,7 @@ fn pids() -> Vec<i32> {
 }
 
 /// Reaps zombies that were re-parented to PID 1 and are not the agent's own children
-/// (those are tokio's to wait for). Runs on every SIGCHLD, so once per command.
+/// (those are tokio's to wait for). Runs on every SIGCHLD, so at least once per command.
 fn reap_once(children: &Children) {
     children.with_locked(|ours| match own_children() {
         // waitpid with WNOHANG reaps a zombie and leaves a running child alone, so
@@ -223,8 +223,9 @@ fn reap_once(children: &Children) {
 /// Why not scan all of /proc: that reads every process's `stat`, ~50 of them in a guest
 /// (mostly kernel threads), on every command's exit. Under TCG a `true` run through the
 /// agent cost QEMU ~19 ms of CPU with that scan and ~14 ms with these lists (python
-/// template, 20 runs each). The lists can miss a child while another one exits during
-/// the read (see proc(5)); a zombie missed so is reaped on the next SIGCHLD.
+/// template, 20 runs each). A list can skip an entry when another child of the same
+/// thread is reaped during the read (tokio waiting for one of the agent's own; see
+/// proc(5)); an orphan missed so stays a zombie until the next SIGCHLD.
 fn own_children() -> Option<Vec<i32>> {
     let mut pids = Vec::new();
     for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
@@ -347,21 +348,34 @@ mod tests {
     }
 
     /// A child started by another thread is listed too: the agent starts commands from
-    /// tokio's worker and blocking threads, not only from its main thread.
+    /// tokio's worker and blocking threads, not only from its main thread. The thread
+    /// lives on while the lists are read, so the child is not under the main thread.
     #[test]
     fn own_children_lists_those_started_by_any_thread() {
-        let mut child = std::thread::spawn(|| {
-            std::process::Command::new("sleep")
+        let (spawned, got_pid) = std::sync::mpsc::channel();
+        let (done, wait_done) = std::sync::mpsc::channel::<()>();
+        let spawner = std::thread::spawn(move || {
+            let mut child = std::process::Command::new("sleep")
                 .arg("30")
                 .spawn()
-                .expect("spawn sleep")
-        })
-        .join()
-        .expect("thread");
+                .expect("spawn sleep");
+            spawned.send(child.id() as i32).expect("send pid");
+            let _ = wait_done.recv();
+            let _ = child.kill();
+            let _ = child.wait();
+        });
+        let pid = got_pid.recv().expect("pid");
         let listed = own_children().expect("this kernel has the children lists");
-        let _ = child.kill();
-        let _ = child.wait();
-        assert!(listed.contains(&(child.id() as i32)), "{listed:?}");
+        let main_thread =
+            std::fs::read_to_string(format!("/proc/self/task/{}/children", std::process::id()))
+                .expect("the main thread's list");
+        done.send(()).expect("release the spawner");
+        spawner.join().expect("spawner");
+        assert!(listed.contains(&pid), "{listed:?}");
+        assert!(
+            !main_thread.split_whitespace().any(|p| p == pid.to_string()),
+            "{main_thread}"
+        );
         assert!(!listed.contains(&(std::process::id() as i32)));
     }
 }

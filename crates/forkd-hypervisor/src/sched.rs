@@ -21,17 +21,18 @@
 //!
 //! Started that way, against the default in interleaved runs: 0.068-0.074 against
 //! 0.089-0.096 at 100 children, a fresh fork of 100 with its execs 29.4 s against
-//! 33.6 s, idle CPU the same; context switches per child ~360 against ~95 at 100
+//! 33.6 s, idle CPU the same; context switches per child ~95 against ~360 at 100
 //! children.
 //!
 //! The daemon and everything else on the host keep the default policy, so their
-//! wakeups may still preempt a VM. The cost: under overload a VM's wakeup (a packet, a timer) can wait for the
-//! running VM's slice to end. KVM VMs keep the default: their vCPUs run in the guest,
-//! not in translated code, and nothing was measured there.
-//! [`SCHED_ENV`]`=normal` keeps the default for TCG too.
+//! wakeups may still preempt a VM. The cost: under overload a VM's wakeup (a packet, a
+//! timer) can wait for the running VM's slice to end. KVM VMs keep the policy they inherit: their vCPUs run in
+//! the guest, not in translated code, and nothing was measured there.
+//! [`SCHED_ENV`]`=normal` does the same for TCG.
 
 /// The environment variable that picks the scheduling of TCG VMs: `batch` (the
-/// default) or `normal` (the host's default policy).
+/// default) or `normal` (QEMU inherits the policy of whoever starts it, as KVM VMs
+/// always do).
 pub const SCHED_ENV: &str = "FORKD_VM_SCHED";
 
 /// The slice a batch VM's threads ask for.
@@ -40,7 +41,8 @@ const BATCH_SLICE_NS: u64 = 20_000_000;
 /// How a VM's process is scheduled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum VmSched {
-    /// The host's default (`SCHED_OTHER`, default slice).
+    /// Whatever the starting thread has (the host's default unless the daemon itself
+    /// was started otherwise, e.g. under `chrt`).
     Normal,
     /// `SCHED_BATCH` with a [`BATCH_SLICE_NS`] slice.
     Batch,
@@ -63,100 +65,106 @@ pub fn tcg_sched() -> Result<VmSched, String> {
         .clone()
 }
 
-/// `struct sched_attr` as sched_setattr(2) takes it (its first version, 48 bytes).
-#[repr(C)]
-struct SchedAttr {
-    size: u32,
-    policy: u32,
-    flags: u64,
-    nice: i32,
-    priority: u32,
-    runtime: u64,
-    deadline: u64,
-    period: u64,
+/// Makes the calling thread `SCHED_BATCH` with the batch slice, keeping its nice value.
+/// Where the kernel refuses that, the policy alone; where it refuses that too, nothing:
+/// how a VM is scheduled never stops it from starting. For `pre_exec`, where the caller
+/// is a VM's process about to exec QEMU (whose threads then inherit it): only makes
+/// system calls, so it is async-signal-safe.
+pub(crate) fn make_batch() {
+    if set_batch_attr().is_err() {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: sched_setscheduler reads `param`, for the calling thread (pid 0).
+        unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
+    }
 }
 
-/// Makes the calling thread (in a VM's process before exec: the threads QEMU starts
-/// inherit it) `SCHED_BATCH` with the batch slice, keeping its nice value. Where the
-/// kernel refuses the slice, the policy alone; where it refuses that too, nothing: how
-/// the VM is scheduled never stops it from starting. Only makes system calls, so it is
-/// async-signal-safe (for `pre_exec`).
-pub fn make_batch() {
-    // SAFETY: getpriority reads this process's nice value; -1 is also a valid value and
-    // only matters when the call fails, which it cannot for the caller itself.
+/// sched_setattr(2) of the calling thread: `SCHED_BATCH`, [`BATCH_SLICE_NS`] as its
+/// slice (kernels before 6.12 ignore a fair policy's runtime), its nice value kept.
+fn set_batch_attr() -> std::io::Result<()> {
+    // SAFETY: getpriority reads the calling thread's nice value (on Linux nice is per
+    // thread). -1 is also a valid value; the call cannot fail for the caller itself.
     let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
-    let attr = SchedAttr {
-        size: std::mem::size_of::<SchedAttr>() as u32,
-        policy: libc::SCHED_BATCH as u32,
-        flags: 0,
-        nice,
-        priority: 0,
-        runtime: BATCH_SLICE_NS,
-        deadline: 0,
-        period: 0,
+    let attr = libc::sched_attr {
+        size: std::mem::size_of::<libc::sched_attr>() as u32,
+        sched_policy: libc::SCHED_BATCH as u32,
+        sched_flags: 0,
+        sched_nice: nice,
+        sched_priority: 0,
+        sched_runtime: BATCH_SLICE_NS,
+        sched_deadline: 0,
+        sched_period: 0,
     };
     // SAFETY: sched_setattr reads `attr`, a valid sched_attr of the size it states, for
     // the calling thread (pid 0).
-    let rc = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) };
-    if rc != 0 {
-        let param = libc::sched_param { sched_priority: 0 };
-        // SAFETY: sched_setscheduler reads `param` for the calling process.
-        unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_sched_setattr,
+            0,
+            &attr as *const libc::sched_attr,
+            0,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::process::CommandExt;
 
-    /// Field 41 of /proc/<pid>/stat: the scheduling policy.
-    fn policy_of(pid: u32) -> u32 {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
-        let fields: Vec<&str> = stat[stat.rfind(')').expect(")") + 2..]
-            .split_whitespace()
-            .collect();
-        // Fields after the command name start at 3 (state).
-        fields[41 - 3].parse().expect("policy")
+    /// sched_getattr(2) of thread `tid` (0: the caller).
+    fn attr_of(tid: libc::pid_t) -> libc::sched_attr {
+        // SAFETY: all-zero is a valid sched_attr (plain integers).
+        let mut attr: libc::sched_attr = unsafe { std::mem::zeroed() };
+        let size = std::mem::size_of::<libc::sched_attr>() as u32;
+        // SAFETY: sched_getattr writes at most `size` bytes into `attr`.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_sched_getattr,
+                tid,
+                &mut attr as *mut libc::sched_attr,
+                size,
+                0,
+            )
+        };
+        assert_eq!(rc, 0, "sched_getattr: {}", std::io::Error::last_os_error());
+        attr
     }
 
+    fn gettid() -> libc::pid_t {
+        // SAFETY: gettid cannot fail.
+        unsafe { libc::gettid() }
+    }
+
+    /// In a thread of its own (policy and nice are per thread, so the test's other
+    /// threads are untouched): the attribute call itself succeeds, keeps the nice value,
+    /// sets the slice where the kernel has custom slices, and a thread started
+    /// afterwards inherits all of it, as QEMU's threads do.
     #[test]
-    fn a_batch_process_and_the_threads_it_starts_are_batch() {
-        let mut cmd = std::process::Command::new("python3");
-        cmd.args([
-            "-c",
-            "import threading,time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)",
-        ]);
-        // SAFETY: make_batch only makes system calls.
-        unsafe {
-            cmd.pre_exec(|| {
-                make_batch();
-                Ok(())
-            });
-        }
-        let mut child = cmd.spawn().expect("spawn python3");
-        let pid = child.id();
-        // Wait until the second thread exists.
-        let tasks = format!("/proc/{pid}/task");
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        let threads = loop {
-            let tids: Vec<u32> = std::fs::read_dir(&tasks)
-                .expect("tasks")
-                .flatten()
-                .filter_map(|e| e.file_name().to_str()?.parse().ok())
-                .collect();
-            if tids.len() >= 2 || std::time::Instant::now() > deadline {
-                break tids;
+    fn a_batch_thread_keeps_its_nice_and_the_threads_it_starts_inherit_it() {
+        std::thread::spawn(|| {
+            // SAFETY: setpriority changes the calling thread's nice value.
+            let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 5) };
+            assert_eq!(rc, 0);
+            // A kernel with custom slices reports an ordinary thread's slice as its
+            // runtime; an older one reports 0 and ignores the one asked for.
+            let custom_slices = attr_of(0).sched_runtime != 0;
+            set_batch_attr().expect("sched_setattr");
+            let inherited = std::thread::spawn(|| attr_of(gettid()))
+                .join()
+                .expect("inner thread");
+            for attr in [attr_of(0), inherited] {
+                assert_eq!(attr.sched_policy, libc::SCHED_BATCH as u32);
+                assert_eq!(attr.sched_nice, 5);
+                if custom_slices {
+                    assert_eq!(attr.sched_runtime, BATCH_SLICE_NS);
+                }
             }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        };
-        let policies: Vec<u32> = threads.iter().map(|tid| policy_of(*tid)).collect();
-        let _ = child.kill();
-        let _ = child.wait();
-        assert!(threads.len() >= 2, "the second thread never started");
-        assert!(
-            policies.iter().all(|p| *p == libc::SCHED_BATCH as u32),
-            "{policies:?}"
-        );
+        })
+        .join()
+        .expect("test thread");
     }
 }

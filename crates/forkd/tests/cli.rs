@@ -171,6 +171,19 @@ fn bad_arguments_are_refused_clearly() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+
+    let out = forkd()
+        .env("FORKD_VM_SCHED", "lots")
+        .args(["run", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("FORKD_VM_SCHED=\"lots\": must be batch or normal"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
