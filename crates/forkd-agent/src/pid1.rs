@@ -198,22 +198,26 @@ fn pids() -> Vec<i32> {
 /// Reaps zombies that were re-parented to PID 1 and are not the agent's own children
 /// (those are tokio's to wait for). Runs on every SIGCHLD, so at least once per command.
 fn reap_once(children: &Children) {
-    children.with_locked(|ours| match own_children() {
-        // waitpid with WNOHANG reaps a zombie and leaves a running child alone, so
-        // nothing needs reading per child.
-        Some(pids) => {
-            for pid in pids.into_iter().filter(|p| !ours.contains(&(*p as u32))) {
-                let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
-            }
-        }
-        None => {
-            for pid in pids() {
-                if matches!(proc_stat(pid), Some(('Z', 1))) && !ours.contains(&(pid as u32)) {
-                    let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
-                }
-            }
+    children.with_locked(|ours| {
+        // waitpid with WNOHANG reaps a zombie and leaves a running child alone, so the
+        // children lists need no reading per child.
+        let candidates = own_children().unwrap_or_else(orphaned_zombies);
+        for pid in candidates
+            .into_iter()
+            .filter(|p| !ours.contains(&(*p as u32)))
+        {
+            let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
         }
     });
+}
+
+/// Zombies whose parent is PID 1, from a scan of every /proc entry: for kernels without
+/// the children lists [`own_children`] reads.
+fn orphaned_zombies() -> Vec<i32> {
+    pids()
+        .into_iter()
+        .filter(|pid| matches!(proc_stat(*pid), Some(('Z', 1))))
+        .collect()
 }
 
 /// PID 1's children, from each of its threads' `/proc/self/task/<tid>/children` (a

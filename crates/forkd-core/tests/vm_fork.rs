@@ -77,6 +77,25 @@ async fn five_children_of_minimal_are_isolated_and_leave_the_template_untouched(
         .unwrap()
         .status
         .success());
+    // Under TCG (and FORKD_VM_SCHED unset) every thread of a child's QEMU runs as
+    // SCHED_BATCH, which the threads QEMU started after exec inherited.
+    if m.accel == forkd_hypervisor::Accel::Tcg
+        && std::env::var_os(forkd_hypervisor::sched::SCHED_ENV).is_none()
+    {
+        let pid = again[0].pid().expect("the child's QEMU runs");
+        let policies: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .flatten()
+            .map(|t| {
+                let stat = std::fs::read_to_string(t.path().join("stat")).unwrap();
+                // Field 41, counted from the state (field 3) after the command name.
+                let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+                after_name.split(' ').nth(41 - 3).unwrap().to_owned()
+            })
+            .collect();
+        assert!(policies.len() > 1, "{policies:?}");
+        assert!(policies.iter().all(|p| p == "3"), "{policies:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

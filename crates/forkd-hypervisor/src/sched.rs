@@ -65,12 +65,27 @@ pub fn tcg_sched() -> Result<VmSched, String> {
         .clone()
 }
 
+/// Has the VM process `cmd` starts scheduled as [`SCHED_ENV`] asks when `accel` is TCG;
+/// otherwise it inherits the policy of the thread that starts it.
+pub(crate) fn schedule(cmd: &mut tokio::process::Command, accel: crate::Accel) {
+    if accel == crate::Accel::Tcg && tcg_sched() == Ok(VmSched::Batch) {
+        // SAFETY: runs in the forked child before exec; make_batch only makes system
+        // calls.
+        unsafe {
+            cmd.pre_exec(|| {
+                make_batch();
+                Ok(())
+            });
+        }
+    }
+}
+
 /// Makes the calling thread `SCHED_BATCH` with the batch slice, keeping its nice value.
 /// Where the kernel refuses that, the policy alone; where it refuses that too, nothing:
 /// how a VM is scheduled never stops it from starting. For `pre_exec`, where the caller
 /// is a VM's process about to exec QEMU (whose threads then inherit it): only makes
 /// system calls, so it is async-signal-safe.
-pub(crate) fn make_batch() {
+fn make_batch() {
     if set_batch_attr().is_err() {
         let param = libc::sched_param { sched_priority: 0 };
         // SAFETY: sched_setscheduler reads `param`, for the calling thread (pid 0).

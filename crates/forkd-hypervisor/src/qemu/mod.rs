@@ -9,8 +9,7 @@ pub mod qmp;
 pub mod version;
 
 use crate::cgroup::Cgroups;
-use crate::sched::VmSched;
-use crate::{Accel, HypervisorError, Vm, VmConfig, VmStatus};
+use crate::{HypervisorError, Vm, VmConfig, VmStatus};
 use async_trait::async_trait;
 use qmp::Qmp;
 use serde_json::json;
@@ -300,16 +299,7 @@ impl QemuVm {
                 });
             }
         }
-        if config.accel == Accel::Tcg && crate::sched::tcg_sched() == Ok(VmSched::Batch) {
-            // SAFETY: runs in the forked child before exec; make_batch only makes system
-            // calls.
-            unsafe {
-                cmd.pre_exec(|| {
-                    crate::sched::make_batch();
-                    Ok(())
-                });
-            }
-        }
+        crate::sched::schedule(&mut cmd, config.accel);
         // Opened here, written by the child before exec: QEMU's first allocation is
         // already counted and bounded.
         let procs = match &cgroup {
