@@ -19,9 +19,9 @@ use forkd_proto::exec::{Command, ExecRequest};
 use sha2::{Digest, Sha256};
 use std::time::Instant;
 
-/// Removes the scratch directories of customisations and docker-archive reads that a
-/// stopped process left in the images' scratch area. Only when none is in progress: at
-/// the daemon's start. (The image builders' own sweep leaves them alone: a build VM
+/// Removes the scratch directories of customisations, docker-archive reads and image
+/// uploads that a stopped process left in the images' scratch area. Only when none is
+/// in progress: at the daemon's start. (The image builders' own sweep leaves them alone: a build VM
 /// runs without their lock.)
 pub fn remove_leftovers(home: &Home) {
     let Ok(entries) = std::fs::read_dir(home.tmp_dir()) else {
@@ -29,7 +29,10 @@ pub fn remove_leftovers(home: &Home) {
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with(custom_rootfs::SCRATCH_PREFIX) || name.starts_with("docker-archive-") {
+        if name.starts_with(custom_rootfs::SCRATCH_PREFIX)
+            || name.starts_with("docker-archive-")
+            || name.starts_with(crate::oci::upload::SCRATCH_PREFIX)
+        {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }

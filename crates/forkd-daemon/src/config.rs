@@ -45,6 +45,9 @@ pub struct DaemonConfig {
     /// The DNS server sandboxes' resolvers forward allowed names to (default: the
     /// host's first nameserver); none: sandboxes get no resolver.
     pub dns_upstream: Option<SocketAddr>,
+    /// The directories under which a recipe sent through the API may name image
+    /// archives and layouts on this host (`--import-dir`; none by default).
+    pub import_dirs: crate::import_dirs::ImportDirs,
 }
 
 /// PEM files of the TCP listener's certificate chain and private key.
@@ -129,6 +132,7 @@ impl DaemonConfig {
             e2b: None,
             registries: Default::default(),
             dns_upstream: crate::resolver::default_upstream(),
+            import_dirs: Default::default(),
         }
     }
 

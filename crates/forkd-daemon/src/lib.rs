@@ -3,6 +3,7 @@
 //! and, when asked, on TCP with a bearer token and TLS.
 //!
 //! - [`config`]: how it runs, checked before anything starts.
+//! - [`import_dirs`]: the host paths a client's recipe may name (none by default).
 //! - [`admission`]: what a fork's children really cost, checked against the host's memory.
 //! - [`owner`]: the lock that makes a daemon the one owner of its data directory.
 //! - [`state`]: the SQLite database (sandboxes, operations).
@@ -23,6 +24,7 @@ pub mod branch;
 pub mod client;
 pub mod config;
 pub mod e2b;
+pub mod import_dirs;
 pub mod metrics;
 pub mod owner;
 pub mod pool;

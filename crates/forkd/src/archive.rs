@@ -247,6 +247,17 @@ pub async fn upload(
         let len = f.metadata().await?.len();
         (Box::new(f), Some(len))
     };
+    send_tar(client, &format!("/v1/archives{query}"), source, len).await
+}
+
+/// Posts the tar read from `source` (`len` bytes, when known) to `path`, with a
+/// progress bar; returns the daemon's JSON answer.
+pub(crate) async fn send_tar(
+    client: &Client,
+    path: &str,
+    source: Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+    len: Option<u64>,
+) -> Result<serde_json::Value> {
     let progress = bar(len, "sending");
     let sent = progress.clone();
     let stream = tokio_util::io::ReaderStream::with_capacity(source, 1 << 20).map(move |chunk| {
@@ -257,13 +268,7 @@ pub async fn upload(
     });
     let body = http_body_util::StreamBody::new(stream);
     let resp = client
-        .send_stream(
-            Method::POST,
-            &format!("/v1/archives{query}"),
-            "application/x-tar",
-            len,
-            body,
-        )
+        .send_stream(Method::POST, path, "application/x-tar", len, body)
         .await?;
     progress.finish_and_clear();
     if !resp.status().is_success() {

@@ -65,6 +65,11 @@ pub struct DaemonArgs {
     /// /etc/resolv.conf).
     #[arg(long, value_parser = forkd_daemon::resolver::parse_upstream)]
     dns_upstream: Option<SocketAddr>,
+    /// A directory under which recipes sent through the API may name image archives and
+    /// layouts (`from = "docker-archive:/DIR/x.tar"`) for the daemon to read (repeatable;
+    /// by default none: clients send images instead).
+    #[arg(long)]
+    import_dir: Vec<PathBuf>,
 }
 
 fn parse_alias(s: &str) -> Result<(String, String), String> {
@@ -99,6 +104,7 @@ pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
     if let Some(up) = args.dns_upstream {
         config.dns_upstream = Some(up);
     }
+    config.import_dirs = forkd_daemon::import_dirs::ImportDirs::new(&args.import_dir)?;
     if let Some(k) = args.fork_parallelism {
         config.fork_parallelism = k as usize;
     }

@@ -16,6 +16,7 @@ mod registry;
 mod remote;
 mod run;
 mod sandboxes;
+mod send_image;
 mod snapshots;
 
 use anyhow::Result;

@@ -131,7 +131,13 @@ pub async fn build_template(
     let mut body = if name.ends_with(".toml") || name.contains('/') {
         use base64::Engine;
         let recipe = Recipe::load(&PathBuf::from(name))?;
-        let text = std::fs::read_to_string(name).with_context(|| format!("reading {name}"))?;
+        let mut text = std::fs::read_to_string(name).with_context(|| format!("reading {name}"))?;
+        // An image on this host is sent: the daemon opens no host path for a client.
+        if let Some(from) = &recipe.from {
+            if let Some(sent) = crate::send_image::send_local_image(client, &text, from).await? {
+                text = sent;
+            }
+        }
         // Its files go along: the daemon may be on another host.
         let files: serde_json::Map<String, Value> = recipe
             .read_files()?

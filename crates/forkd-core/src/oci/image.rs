@@ -35,6 +35,9 @@ pub enum ImageSource {
         /// The image's `REPO:TAG`.
         tag: Option<String>,
     },
+    /// An image sent to the daemon (`upload:sha256:<hex>`, see [`super::upload`]), by
+    /// the hex digest of its manifest.
+    Upload(String),
 }
 
 impl ImageSource {
@@ -61,8 +64,27 @@ impl ImageSource {
                 tag,
             });
         }
+        if let Some(rest) = s.strip_prefix(super::upload::SCHEME) {
+            let hex = super::hex_of(rest).ok_or_else(|| {
+                ArchiveError::Refused(format!(
+                    "{s:?} is not an uploaded image's name ({}sha256:<64 hex digits>)",
+                    super::upload::SCHEME
+                ))
+            })?;
+            return Ok(ImageSource::Upload(hex.to_owned()));
+        }
         registry::parse_reference(s)?;
         Ok(ImageSource::Registry(s.to_owned()))
+    }
+
+    /// The host file or directory it names, if any: what a daemon must not open for a
+    /// client unless its operator allowed that directory.
+    pub fn host_path(&self) -> Option<&Path> {
+        match self {
+            ImageSource::Layout { dir, .. } => Some(dir),
+            ImageSource::DockerArchive { file, .. } => Some(file),
+            ImageSource::Registry(_) | ImageSource::Upload(_) => None,
+        }
     }
 }
 
@@ -88,23 +110,28 @@ pub async fn pull_image(
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<PulledImage, ArchiveError> {
     let mut src = ImageSource::parse(source)?;
-    let blobs = blob_dir(home);
-    std::fs::create_dir_all(&blobs).map_err(io(format!("creating {}", blobs.display())))?;
     // A docker archive is read through a layout made of it, kept until the blobs are in
     // the cache.
     let _converted = match &src {
         ImageSource::DockerArchive { file, tag } => {
             progress(&format!("{source}: reading the archive"));
             // Every file of it is copied out (the layers of any other image in it too).
-            let size = std::fs::metadata(file)
+            let input =
+                std::fs::File::open(file).map_err(io(format!("opening {}", file.display())))?;
+            let size = input
+                .metadata()
                 .map_err(io(format!("reading {}", file.display())))?
                 .len();
             crate::space::ensure_room(&home.tmp_dir(), size, &format!("reading {source}"))?;
             let scratch = forkd_image::ScratchDir::new(&home.tmp_dir(), "docker-archive-")
                 .map_err(|e| io("making a scratch directory")(std::io::Error::other(e)))?;
-            let (file, tag, dir) = (file.clone(), tag.clone(), scratch.path().to_owned());
+            let (what, tag, dir) = (
+                file.display().to_string(),
+                tag.clone(),
+                scratch.path().to_owned(),
+            );
             tokio::task::spawn_blocking(move || {
-                super::docker_archive::to_layout(&file, tag.as_deref(), &dir)
+                super::docker_archive::to_layout(input, &what, tag.as_deref(), &dir)
             })
             .await
             .map_err(|e| io("reading the archive")(std::io::Error::other(e)))??;
@@ -114,9 +141,56 @@ pub async fn pull_image(
             };
             Some(scratch)
         }
+        ImageSource::Upload(hex) => {
+            src = ImageSource::Layout {
+                dir: super::upload::layout_dir(home, hex)?,
+                tag: None,
+            };
+            None
+        }
         _ => None,
     };
-    let fetcher = Fetcher::new(&src, opts, &blobs).await?;
+    let fetched = fetch_image(home, &src, source, opts, progress).await?;
+    let home2 = home.clone();
+    let d2 = fetched.defaults.clone();
+    let layers = fetched.layers;
+    progress(&format!("{source}: making its root filesystem"));
+    let rootfs = tokio::task::spawn_blocking(move || {
+        oci_rootfs::ensure_oci_rootfs(&home2, &d2, &layers, &forkd_image::BuildOptions::default())
+    })
+    .await
+    .map_err(|e| io("building the rootfs")(std::io::Error::other(e)))?
+    .map_err(|e| ArchiveError::Refused(format!("{source}: {e}")))?;
+    Ok(PulledImage {
+        defaults: fetched.defaults,
+        rootfs,
+    })
+}
+
+/// An image whose manifest, config and layers are in the blob cache.
+#[derive(Debug)]
+pub struct FetchedImage {
+    /// What it says about running it, and its digest.
+    pub defaults: ImageDefaults,
+    /// Its manifest, as served.
+    pub manifest: Vec<u8>,
+    /// Its layers in the cache, in order.
+    pub layers: Vec<Layer>,
+}
+
+/// Fetches the manifest, config and layers of the image at `src` (a registry or a
+/// layout: archives are read through a layout made of them) into the blob cache,
+/// each checked against its digest and size. `source` names it in messages.
+pub async fn fetch_image(
+    home: &Home,
+    src: &ImageSource,
+    source: &str,
+    opts: &RegistryOptions,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<FetchedImage, ArchiveError> {
+    let blobs = blob_dir(home);
+    std::fs::create_dir_all(&blobs).map_err(io(format!("creating {}", blobs.display())))?;
+    let fetcher = Fetcher::new(src, opts, &blobs).await?;
     let (manifest_bytes, digest) = fetcher.manifest().await?;
     let manifest: OciImageManifest = serde_json::from_slice(&manifest_bytes)
         .map_err(|e| ArchiveError::Refused(format!("{source}: its manifest is not valid: {e}")))?;
@@ -179,16 +253,11 @@ pub async fn pull_image(
         entrypoint: strings(&c["Entrypoint"]),
         cmd: strings(&c["Cmd"]),
     };
-    let home2 = home.clone();
-    let d2 = defaults.clone();
-    progress(&format!("{source}: making its root filesystem"));
-    let rootfs = tokio::task::spawn_blocking(move || {
-        oci_rootfs::ensure_oci_rootfs(&home2, &d2, &layers, &forkd_image::BuildOptions::default())
+    Ok(FetchedImage {
+        defaults,
+        manifest: manifest_bytes,
+        layers,
     })
-    .await
-    .map_err(|e| io("building the rootfs")(std::io::Error::other(e)))?
-    .map_err(|e| ArchiveError::Refused(format!("{source}: {e}")))?;
-    Ok(PulledImage { defaults, rootfs })
 }
 
 /// Reads an image's manifest and blobs from where it is, into the blob cache.
@@ -232,7 +301,7 @@ impl<'a> Fetcher<'a> {
                 tag: tag.clone(),
                 cache,
             },
-            ImageSource::DockerArchive { .. } => {
+            ImageSource::DockerArchive { .. } | ImageSource::Upload(_) => {
                 unreachable!("read through the layout made of it")
             }
         })

@@ -23,6 +23,8 @@
 //! - [`registry`]: push and pull over the OCI distribution protocol.
 //! - [`auth`]: registry credentials in a docker-style auth file.
 //! - [`image`]: container images pulled to make a template's root filesystem.
+//! - [`docker_archive`]: an image archive (`docker save`'s, or a layout's tar) read.
+//! - [`upload`]: container images sent to the daemon instead of named by a host path.
 
 pub mod auth;
 pub mod blob;
@@ -32,6 +34,7 @@ pub mod layout;
 pub mod pack;
 pub mod registry;
 pub mod unpack;
+pub mod upload;
 
 use crate::snapshot::SnapshotError;
 

@@ -6,6 +6,7 @@ pub(crate) mod branch;
 mod distribution;
 pub mod error;
 pub(crate) mod files;
+mod images;
 pub mod ports;
 mod processes;
 pub(crate) mod run;
@@ -107,6 +108,7 @@ pub fn router(app: App) -> Router {
             get(snapshots::get).delete(snapshots::delete),
         )
         .route("/v1/archives", post(archive::upload))
+        .route("/v1/images", post(images::upload))
         .route("/v1/pull", post(distribution::pull))
         .route("/v1/snapshots/{tag}/push", post(distribution::push))
         .route("/v1/snapshots/{tag}/archive", get(archive::download))
@@ -198,6 +200,7 @@ pub fn router(app: App) -> Router {
         snapshots::compact,
         archive::download,
         archive::upload,
+        images::upload,
         distribution::push,
         distribution::pull,
         snapshots::get_pool,

@@ -264,6 +264,7 @@ pub async fn build(
     let (recipe, files) = match &b.recipe {
         Some(text) => {
             let recipe = Recipe::parse(&b.template, text)?;
+            check_host_path(&app, &recipe)?;
             let files = sent_files(&recipe, &b.files)?;
             (recipe, files)
         }
@@ -315,6 +316,22 @@ pub async fn build(
         }
     });
     Ok((StatusCode::ACCEPTED, Json(op)))
+}
+
+/// A recipe sent through the API names no host path the daemon may not open for a
+/// client (see [`crate::import_dirs`]); checked before anything opens it.
+fn check_host_path(app: &App, recipe: &Recipe) -> Result<(), ApiError> {
+    let Some(from) = recipe.from.as_deref() else {
+        return Ok(());
+    };
+    let source = forkd_core::oci::image::ImageSource::parse(from)?;
+    if let Some(path) = source.host_path() {
+        app.config
+            .import_dirs
+            .check(path)
+            .map_err(|e| ApiError::new(StatusCode::FORBIDDEN, "forbidden", e.to_string()))?;
+    }
+    Ok(())
 }
 
 /// The recipe's `files` as the request carried them (base64 by `src`): each one, and

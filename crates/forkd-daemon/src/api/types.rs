@@ -625,6 +625,25 @@ pub struct Unpacked {
     pub present: Vec<String>,
 }
 
+/// `POST /v1/images`: the image kept.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct UploadedImage {
+    /// What a recipe's `from` says to build on it: `upload:sha256:<hex>`.
+    pub from: String,
+    /// The digest of its manifest.
+    pub digest: String,
+    /// How many layers it has.
+    pub layers: usize,
+}
+
+/// `?name=`: which image of the archive.
+#[derive(Debug, Clone, Deserialize, utoipa::IntoParams)]
+pub struct ImageUploadQuery {
+    /// The image to keep when the archive holds several: a `docker save` archive's
+    /// `REPO:TAG`, or an OCI layout's `org.opencontainers.image.ref.name`.
+    pub name: Option<String>,
+}
+
 /// `?tag=`: the tag to install an archive's snapshot under.
 #[derive(Debug, Clone, Deserialize, utoipa::IntoParams)]
 pub struct UnpackQuery {
