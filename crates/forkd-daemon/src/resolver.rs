@@ -160,7 +160,11 @@ async fn answer(
     if msg.metadata.message_type != MessageType::Query {
         return None;
     }
-    let name = msg.queries.first()?.name().to_ascii();
+    // One question a message (RFC 9619): a second one would go upstream unchecked.
+    let [question] = msg.queries.as_slice() else {
+        return failure(&msg, ResponseCode::FormErr);
+    };
+    let name = question.name().to_ascii();
     let resolution = policy.resolves(&name);
     if resolution == Resolution::Refused {
         return failure(&msg, ResponseCode::Refused);
@@ -404,6 +408,29 @@ mod tests {
         let partial = forward(&query, at, true).await.unwrap();
         assert!(truncated(&partial));
         assert_eq!(Message::from_vec(&partial).unwrap().metadata.id, 777);
+    }
+
+    #[tokio::test]
+    async fn a_query_of_more_than_one_question_is_refused_unasked() {
+        let question = |name: &str| {
+            hickory_proto::op::Query::query(name.parse().unwrap(), hickory_proto::rr::RecordType::A)
+        };
+        let mut q = Message::query();
+        q.metadata.id = 9;
+        q.add_query(question("allowed.test."));
+        q.add_query(question("other.test."));
+        let policy: EgressPolicy = serde_json::from_value(
+            serde_json::json!({"egress": "deny", "allow": ["allowed.test"]}),
+        )
+        .unwrap();
+        // Nothing listens upstream: an answer other than FORMERR would be SERVFAIL.
+        let nowhere: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let code = |bytes: Vec<u8>| Message::from_vec(&bytes).unwrap().metadata.response_code;
+        let two = answer(&q.to_vec().unwrap(), &policy, 0, nowhere, false).await;
+        assert_eq!(code(two.unwrap()), ResponseCode::FormErr);
+        q.queries.clear();
+        let none = answer(&q.to_vec().unwrap(), &policy, 0, nowhere, false).await;
+        assert_eq!(code(none.unwrap()), ResponseCode::FormErr);
     }
 
     #[test]
