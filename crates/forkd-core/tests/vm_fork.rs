@@ -96,6 +96,19 @@ async fn five_children_of_minimal_are_isolated_and_leave_the_template_untouched(
         assert!(policies.len() > 1, "{policies:?}");
         assert!(policies.iter().all(|p| p == "3"), "{policies:?}");
     }
+    // Its QEMU holds no capability and can gain none beyond what its jail needed.
+    let pid = again[0].pid().expect("the child's QEMU runs");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let caps = |name: &str| {
+        let line = status.lines().find(|l| l.starts_with(name)).unwrap();
+        u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
+    };
+    assert_eq!(caps("CapAmb:"), 0, "{status}");
+    if nix::unistd::geteuid().is_root() {
+        let jailed = forkd_hypervisor::caps::mask(forkd_hypervisor::caps::JAILED);
+        assert_eq!(caps("CapBnd:") & !jailed, 0, "{status}");
+        assert_eq!(caps("CapEff:"), 0, "{status}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

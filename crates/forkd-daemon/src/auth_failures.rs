@@ -1,9 +1,9 @@
 //! A budget of failed authentications per client address (an IPv6 client by its /64).
 //! Each 401 spends from its address's bucket, which refills with time; while it is
-//! empty, a request from that address without a valid token is answered 429 and not
-//! audited, so a client guessing tokens (or sending megabytes of path to fill the disk)
-//! costs the daemon a map lookup, and the log a bounded number of records per second.
-//! A request with the valid token always passes.
+//! empty, a request from that address without a valid token is answered 429, so a
+//! client guessing tokens costs the daemon a map lookup. A request with the valid token
+//! always passes. Neither answer is audited one by one: failures are counted into the
+//! audit log's aggregate records (see [`crate::failed_auth_log`]).
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -21,6 +21,8 @@ const MAX_TRACKED: usize = 4096;
 #[derive(Debug, Default)]
 pub struct AuthFailures {
     buckets: Mutex<HashMap<IpAddr, (f64, Instant)>>,
+    /// Every failure, counted for the audit log's aggregate records.
+    pub audit: crate::failed_auth_log::FailedAuthLog,
 }
 
 impl AuthFailures {
@@ -59,15 +61,18 @@ impl AuthFailures {
     }
 }
 
-/// The bucket an address spends from: an IPv6 address by its /64 (one host can have
-/// all of it).
-fn key(ip: IpAddr) -> IpAddr {
+/// The bucket an address spends from: an IPv4 address (also as a dual-stack listener
+/// sees it, mapped into IPv6), an IPv6 address by its /64 (one host can have all of it).
+pub(crate) fn key(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V4(_) => ip,
-        IpAddr::V6(v6) => {
-            let s = v6.segments();
-            IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
-        }
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let s = v6.segments();
+                IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+            }
+        },
     }
 }
 

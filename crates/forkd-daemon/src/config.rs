@@ -25,8 +25,12 @@ pub struct DaemonConfig {
     pub listen: Option<SocketAddr>,
     /// TLS for the TCP listener.
     pub tls: Option<TlsFiles>,
-    /// Bearer token required on TCP (the unix socket is guarded by its file mode).
+    /// Bearer token required on TCP (the unix socket is guarded by its file mode): the
+    /// first of [`DaemonConfig::tokens`], which E2B's listener takes as its API key.
     pub token: Option<String>,
+    /// Every token TCP clients may send, by name (`--token-file NAME=FILE`, repeatable):
+    /// audit records name the one a request came with.
+    pub tokens: Vec<(String, String)>,
     /// Serve TCP off loopback without TLS (every listener): said explicitly, never a
     /// default, since the token and everything the API carries would cross the network
     /// in clear.
@@ -48,6 +52,12 @@ pub struct DaemonConfig {
     /// The directories under which a recipe sent through the API may name image
     /// archives and layouts on this host (`--import-dir`; none by default).
     pub import_dirs: crate::import_dirs::ImportDirs,
+    /// Networks closed to sandboxes by default that the operator opened on purpose
+    /// (`--egress-open`; see [`forkd_hypervisor::network::closed`]).
+    pub egress_open: Vec<forkd_hypervisor::network::policy::Network>,
+    /// Start a new audit chain when the log is found broken (`--audit-reset`), after
+    /// moving the broken one aside; without it the daemon refuses to start.
+    pub audit_reset: bool,
 }
 
 /// PEM files of the TCP listener's certificate chain and private key.
@@ -125,6 +135,7 @@ impl DaemonConfig {
             listen: None,
             tls: None,
             token: None,
+            tokens: Vec::new(),
             insecure_plaintext: false,
             max_sandboxes: DEFAULT_MAX_SANDBOXES,
             fork_parallelism: forkd_core::fork::default_parallel(),
@@ -133,6 +144,8 @@ impl DaemonConfig {
             registries: Default::default(),
             dns_upstream: crate::resolver::default_upstream(),
             import_dirs: Default::default(),
+            egress_open: Vec::new(),
+            audit_reset: false,
         }
     }
 
@@ -160,6 +173,24 @@ impl DaemonConfig {
             });
         }
         Ok(token)
+    }
+
+    /// Adds the token `secret` named `name`; the first one added is also
+    /// [`DaemonConfig::token`].
+    pub fn add_token(&mut self, name: &str, secret: String) {
+        if self.token.is_none() {
+            self.token = Some(secret.clone());
+        }
+        self.tokens.push((name.to_owned(), secret));
+    }
+
+    /// Every token TCP clients may send, by name: [`DaemonConfig::tokens`], or
+    /// [`DaemonConfig::token`] as `default` when only it is set.
+    pub fn named_tokens(&self) -> Vec<(String, String)> {
+        match (&self.token, self.tokens.is_empty()) {
+            (Some(t), true) => vec![("default".to_owned(), t.clone())],
+            _ => self.tokens.clone(),
+        }
     }
 
     /// Refuses what would be unsafe or cannot work.
@@ -197,6 +228,11 @@ impl DaemonConfig {
     /// The audit log.
     pub fn audit_log(&self) -> PathBuf {
         self.home.root().join("audit.jsonl")
+    }
+
+    /// The key the audit log's chain is marked with.
+    pub fn audit_key(&self) -> PathBuf {
+        self.home.root().join("audit.key")
     }
 }
 

@@ -12,7 +12,8 @@
 //! - [`branch`]: BRANCH of a running sandbox, as an operation.
 //! - [`api`]: routes, errors, the OpenAPI document.
 //! - [`server`]: listeners, authentication, the audit and metrics middleware.
-//! - [`metrics`], [`audit`]: Prometheus metrics and the hash-chained audit log.
+//! - [`metrics`], [`audit`]: Prometheus metrics and the hash-chained audit log;
+//!   [`failed_auth_log`]: failed authentications in it, aggregated.
 //! - [`e2b`]: E2B's control plane, envd and code interpreter, for E2B's SDKs.
 //! - [`client`]: a small HTTP client over the unix socket or TCP (the CLI and the tests).
 
@@ -24,6 +25,7 @@ pub mod branch;
 pub mod client;
 pub mod config;
 pub mod e2b;
+pub mod failed_auth_log;
 pub mod import_dirs;
 pub mod metrics;
 pub mod owner;

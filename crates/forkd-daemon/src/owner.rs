@@ -8,6 +8,11 @@
 //! socket fine, but it cannot reach the QMP sockets the first one holds, and used to take
 //! every running sandbox for dead. The kernel drops a `flock` when its holder dies however
 //! it dies, so a `kill -9` never leaves a stale lock behind.
+//!
+//! The lock that decides is on the data directory itself (a `flock` of the directory):
+//! a lock on a file alone is sidestepped by moving the file away, after which a second
+//! daemon makes a new one and locks that. The directory cannot be swapped under a
+//! daemon that holds it open. The file only says who the owner is.
 
 use nix::fcntl::{Flock, FlockArg};
 use serde::{Deserialize, Serialize};
@@ -57,6 +62,7 @@ pub enum OwnerError {
 /// The held lock: the data directory is this daemon's until it is dropped (or the
 /// process ends).
 pub struct OwnerLock {
+    _dir: Flock<File>,
     _lock: Flock<File>,
 }
 
@@ -74,6 +80,23 @@ impl OwnerLock {
             path: path.clone(),
             source,
         };
+        let taken = || match read_owner(&path) {
+            Some(owner) => OwnerError::Taken {
+                dir: dir.to_owned(),
+                owner,
+            },
+            None => OwnerError::Starting {
+                dir: dir.to_owned(),
+            },
+        };
+        let dir_lock = match Flock::lock(
+            File::open(dir).map_err(io)?,
+            FlockArg::LockExclusiveNonblock,
+        ) {
+            Ok(l) => l,
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => return Err(taken()),
+            Err((_, e)) => return Err(io(e.into())),
+        };
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -83,17 +106,7 @@ impl OwnerLock {
             .map_err(io)?;
         let mut lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             Ok(l) => l,
-            Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
-                return Err(match read_owner(&path) {
-                    Some(owner) => OwnerError::Taken {
-                        dir: dir.to_owned(),
-                        owner,
-                    },
-                    None => OwnerError::Starting {
-                        dir: dir.to_owned(),
-                    },
-                })
-            }
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => return Err(taken()),
             Err((_, e)) => return Err(io(e.into())),
         };
         let me = Owner {
@@ -105,18 +118,20 @@ impl OwnerLock {
         lock.rewind().map_err(io)?;
         lock.write_all(&json).map_err(io)?;
         lock.sync_all().map_err(io)?;
-        Ok(OwnerLock { _lock: lock })
+        Ok(OwnerLock {
+            _dir: dir_lock,
+            _lock: lock,
+        })
     }
 }
 
 /// The daemon that owns the data directory `dir` now, if one does (its lock is held).
 pub fn current_owner(dir: &Path) -> Option<Owner> {
-    let path = dir.join(LOCK_FILE);
-    let file = std::fs::OpenOptions::new().read(true).open(&path).ok()?;
+    let file = File::open(dir).ok()?;
     match Flock::lock(file, FlockArg::LockSharedNonblock) {
         // We got it: nobody holds the exclusive lock, so nobody owns the directory.
         Ok(_) => None,
-        Err(_) => read_owner(&path),
+        Err(_) => read_owner(&dir.join(LOCK_FILE)),
     }
 }
 
@@ -153,6 +168,10 @@ mod tests {
             "{msg}"
         );
         assert!(msg.contains("/run/a.sock"), "{msg}");
+        // Moving the lock file away sidesteps nothing: the directory itself is locked.
+        std::fs::rename(dir.path().join(LOCK_FILE), dir.path().join("moved")).unwrap();
+        let e = OwnerLock::acquire(dir.path(), Path::new("/run/b.sock")).unwrap_err();
+        assert!(matches!(e, OwnerError::Starting { .. }), "{e}");
         drop(first);
         assert_eq!(current_owner(dir.path()), None);
         let _second = OwnerLock::acquire(dir.path(), Path::new("/run/b.sock")).unwrap();

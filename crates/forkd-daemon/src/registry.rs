@@ -782,6 +782,8 @@ impl Registry {
         .await
         .map_err(|e| StateError::Row(serde::de::Error::custom(e.to_string())))?;
         let _ = forkd_core::sandbox::remove_dir(&row.config.dir);
+        // Its QEMU is gone: its cgroup goes with it, not at some later start.
+        remove_cgroup(&row.id);
         let forgotten = self.state.delete_sandbox(&row.id);
         {
             let mut slots = self.slots();
@@ -958,6 +960,7 @@ impl Registry {
                 continue;
             }
             if forkd_core::sandbox::remove_dir(&path).is_ok() {
+                remove_cgroup(&id);
                 pruned.push(id);
             }
         }
@@ -1139,6 +1142,14 @@ impl ForkObserver for Recorder<'_> {
             tracing::warn!(%id, "forgetting a discarded child: {e}");
         }
         self.registry.slots().starting.remove(id);
+    }
+}
+
+/// Removes the cgroup of the VM of sandbox `id`, whose QEMU is gone (nothing if VMs get
+/// no cgroups here, or it has none left).
+fn remove_cgroup(id: &str) {
+    if let Ok(Some(cgroups)) = forkd_hypervisor::cgroup::for_vms() {
+        cgroups.remove(id);
     }
 }
 

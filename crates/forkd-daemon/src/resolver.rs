@@ -190,10 +190,11 @@ async fn answer(
     Some(reply)
 }
 
-/// The public IPv4 addresses an answer holds, and the shortest TTL among them (within
+/// The IPv4 addresses an answer holds that are not closed to sandboxes (see
+/// [`forkd_hypervisor::network::closed`]), and the shortest TTL among them (within
 /// [`MIN_TTL`]..[`MAX_TTL`]).
 fn public_addresses(reply: &Message) -> (Vec<Ipv4Addr>, u32) {
-    use forkd_hypervisor::network::policy::Network;
+    let closed = forkd_hypervisor::network::closed::current();
     let mut ttl = MAX_TTL;
     let addrs = reply
         .answers
@@ -205,14 +206,7 @@ fn public_addresses(reply: &Message) -> (Vec<Ipv4Addr>, u32) {
             }
             _ => None,
         })
-        .filter(|a| {
-            !Network {
-                addr: *a,
-                prefix: 32,
-                port: None,
-            }
-            .is_private()
-        })
+        .filter(|a| !closed.closes(*a))
         .collect();
     (addrs, ttl.clamp(MIN_TTL, MAX_TTL))
 }

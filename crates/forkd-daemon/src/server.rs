@@ -45,6 +45,9 @@ const POOL_CHECK_EVERY: Duration = Duration::from_secs(5);
 /// How often expired and dead sandboxes are reaped.
 const REAP_EVERY: Duration = Duration::from_secs(1);
 
+/// How often the host's routes are read again for the networks closed to sandboxes.
+const CLOSED_CHECK_EVERY: Duration = Duration::from_secs(5);
+
 /// Who sent a request: set per connection by the listener.
 #[derive(Debug, Clone)]
 pub struct Principal(pub String);
@@ -68,6 +71,11 @@ pub async fn run(
     ready: impl FnOnce(Option<std::net::SocketAddr>),
 ) -> Result<()> {
     config.validate()?;
+    // Everything the daemon and the programs it starts (QEMU, qemu-img, mkfs) create is
+    // its owner's alone, whatever the caller's umask and --socket-group: guests' memory
+    // images, disks and consoles are their secrets. (The socket is opened to its group
+    // on purpose, below.)
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     let root = config.home.root().to_owned();
     std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
     // Before anything of the directory is read or touched: a second daemon must not
@@ -100,12 +108,8 @@ pub async fn run(
         }
         tracing::warn!(%kind, %target, "an operation was interrupted by the last stop");
     }
-    let audit = Arc::new(AuditLog::open(&config.audit_log()).with_context(|| {
-        format!(
-            "the audit log {} is broken; check it with `forkd audit verify` and move it aside to start a new one",
-            config.audit_log().display()
-        )
-    })?);
+    let audit = Arc::new(open_audit_log(&config, &state)?);
+    close_networks(&config, &audit).await?;
     let registry = Registry::new(
         forkd_hypervisor::new(),
         config.home.clone(),
@@ -163,27 +167,38 @@ pub async fn run(
     });
     let reaper = tokio::spawn(reap(app.clone()));
     let filler = tokio::spawn(fill_pools(app.clone()));
-    // The audit and metrics layer is the outermost one, so that refused
-    // authentications are recorded too.
+    let closer = tokio::spawn(follow_host_networks());
+    // The audit and metrics layer is the outermost one, so that every answer is
+    // counted; a mutating request is also recorded before it runs, once it passed
+    // authentication (the innermost layer). Refused authentications are counted into
+    // aggregate records.
     let failures = Arc::new(crate::auth_failures::AuthFailures::default());
-    let observed = axum::middleware::from_fn_with_state((app.clone(), audit), observe);
+    let failed_auth = tokio::spawn(record_failed_authentications(
+        failures.clone(),
+        audit.clone(),
+    ));
+    let observed = axum::middleware::from_fn_with_state((app.clone(), audit.clone()), observe);
+    let recorded = axum::middleware::from_fn_with_state(audit.clone(), record_request);
     let base = api::router(app.clone())
         .merge(extra.clone())
+        .layer(recorded.clone())
         .layer(observed.clone());
-    let token = config.token.clone().map(Arc::new);
+    let tokens = Arc::new(config.named_tokens());
     let tcp_router = api::router(app.clone())
         .merge(extra)
+        .layer(recorded.clone())
         .layer(axum::middleware::from_fn_with_state(
-            (token, failures.clone()),
+            (tokens, failures.clone()),
             authenticate,
         ))
         .layer(observed.clone());
 
     // E2B's API authenticates by its own rules (see `e2b`); it shares the audit and
-    // metrics layer.
+    // metrics layers.
     let e2b_router = config.e2b.clone().map(|e| {
         let key = config.token.clone().unwrap_or_default();
-        crate::e2b::router(app.clone(), key, e, failures.clone()).layer(observed.clone())
+        crate::e2b::router(app.clone(), key, e, failures.clone(), audit.clone())
+            .layer(observed.clone())
     });
     tracing::info!(socket = %config.socket.display(), "listening");
     if let Some(l) = &e2b_listener {
@@ -236,6 +251,9 @@ pub async fn run(
     }
     reaper.abort();
     filler.abort();
+    closer.abort();
+    failed_auth.abort();
+    append_failed_authentications(&failures, &audit);
     app.registry.drain_all_pools().await;
     Ok(())
 }
@@ -358,8 +376,7 @@ fn tighten_data_directory(config: &DaemonConfig) -> Result<()> {
 
 /// Binds the unix socket: refuses when another daemon answers on it or the path is not
 /// a socket (never removing anything else), replaces a stale socket, and gives it mode
-/// 0660 (and `group`). It is created under the daemon's umask (077), so it is never
-/// more open than that on its way there.
+/// 0660 (and `group`), never more open than that on its way there.
 async fn bind_unix(path: &Path, group: Option<&str>) -> Result<UnixListener> {
     use std::os::unix::fs::FileTypeExt;
     if let Some(dir) = path.parent() {
@@ -401,50 +418,79 @@ async fn bind_unix(path: &Path, group: Option<&str>) -> Result<UnixListener> {
     Ok(listener)
 }
 
-/// Bearer-token check for TCP listeners (constant-time comparison). Without a
-/// configured token (allowed on loopback only) every request passes. A request without
-/// the valid token from an address that has spent its budget of failures (see
-/// [`crate::auth_failures`]) is answered 429 and not audited.
+/// The tokens TCP clients may send, by name.
+type NamedTokens = Vec<(String, String)>;
+
+/// Bearer-token check for TCP listeners (constant-time comparison against each
+/// token). Without a configured token (allowed on loopback only) every request passes.
+/// A request that passes with a token is known by the token's name as well: its
+/// principal becomes `tcp:ADDR token=NAME` for the audit log. A request without a valid
+/// token is refused (see [`refused_authentication`]).
 async fn authenticate(
-    axum::extract::State((token, failures)): axum::extract::State<(
-        Option<Arc<String>>,
+    axum::extract::State((tokens, failures)): axum::extract::State<(
+        Arc<NamedTokens>,
         Arc<crate::auth_failures::AuthFailures>,
     )>,
-    req: Request,
+    mut req: Request,
     next: Next,
 ) -> Response {
-    let Some(token) = token else {
+    if tokens.is_empty() {
         return next.run(req).await;
-    };
+    }
     let given = req
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    if given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(token.as_bytes()))) {
-        return next.run(req).await;
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::to_owned);
+    // Every token is compared, whichever matches: the time taken says nothing.
+    let matched = given.as_deref().and_then(|g| {
+        tokens.iter().fold(None, |found, (name, secret)| {
+            let same = bool::from(g.as_bytes().ct_eq(secret.as_bytes()));
+            found.or(same.then_some(name))
+        })
+    });
+    if let Some(name) = matched {
+        let peer = req
+            .extensions()
+            .get::<Principal>()
+            .map(|p| p.0.clone())
+            .unwrap_or_default();
+        let named = Principal(format!("{peer} token={name}"));
+        req.extensions_mut().insert(named.clone());
+        let mut response = next.run(req).await;
+        response.extensions_mut().insert(named);
+        return response;
     }
-    if let Some(refused) = failed_authentication(&failures, &req) {
-        return refused;
-    }
-    match given {
+    let refusal = match given {
         Some(_) => unauthorized("the bearer token is not valid"),
         None => unauthorized("this listener requires `Authorization: Bearer <token>`"),
-    }
+    };
+    refused_authentication(&failures, &req, refusal)
 }
 
-/// Counts a failed authentication of `req` against its peer address's budget (see
-/// [`crate::auth_failures`]); once the budget is spent, the answer instead: 429, not
-/// audited. Every TCP listener's authentication goes through this.
-pub(crate) fn failed_authentication(
+/// Counts a failed authentication of `req`: into its peer address's budget (see
+/// [`crate::auth_failures`]) and the audit log's aggregates (see
+/// [`crate::failed_auth_log`]). Answers `refusal`, or 429 once the address's budget is
+/// spent; neither is audited one by one. Every TCP listener's authentication goes
+/// through this.
+pub(crate) fn refused_authentication(
     failures: &crate::auth_failures::AuthFailures,
     req: &Request,
-) -> Option<Response> {
+    refusal: Response,
+) -> Response {
+    let mut r = rate_limited(failures, req).unwrap_or(refusal);
+    r.extensions_mut().insert(Unaudited);
+    r
+}
+
+fn rate_limited(failures: &crate::auth_failures::AuthFailures, req: &Request) -> Option<Response> {
     let now = Instant::now();
     let ip = req
         .extensions()
         .get::<Principal>()
         .and_then(|p| crate::auth_failures::peer_ip(&p.0))?;
+    failures.audit.note(ip);
     if failures.is_blocked(ip, now) {
         let mut r = ApiError::new(
             axum::http::StatusCode::TOO_MANY_REQUESTS,
@@ -454,16 +500,16 @@ pub(crate) fn failed_authentication(
         .into_response();
         r.headers_mut()
             .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-        r.extensions_mut().insert(Unaudited);
         return Some(r);
     }
     failures.failed(ip, now);
     None
 }
 
-/// Marks a response the audit log does not record (a rate-limited refusal).
+/// Marks a response the audit log does not record one by one (a refused
+/// authentication, counted into the aggregates instead).
 #[derive(Debug, Clone, Copy)]
-struct Unaudited;
+pub(crate) struct Unaudited;
 
 fn unauthorized(msg: &str) -> Response {
     let mut r =
@@ -513,42 +559,95 @@ async fn observe(
     if let Some(kind) = response.extensions().get::<ErrorKind>() {
         app.metrics.error(kind.0);
     }
-    if matches!(
-        method,
-        Method::POST | Method::PUT | Method::DELETE | Method::PATCH
-    ) && response.extensions().get::<Unaudited>().is_none()
-    {
-        let record = Record {
-            time: crate::now_rfc3339(),
-            principal,
-            method: method.to_string(),
-            ids: {
-                let mut ids = named_ids(&path);
-                if let Some(more) = response.extensions().get::<AuditIds>() {
-                    ids.extend(more.0.iter().cloned());
-                }
-                ids
-            },
-            path,
-            status: response.status().as_u16(),
-            latency_us: u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
-            prev: String::new(),
-            hash: String::new(),
-        };
+    if mutating(&method) && response.extensions().get::<Unaudited>().is_none() {
+        // Authentication may have named the client further (its token).
+        let principal = response
+            .extensions()
+            .get::<Principal>()
+            .map_or(principal, |p| p.0.clone());
+        let mut ids = named_ids(&path);
+        if let Some(more) = response.extensions().get::<AuditIds>() {
+            ids.extend(more.0.iter().cloned());
+        }
+        let mut record = Record::event(&principal, method.as_str(), &path, ids);
+        record.status = response.status().as_u16();
+        record.latency_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
         if let Err(e) = audit.append(record) {
-            tracing::error!("{e}");
-            // An unaudited mutation must not look like a success. A refused request
-            // changed nothing: its own error (a 507 on a full disk, say) says more than
-            // the audit's.
-            if response.status().is_success() {
-                return ApiError::internal(format!(
-                    "the request ran but could not be audited: {e}"
-                ))
-                .into_response();
-            }
+            // The request was recorded before it ran (see `record_request`): its answer
+            // stands, or the caller could not tell that it ran and might run it twice.
+            tracing::error!("recording the outcome of a {method} request: {e}");
         }
     }
     response
+}
+
+/// Whether a request changes something, and so is audited.
+fn mutating(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::POST | Method::PUT | Method::DELETE | Method::PATCH
+    )
+}
+
+/// Records a mutating request (that passed authentication) before it runs, with
+/// status 0; `observe` records its outcome after. A request that cannot be recorded is
+/// not run: 507, so that nothing is ever done unrecorded.
+pub(crate) async fn record_request(
+    axum::extract::State(audit): axum::extract::State<Arc<AuditLog>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if let Some(refused) = record_before(&audit, &req) {
+        return refused;
+    }
+    next.run(req).await
+}
+
+/// Records the mutating request `req` before it runs; the answer to send instead when
+/// it cannot be (507: it must not run).
+pub(crate) fn record_before(audit: &AuditLog, req: &Request) -> Option<Response> {
+    if mutating(req.method()) {
+        let path = bounded(req.uri().path(), AUDITED_PATH);
+        let principal = req
+            .extensions()
+            .get::<Principal>()
+            .map_or_else(|| "unknown".into(), |p| p.0.clone());
+        let record = Record::event(&principal, req.method().as_str(), &path, named_ids(&path));
+        if let Err(e) = audit.append(record) {
+            tracing::error!("{e}");
+            let mut r = ApiError::new(
+                axum::http::StatusCode::INSUFFICIENT_STORAGE,
+                "insufficient_storage",
+                format!("the audit log cannot be written, so the request was not run: {e}"),
+            )
+            .into_response();
+            r.extensions_mut().insert(Unaudited);
+            return Some(r);
+        }
+    }
+    None
+}
+
+/// Every [`crate::failed_auth_log::WINDOW`]: the failed authentications counted, as
+/// aggregate records.
+async fn record_failed_authentications(
+    failures: Arc<crate::auth_failures::AuthFailures>,
+    audit: Arc<AuditLog>,
+) {
+    let mut tick = tokio::time::interval(crate::failed_auth_log::WINDOW);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        append_failed_authentications(&failures, &audit);
+    }
+}
+
+fn append_failed_authentications(failures: &crate::auth_failures::AuthFailures, audit: &AuditLog) {
+    for record in failures.audit.drain() {
+        if let Err(e) = audit.append(record) {
+            tracing::error!("recording failed authentications: {e}");
+        }
+    }
 }
 
 /// `s` cut to at most `max` bytes (on a character boundary), saying how long it was.
@@ -570,6 +669,80 @@ fn named_ids(path: &str) -> Vec<String> {
     match parts.as_slice() {
         ["", "v1", "sandboxes" | "snapshots", id, ..] => vec![(*id).to_owned()],
         _ => Vec::new(),
+    }
+}
+
+/// The audit log, checked against its key and the head the database kept; a broken
+/// one refuses the start unless `--audit-reset` starts a new chain.
+fn open_audit_log(config: &DaemonConfig, state: &Arc<State>) -> Result<AuditLog> {
+    use crate::audit::{AuditKey, AuditLog};
+    let key = AuditKey::load_or_create(&config.audit_key())?;
+    let sink = |state: Arc<State>| -> crate::audit::AnchorSink {
+        Box::new(move |head| state.set_audit_head(head).map_err(|e| e.to_string()))
+    };
+    let path = config.audit_log();
+    let anchor = state.audit_head()?;
+    match AuditLog::open(&path, key.clone(), anchor.as_ref(), sink(state.clone())) {
+        Ok(log) => Ok(log),
+        Err(e @ crate::audit::AuditError::Broken { .. }) if config.audit_reset => {
+            tracing::warn!("the audit log is broken ({e}): starting a new chain");
+            Ok(AuditLog::reset(&path, key, &e.to_string(), sink(state.clone()))?)
+        }
+        Err(e) => Err(anyhow::Error::new(e).context(format!(
+            "the audit log {} is broken; `forkd audit verify` says where; start with --audit-reset to move it aside and begin a new chain whose first record says what was found",
+            path.display()
+        ))),
+    }
+}
+
+/// The networks closed to sandboxes: the operator's `--egress-open` (recorded in the
+/// audit log, since it opens what is closed by default) and the host's routes now.
+async fn close_networks(config: &DaemonConfig, audit: &AuditLog) -> Result<()> {
+    use forkd_hypervisor::network::{closed, refresh_closed};
+    closed::open(config.egress_open.clone());
+    let opened: Vec<String> = config.egress_open.iter().map(|n| n.to_string()).collect();
+    if !opened.is_empty() {
+        tracing::warn!("networks opened to sandboxes: {}", opened.join(", "));
+    }
+    // Every start says what it opened (`forkd doctor` reads the last one).
+    audit
+        .append(crate::audit::Record::event(
+            "daemon",
+            "START",
+            crate::audit::EGRESS_OPEN,
+            opened,
+        ))
+        .context("recording --egress-open in the audit log")?;
+    refresh_closed()
+        .await
+        .context("reading the host's routes (/proc/net/route)")?;
+    forkd_hypervisor::network::apply_host_rules()
+        .await
+        .context("putting the host's network rules in place")?;
+    let host: Vec<String> = closed::current()
+        .host()
+        .iter()
+        .map(|n| n.to_string())
+        .collect();
+    tracing::info!("host networks closed to sandboxes: {}", host.join(", "));
+    Ok(())
+}
+
+/// Every few seconds: the host's routes, so that a network the host joins is closed to
+/// sandboxes from then on (the host's rules are applied again).
+async fn follow_host_networks() {
+    let mut tick = tokio::time::interval(CLOSED_CHECK_EVERY);
+    loop {
+        tick.tick().await;
+        match forkd_hypervisor::network::refresh_closed().await {
+            Ok(false) => {}
+            Ok(true) => {
+                let host = forkd_hypervisor::network::closed::current();
+                let host: Vec<String> = host.host().iter().map(|n| n.to_string()).collect();
+                tracing::info!("host networks closed to sandboxes now: {}", host.join(", "));
+            }
+            Err(e) => tracing::warn!("following the host's routes: {e}"),
+        }
     }
 }
 

@@ -59,7 +59,33 @@ const MIGRATIONS: &[&str] = &[
         dir         TEXT NOT NULL,
         created_at  TEXT NOT NULL
     );",
+    // 5: the head of the audit log's chain, as the daemon last wrote it (see
+    // crate::audit): what the log must still hold.
+    "CREATE TABLE audit_head (
+        id          INTEGER PRIMARY KEY CHECK (id = 1),
+        records     INTEGER NOT NULL,
+        last_hash   TEXT NOT NULL
+    );",
 ];
+
+/// The schema version that has the audit log's head.
+const AUDIT_HEAD_SCHEMA: i64 = 5;
+
+fn read_audit_head(conn: &Connection) -> Result<Option<crate::audit::Anchor>, StateError> {
+    use rusqlite::OptionalExtension;
+    Ok(conn
+        .query_row(
+            "SELECT records, last_hash FROM audit_head WHERE id = 1",
+            [],
+            |r| {
+                Ok(crate::audit::Anchor {
+                    records: u64::try_from(r.get::<_, i64>(0)?).unwrap_or(0),
+                    last: r.get(1)?,
+                })
+            },
+        )
+        .optional()?)
+}
 
 /// A state database error.
 #[derive(Debug, thiserror::Error)]
@@ -237,6 +263,36 @@ impl State {
 
     fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The audit log's head, if one was recorded.
+    pub fn audit_head(&self) -> Result<Option<crate::audit::Anchor>, StateError> {
+        read_audit_head(&self.conn())
+    }
+
+    /// The audit log's head recorded in the database at `path`, read without changing
+    /// it (a running daemon's, for `forkd audit verify`); `None` if none was recorded.
+    pub fn audit_head_of(path: &Path) -> Result<Option<crate::audit::Anchor>, StateError> {
+        let conn = Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .map_err(|source| StateError::Open {
+                path: path.display().to_string(),
+                source,
+            })?;
+        let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+        if version < AUDIT_HEAD_SCHEMA {
+            return Ok(None);
+        }
+        read_audit_head(&conn)
+    }
+
+    /// Records the audit log's head.
+    pub fn set_audit_head(&self, head: &crate::audit::Anchor) -> Result<(), StateError> {
+        self.conn().execute(
+            "INSERT INTO audit_head (id, records, last_hash) VALUES (1, ?1, ?2)
+             ON CONFLICT(id) DO UPDATE SET records = ?1, last_hash = ?2",
+            rusqlite::params![i64::try_from(head.records).unwrap_or(i64::MAX), head.last],
+        )?;
+        Ok(())
     }
 
     /// Records a sandbox.

@@ -6,6 +6,7 @@
 //! Firecracker backend can implement the same trait on hosts that have it.
 
 pub mod accel;
+pub mod caps;
 pub mod cgroup;
 pub mod clock;
 pub mod config;

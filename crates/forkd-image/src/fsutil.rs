@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
@@ -47,11 +47,9 @@ pub(crate) fn write_atomic(dest: &Path, bytes: &[u8]) -> Result<()> {
         .prefix(".tmp-")
         .tempfile_in(dir)
         .map_err(|e| ImageError::io("create a temporary file in", dir, e))?;
-    // tempfile creates 0600; manifests are read by users other than the builder
-    // (a root daemon builds, a user's CLI lists).
-    tmp.as_file()
-        .set_permissions(fs::Permissions::from_mode(0o644))
-        .and_then(|_| tmp.write_all(bytes))
+    // tempfile creates 0600, which it stays: the data directory's files are its
+    // owner's alone.
+    tmp.write_all(bytes)
         .and_then(|_| tmp.as_file().sync_all())
         .map_err(|e| ImageError::io("write", tmp.path().to_path_buf(), e))?;
     tmp.persist(dest)

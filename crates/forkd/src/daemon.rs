@@ -24,9 +24,11 @@ pub struct DaemonArgs {
     /// and everything the API carries cross the network in clear.
     #[arg(long)]
     insecure_plaintext: bool,
-    /// File holding the bearer token TCP clients must send (at least 32 bytes).
-    #[arg(long)]
-    token_file: Option<PathBuf>,
+    /// File holding a bearer token TCP clients may send (at least 32 bytes), as FILE or
+    /// NAME=FILE (repeatable: each client its own token; audit records name the one a
+    /// request came with, `default` when unnamed). The first is E2B's API key.
+    #[arg(long, value_parser = parse_token_file)]
+    token_file: Vec<(String, PathBuf)>,
     /// TLS certificate chain (PEM) for the TCP listener.
     #[arg(long, requires = "tls_key")]
     tls_cert: Option<PathBuf>,
@@ -70,6 +72,46 @@ pub struct DaemonArgs {
     /// by default none: clients send images instead).
     #[arg(long)]
     import_dir: Vec<PathBuf>,
+    /// A network (CIDR) that sandboxes may reach although it is closed by default (a
+    /// special-purpose range or one of the host's own networks, e.g. a proxy on a
+    /// private address); their egress policy still decides (repeatable; recorded in the
+    /// audit log).
+    #[arg(long, value_parser = parse_open_network)]
+    egress_open: Vec<forkd_hypervisor::network::policy::Network>,
+    /// When the audit log is found broken (edited, cut short, emptied), move it aside
+    /// and start a new chain whose first record says what was found, instead of
+    /// refusing to start.
+    #[arg(long)]
+    audit_reset: bool,
+}
+
+fn parse_token_file(s: &str) -> Result<(String, PathBuf), String> {
+    match s.split_once('=') {
+        Some((name, file)) => {
+            let ok = !name.is_empty()
+                && name.len() <= 64
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
+            if !ok || file.is_empty() {
+                return Err(format!(
+                    "{s:?}: a token's name is 1 to 64 letters, digits, `.`, `_` or `-`, as NAME=FILE"
+                ));
+            }
+            Ok((name.to_owned(), PathBuf::from(file)))
+        }
+        None => Ok(("default".to_owned(), PathBuf::from(s))),
+    }
+}
+
+fn parse_open_network(s: &str) -> Result<forkd_hypervisor::network::policy::Network, String> {
+    use forkd_hypervisor::network::policy::Destination;
+    match s.parse::<Destination>()? {
+        Destination::Net(n) if n.port.is_none() => Ok(n),
+        _ => Err(format!(
+            "{s:?} is not a network: write ADDRESS/PREFIX, e.g. 10.8.0.0/24"
+        )),
+    }
 }
 
 fn parse_alias(s: &str) -> Result<(String, String), String> {
@@ -105,11 +147,16 @@ pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
         config.dns_upstream = Some(up);
     }
     config.import_dirs = forkd_daemon::import_dirs::ImportDirs::new(&args.import_dir)?;
+    config.egress_open = args.egress_open;
+    config.audit_reset = args.audit_reset;
     if let Some(k) = args.fork_parallelism {
         config.fork_parallelism = k as usize;
     }
-    if let Some(t) = &args.token_file {
-        config.token = Some(DaemonConfig::read_token(t)?);
+    for (name, file) in &args.token_file {
+        if config.tokens.iter().any(|(n, _)| n == name) {
+            anyhow::bail!("--token-file: two tokens are named {name}");
+        }
+        config.add_token(name, DaemonConfig::read_token(file)?);
     }
     if let Some(addr) = args.e2b_listen {
         let mut e2b = forkd_daemon::e2b::E2bConfig::new(addr);
@@ -164,11 +211,29 @@ pub fn audit(home: &Home, cmd: AuditCommand) -> Result<()> {
     match cmd {
         AuditCommand::Verify { path } => {
             let path = path.unwrap_or_else(|| DaemonConfig::new(home.clone()).audit_log());
-            let (n, last) = forkd_daemon::audit::verify(&path)?;
+            // The key and the head live in the data directory the log is in.
+            let dir = path.parent().unwrap_or(std::path::Path::new("."));
+            let beside = DaemonConfig::new(Home::new(dir));
+            let key = forkd_daemon::audit::AuditKey::load(&beside.audit_key())?;
+            let db = beside.database();
+            let anchor = match db.exists() {
+                true => forkd_daemon::state::State::audit_head_of(&db)?,
+                false => None,
+            };
+            let v = forkd_daemon::audit::verify(&path, key.as_ref(), anchor.as_ref())?;
             println!(
-                "{}: {n} records, chain intact (last hash {})",
+                "{}: {} records, chain intact (last hash {}){}{}",
                 path.display(),
-                &last[..16]
+                v.records,
+                &v.last[..16],
+                match &key {
+                    Some(_) => format!(", {} marked with its key", v.keyed),
+                    None => ", no key found beside it: an edit hashed again through the chain would not be seen".into(),
+                },
+                match &anchor {
+                    Some(a) => format!(", ends where the daemon's database says ({} records)", a.records),
+                    None => ", no head in a database beside it: records cut off its end would not be seen".into(),
+                }
             );
             Ok(())
         }

@@ -68,6 +68,7 @@ pub fn run(home: &Home, args: DoctorArgs) -> Result<i32> {
         check_tool("apt-get", &["--version"], "forkd fetches the guest kernel with apt-get download: use a Debian-based host or pass --kernel-deb"),
         check_cgroups(),
         check_network(),
+        check_closed_networks(home),
         check_data_directory(home),
         check_isolation(),
         check_disk(home),
@@ -253,6 +254,48 @@ fn check_network() -> Check {
             "run the daemon as root with nftables installed (./dev setup installs it)",
         ),
     }
+}
+
+/// What no sandbox reaches: the special-purpose ranges, the host's networks as they
+/// are now, less what the daemon's last start opened (its audit log says).
+fn check_closed_networks(home: &Home) -> Check {
+    use forkd_hypervisor::network::closed;
+    if let Err(e) = closed::refresh_host() {
+        return bad(
+            "closed nets",
+            Level::Warn,
+            format!("cannot read the host's routes: {e}"),
+            "check that /proc/net/route is readable",
+        );
+    }
+    let show = |v: &[String]| {
+        if v.is_empty() {
+            "none".to_owned()
+        } else {
+            v.join(", ")
+        }
+    };
+    let host: Vec<String> = closed::current()
+        .host()
+        .iter()
+        .map(|n| n.to_string())
+        .collect();
+    let log = forkd_daemon::DaemonConfig::new(home.clone()).audit_log();
+    let opened = match forkd_daemon::audit::last_egress_open(&log) {
+        Some(v) => format!(
+            "opened by the daemon's last start (--egress-open): {}",
+            show(&v)
+        ),
+        None => "no daemon has started on this data directory yet".to_owned(),
+    };
+    ok(
+        "closed nets",
+        format!(
+            "sandboxes reach no special-purpose range (IANA's registry, {} blocks) and none of the host's networks ({}); {opened}",
+            closed::SPECIAL_PURPOSE.len(),
+            show(&host)
+        ),
+    )
 }
 
 fn check_cgroups() -> Check {

@@ -247,8 +247,27 @@ fn branch_through_the_daemon() {
         children_have_the_state_of_the_branch_instant(&c, &source).await;
         a_process_writing_through_a_live_branch_is_captured_at_one_instant(&c).await;
         bad_branches_are_refused_and_change_nothing(&d, &c, &source).await;
+        // A result past the agent's 16 MiB limit is the request's problem, not the
+        // sandbox's: a 4xx naming the limit, and the sandbox runs on as it was.
+        let (s, v) = call(
+            &c,
+            Method::POST,
+            &format!("/v1/sandboxes/{source}/code"),
+            Some(json!({ "code": "'x' * (17 << 20)" })),
+        )
+        .await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
+        assert!(v.to_string().contains("16777216 bytes"), "{v}");
+        assert_eq!(py(&c, &source, "x").await, "41");
+        let (_, info) = call(&c, Method::GET, &format!("/v1/sandboxes/{source}"), None).await;
+        assert_eq!(info["status"], "running", "{info}");
         source
     });
+    // After a template build, forks and branches: nothing of the data directory is
+    // open to other users (its group included, whatever --socket-group makes of its
+    // top directory).
+    let loose = common::loose_modes(d.home.path());
+    assert!(loose.is_empty(), "open to others:\n{}", loose.join("\n"));
 
     // A daemon killed at the branch instant (the source stopped, its memory half sent).
     d.kill9();

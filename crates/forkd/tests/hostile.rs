@@ -1,5 +1,5 @@
 //! Hardening, as an attacker would probe it: requests that try to make the daemon read
-//! host files. No guest is booted here.
+//! host files; a writer of the audit log covering its tracks. No guest is booted here.
 
 mod common;
 
@@ -108,7 +108,6 @@ fn a_recipe_sent_through_the_api_opens_no_host_file() {
             format!("oci-layout:{}/missing", show(&secret_dir)),
             "docker-archive:../../../../etc/shadow".to_owned(),
             format!("docker-archive:{}/../shadow", show(&imports)),
-            format!("docker-archive:{}", show(&imports.join("link.tar"))),
         ];
         let mut messages = Vec::new();
         for from in &refused {
@@ -118,6 +117,12 @@ fn a_recipe_sent_through_the_api_opens_no_host_file() {
             assert!(!leaks(&m) && m.contains("--import-dir"), "{m}");
             messages.push(m);
         }
+        // Under the directory, a symbolic link out of it is not followed.
+        let from = format!("docker-archive:{}", show(&imports.join("link.tar")));
+        let (s, v) = build_recipe(&c, "probe", &format!("from = \"{from}\"\n")).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(m.contains("symbolic link") && !leaks(m), "{m}");
         // Whether a path exists is not told: a missing one is refused in the same words.
         let shape = |m: &str, from: &str| m.replacen(from, "P", 1);
         assert_eq!(
@@ -165,7 +170,7 @@ fn a_recipe_sent_through_the_api_opens_no_host_file() {
         let op = finish_operation(&c, op["id"].as_str().unwrap()).await;
         let e = op["error"].as_str().unwrap();
         assert!(e.contains("was uploaded to this daemon"), "{e}");
-        // A declared size that cannot fit is refused before a byte is read.
+        // A declared size over the limit is refused before a byte is read.
         let resp = d
             .unix()
             .send_stream(
@@ -177,7 +182,7 @@ fn a_recipe_sent_through_the_api_opens_no_host_file() {
             )
             .await
             .unwrap();
-        assert_eq!(resp.status(), StatusCode::INSUFFICIENT_STORAGE);
+        assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
         let (s, _) = call(&c, Method::GET, "/v1/health", None).await;
         assert_eq!(s, StatusCode::OK);
     });
@@ -187,4 +192,180 @@ fn a_recipe_sent_through_the_api_opens_no_host_file() {
         "a refused path was opened: {opened:?}\n{}",
         d.log()
     );
+}
+
+/// `forkd audit verify` on the data directory `home`: whether it passed, and what it
+/// said.
+fn audit_verify(home: &Path) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_forkd"))
+        .args(["audit", "verify"])
+        .env("FORKD_HOME", home)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+#[test]
+fn a_cut_or_emptied_audit_log_is_found_and_refuses_the_start_until_reset() {
+    let mut d = Daemon::start(&[]);
+    let home = d.home.path().to_owned();
+    runtime().block_on(async {
+        for _ in 0..3 {
+            let (s, _) = call(&d.unix(), Method::DELETE, "/v1/sandboxes/sb-none", None).await;
+            assert_eq!(s, StatusCode::NOT_FOUND);
+        }
+    });
+    d.stop();
+    let log = home.join("audit.jsonl");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.lines().count() >= 3, "{text}");
+    let (ok, said) = audit_verify(&home);
+    assert!(
+        ok && said.contains("marked with its key") && said.contains("ends where"),
+        "{said}"
+    );
+    use std::os::unix::fs::PermissionsExt;
+    let key_mode = std::fs::metadata(home.join("audit.key"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(key_mode & 0o777, 0o600);
+
+    for (what, cut) in [
+        ("the last record removed", {
+            let mut lines: Vec<&str> = text.lines().collect();
+            lines.pop();
+            lines.iter().map(|l| format!("{l}\n")).collect::<String>()
+        }),
+        ("emptied", String::new()),
+    ] {
+        std::fs::write(&log, &cut).unwrap();
+        let (ok, said) = audit_verify(&home);
+        assert!(!ok && said.contains("were removed"), "{what}: {said}");
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_forkd"))
+            .arg("daemon")
+            .env("FORKD_HOME", &home)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("--audit-reset"),
+            "{what}: {err}"
+        );
+    }
+    // Told to, it moves the log aside and starts a new chain that says what it found.
+    d.start_again(&["--audit-reset"]);
+    let first = std::fs::read_to_string(&log).unwrap();
+    let first: serde_json::Value = serde_json::from_str(first.lines().next().unwrap()).unwrap();
+    assert_eq!(first["method"], "AUDIT-RESET", "{first}");
+    assert!(
+        first["ids"][0].as_str().unwrap().contains("were removed"),
+        "{first}"
+    );
+    d.stop();
+    assert!(audit_verify(&home).0);
+}
+
+/// One request without a valid token from `from`, over a connection of its own; the
+/// status line's code.
+async fn refused_request(from: std::net::Ipv4Addr, port: u16) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind((from, 0).into()).unwrap();
+    let mut conn = socket.connect(([127, 0, 0, 1], port).into()).await.unwrap();
+    conn.write_all(
+        b"POST /v1/sandboxes HTTP/1.1\r\nHost: forkd\r\nAuthorization: Bearer not-the-token-not-the-token-xx\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut answer = Vec::new();
+    conn.read_to_end(&mut answer).await.unwrap();
+    let text = String::from_utf8_lossy(&answer);
+    text.split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn ten_thousand_refused_requests_from_five_hundred_addresses_add_little_to_the_audit_log() {
+    let secrets = tempfile::tempdir().unwrap();
+    let token = secrets.path().join("token");
+    common::write_secret(&token, "flood-test-token-flood-test-token-flood");
+    let listen = common::free_port();
+    let port: u16 = listen.rsplit(':').next().unwrap().parse().unwrap();
+    let mut d = Daemon::start(&["--listen", &listen, "--token-file", token.to_str().unwrap()]);
+    let log = d.home.path().join("audit.jsonl");
+    let before = std::fs::metadata(&log).unwrap().len();
+    let started = std::time::Instant::now();
+    let codes = runtime().block_on(async {
+        let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for worker in 0..25u32 {
+            let sent = sent.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut codes = Vec::new();
+                for i in 0..400u32 {
+                    // 500 addresses of 127/8, in two /24s.
+                    let n = (worker * 400 + i) % 500;
+                    let from =
+                        std::net::Ipv4Addr::new(127, 0, 1 + (n / 250) as u8, 1 + (n % 250) as u8);
+                    codes.push(refused_request(from, port).await);
+                    sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                codes
+            }));
+        }
+        let mut all = Vec::new();
+        for t in tasks {
+            all.extend(t.await.unwrap());
+        }
+        all
+    });
+    let took = started.elapsed();
+    assert_eq!(codes.len(), 10_000);
+    assert!(
+        codes.iter().all(|c| *c == 401 || *c == 429),
+        "{:?}",
+        &codes[..20]
+    );
+    // The aggregates of the last window are written when the daemon stops.
+    d.stop();
+    let text = std::fs::read_to_string(&log).unwrap();
+    let grew = text.len() as u64 - before;
+    let windows = took.as_secs() / 60 + 2;
+    assert!(
+        grew <= windows * (64 << 10),
+        "{grew} bytes in {took:?} ({windows} windows)"
+    );
+    let records: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        !records.iter().any(|r| r["path"] == "/v1/sandboxes"),
+        "a refused request was recorded one by one"
+    );
+    let counted: u64 = records
+        .iter()
+        .filter(|r| r["method"] == "AUTH-FAILED")
+        .map(|r| {
+            let ids = r["ids"][0].as_str().unwrap();
+            ids.split(' ').next().unwrap().parse::<u64>().unwrap()
+        })
+        .sum();
+    assert_eq!(counted, 10_000, "every refusal is counted");
+    let networks: Vec<&str> = records
+        .iter()
+        .filter(|r| r["method"] == "AUTH-FAILED")
+        .map(|r| r["principal"].as_str().unwrap())
+        .collect();
+    assert!(
+        networks.contains(&"tcp:127.0.1.0/24") && networks.contains(&"tcp:127.0.2.0/24"),
+        "{networks:?}"
+    );
+    eprintln!("10,000 refused requests in {took:?} grew the audit log by {grew} bytes");
 }

@@ -118,10 +118,11 @@ async fn sh(c: &forkd_daemon::client::Client, id: &str, script: &str) -> String 
 
 #[test]
 fn a_template_from_a_container_image_forks_with_the_image_s_files_and_defaults() {
-    let d = Daemon::start(&[]);
-    let reg = Registry::start();
     let work = tempfile::tempdir().unwrap();
-    let layout = work.path().join("layout");
+    let imports = work.path().canonicalize().unwrap();
+    let d = Daemon::start(&["--import-dir", imports.to_str().unwrap()]);
+    let reg = Registry::start();
+    let layout = imports.join("layout");
     busybox_image(&layout);
     let reference = format!("{}/forkd-test/busybox:v1", reg.addr);
     let out = std::process::Command::new("skopeo")
@@ -242,6 +243,22 @@ fn a_template_from_a_container_image_forks_with_the_image_s_files_and_defaults()
             sh(&c, &id, "test -e /data/gone.txt || echo absent").await,
             "absent"
         );
+        let (s, _) = call(&c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+        assert_eq!(s, StatusCode::NO_CONTENT);
+    });
+
+    // A layout under the daemon's --import-dir, named by a recipe sent through the API:
+    // opened there (no link followed), read as an upload is.
+    runtime().block_on(async {
+        let recipe = format!(
+            "from = \"oci-layout:{}:v1\"\nmemory_mib = 256\n",
+            layout.display()
+        );
+        let (s, op) = common::build_recipe(&c, "bb-imported", &recipe).await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{op}");
+        common::wait_operation(&c, op["id"].as_str().unwrap()).await;
+        let id = create(&c, "bb-imported", 1).await.remove(0);
+        assert_eq!(sh(&c, &id, "cat kept.txt").await, "from the upper layer");
         let (s, _) = call(&c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
         assert_eq!(s, StatusCode::NO_CONTENT);
     });

@@ -4,8 +4,10 @@
 //! child downloads a file with urllib from an allowed host; children reach neither each
 //! other, nor the host, nor the daemon; a child's web server answers through the daemon;
 //! names resolve (through a DNS server the test runs) only when allowed, and open only
-//! the public addresses they resolved to; a template built with `network = "none"` has
-//! no NIC.
+//! the open addresses they resolved to; an address of every special-purpose range the
+//! host can route, put on a test host the guest reaches otherwise, stays closed over TCP
+//! and UDP, and IPv6 frames a guest writes itself go nowhere; a template built with
+//! `network = "none"` has no NIC.
 //!
 //! One daemon, one `python` template (with a NIC) and one `minimal` template without
 //! are built once for the whole file.
@@ -29,8 +31,10 @@ const DAEMON_PORT: u16 = 47_131;
 struct TestHosts {
     ns: String,
     server: Child,
+    /// A UDP echo server on port 8001 of every address, which logs what it receives.
+    udp: Child,
     /// What the servers serve: `file.bin`.
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     /// The contents of `file.bin`.
     file: Vec<u8>,
 }
@@ -61,6 +65,8 @@ impl TestHosts {
         for args in [
             vec!["addr", "add", &format!("{NET}.2/24"), "dev", &ns_end],
             vec!["addr", "add", &format!("{NET}.3/24"), "dev", &ns_end],
+            // Not opened by the daemon: closed like the rest of the host's networks.
+            vec!["addr", "add", &format!("{NET}.4/24"), "dev", &ns_end],
             vec!["link", "set", &ns_end, "up"],
             vec!["link", "set", "lo", "up"],
             vec!["route", "add", "default", "via", &format!("{NET}.1")],
@@ -81,10 +87,18 @@ impl TestHosts {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
+        let udp = Command::new("ip")
+            .args(["netns", "exec", &ns, "python3", "-c", UDP_ECHO])
+            .arg(dir.path().join("udp.log"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
         let hosts = TestHosts {
             ns,
             server,
-            _dir: dir,
+            udp,
+            dir,
             file,
         };
         // Serving once it answers from the host.
@@ -102,8 +116,8 @@ impl TestHosts {
 const RECORDS: [(&str, &str); 3] = [
     ("allowed.test", "203.0.113.10"),
     ("other.test", "203.0.113.11"),
-    // An allowed name that points into a private range: it must not open it.
-    ("private.test", "10.252.77.2"),
+    // An allowed name that points into a closed network: it must not open it.
+    ("private.test", "10.252.77.4"),
 ];
 
 impl TestHosts {
@@ -174,7 +188,45 @@ impl TestHosts {
     fn ns_end(&self) -> String {
         format!("nt{}n", std::process::id() % 100_000)
     }
+
+    fn host_end(&self) -> String {
+        format!("nt{}h", std::process::id() % 100_000)
+    }
+
+    /// What the UDP echo server received: a line per datagram, its payload first.
+    fn udp_log(&self) -> std::path::PathBuf {
+        self.dir.path().join("udp.log")
+    }
+
+    /// Gives the hosts the addresses `v4` and `v6` too, each routed to them from the host.
+    fn add_addresses(&self, v4: &[&str], v6: &[&str]) {
+        let (ns_end, host_end) = (self.ns_end(), self.host_end());
+        for a in v4.iter().filter(|a| !a.starts_with(NET)) {
+            let a32 = format!("{a}/32");
+            ip(&["-n", &self.ns, "addr", "add", &a32, "dev", &ns_end]);
+            ip(&["route", "add", &a32, "via", &format!("{NET}.2")]);
+        }
+        for a in v6 {
+            let a128 = format!("{a}/128");
+            ip(&[
+                "-n", &self.ns, "addr", "add", &a128, "dev", &ns_end, "nodad",
+            ]);
+            ip(&["-6", "route", "add", &a128, "dev", &host_end]);
+        }
+    }
 }
+
+/// A UDP echo server on port 8001 of every address (IPv4 and IPv6), appending each
+/// datagram's payload and sender to the file `argv[1]`.
+const UDP_ECHO: &str = r#"import socket, sys
+s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+s.bind(("::", 8001))
+log = open(sys.argv[1], "a", buffering=1)
+while True:
+    data, peer = s.recvfrom(2048)
+    log.write(data[:64].decode(errors="replace") + " from " + peer[0] + "\n")
+    s.sendto(data, peer)"#;
 
 /// The test's DNS server's answer to `query`, asked over TCP when `over_tcp`: the
 /// address of a name of [`RECORDS`], and for [`BIG_NAME`] [`BIG_COUNT`] addresses, too
@@ -218,8 +270,10 @@ const BIG_COUNT: u8 = 40;
 
 impl Drop for TestHosts {
     fn drop(&mut self) {
-        let _ = self.server.kill();
-        let _ = self.server.wait();
+        for child in [&mut self.server, &mut self.udp] {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
         // The veth pair goes with the namespace.
         let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
     }
@@ -244,6 +298,15 @@ fn sandbox_networks() {
         token.to_str().unwrap(),
         "--dns-upstream",
         &format!("{NET}.2"),
+        // The test hosts: on one of the host's own networks (closed by default), and on
+        // a documentation range (closed too); opened on purpose, as an operator opens a
+        // proxy. {NET}.4 stays closed.
+        "--egress-open",
+        &format!("{NET}.2/32"),
+        "--egress-open",
+        &format!("{NET}.3/32"),
+        "--egress-open",
+        "203.0.113.0/24",
     ]);
     runtime().block_on(async {
         let c = daemon.unix();
@@ -260,6 +323,8 @@ fn sandbox_networks() {
         egress_follows_the_policy_and_changes_while_the_child_runs(&c, &hosts).await;
         children_reach_neither_each_other_nor_the_host_nor_the_daemon(&c, &daemon).await;
         names_resolve_only_when_allowed_and_open_only_what_they_resolved_to(&c).await;
+        every_closed_network_stays_closed_from_inside(&c, &hosts).await;
+        a_fork_bomb_and_a_memory_hog_leave_a_neighbour_answering(&c).await;
         a_template_built_without_network_has_no_nic(&c).await;
     });
 }
@@ -352,15 +417,17 @@ async fn egress_follows_the_policy_and_changes_while_the_child_runs(
         // The other host is not in the list.
         assert_ne!(connect(c, &id, &format!("{NET}.3"), PORT).await, "ok");
 
-        // Allow everything public but one: private ranges stay shut (the test hosts
-        // are in one), unless listed.
+        // Allow everything but one range: what the operator opened is reachable, the
+        // denied range and the closed networks (the host's own, {NET}.4) are not.
         set_network(
             c,
             &id,
             json!({"egress": "allow", "deny": ["203.0.113.0/24"]}),
         )
         .await;
-        assert_ne!(connect(c, &id, &format!("{NET}.2"), PORT).await, "ok");
+        assert_eq!(connect(c, &id, &format!("{NET}.2"), PORT).await, "ok");
+        assert_ne!(connect(c, &id, "203.0.113.10", PORT).await, "ok");
+        assert_ne!(connect(c, &id, &format!("{NET}.4"), PORT).await, "ok");
         set_network(
             c,
             &id,
@@ -369,6 +436,15 @@ async fn egress_follows_the_policy_and_changes_while_the_child_runs(
         .await;
         assert_eq!(connect(c, &id, &format!("{NET}.3"), PORT).await, "ok");
         assert_ne!(connect(c, &id, &format!("{NET}.2"), PORT).await, "ok");
+        // A closed network stays closed even listed: no policy opens it.
+        set_network(
+            c,
+            &id,
+            json!({"egress": "deny", "allow": [format!("{NET}.4"), format!("{NET}.3")]}),
+        )
+        .await;
+        assert_ne!(connect(c, &id, &format!("{NET}.4"), PORT).await, "ok");
+        assert_eq!(connect(c, &id, &format!("{NET}.3"), PORT).await, "ok");
 
         // Off: the guest sees its link down.
         let v = set_network(c, &id, json!({"egress": "off"})).await;
@@ -460,9 +536,9 @@ async fn names_resolve_only_when_allowed_and_open_only_what_they_resolved_to(
     // A name not in the list is not answered, and its address stays shut.
     assert_eq!(resolve(c, &id, "other.test").await, "gaierror");
     assert_ne!(connect(c, &id, "203.0.113.11", PORT).await, "ok");
-    // A name that points into a private range resolves, and opens nothing.
-    assert_eq!(resolve(c, &id, "private.test").await, format!("{NET}.2"));
-    assert_ne!(connect(c, &id, &format!("{NET}.2"), PORT).await, "ok");
+    // A name that points into a closed network resolves, and opens nothing.
+    assert_eq!(resolve(c, &id, "private.test").await, format!("{NET}.4"));
+    assert_ne!(connect(c, &id, &format!("{NET}.4"), PORT).await, "ok");
     // A new policy takes back what the old one's names had opened.
     set_network(c, &id, json!({"allow": ["other.test"]})).await;
     assert_ne!(connect(c, &id, "203.0.113.10", PORT).await, "ok");
@@ -502,8 +578,9 @@ async fn children_reach_neither_each_other_nor_the_host_nor_the_daemon(
     daemon: &Daemon,
 ) {
     {
-        // Even with every private range they might try listed: the host's own rules
-        // refuse traffic between sandboxes and to the host itself.
+        // Even with every private range they might try listed: closed networks stay
+        // closed, and the host's own rules refuse traffic between sandboxes and to the
+        // host itself.
         let open =
             json!({"egress": "allow", "allow": ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"]});
         let a = fork_with(c, open.clone()).await;
@@ -616,6 +693,197 @@ async fn children_reach_neither_each_other_nor_the_host_nor_the_daemon(
         }
     }
 }
+
+/// An address of every IPv4 special-purpose range the host routes (Linux forwards
+/// nothing to 0.0.0.0/8, loopback, multicast or the broadcast address, which need no
+/// rule), and five IPv6 ones.
+const CLOSED_V4: [&str; 15] = [
+    "10.11.12.13",
+    "100.64.1.2",
+    "169.254.7.7",
+    "172.16.5.5",
+    "192.0.0.9",
+    "192.0.2.5",
+    "192.31.196.5",
+    "192.52.193.5",
+    "192.88.99.5",
+    "192.168.77.5",
+    "192.175.48.5",
+    "198.18.0.5",
+    "198.51.100.5",
+    "240.0.0.5",
+    // One of the host's own networks, not opened.
+    "10.252.77.4",
+];
+const CLOSED_V6: [&str; 5] = [
+    "fd00:f0::5",
+    "2001:db8::5",
+    "2001:2::5",
+    "64:ff9b::c000:205",
+    "100::5",
+];
+
+/// In a child allowed everywhere: TCP and UDP to each closed address fail, while the
+/// same probe reaches an opened address set up the same way; the child then turns IPv6
+/// back on and writes IPv6 frames to each IPv6 address itself (a raw socket), and the
+/// test hosts, listening on them, receive none, while the same raw frame to the opened
+/// IPv4 address arrives.
+async fn every_closed_network_stays_closed_from_inside(
+    c: &forkd_daemon::client::Client,
+    hosts: &TestHosts,
+) {
+    hosts.add_addresses(&CLOSED_V4, &CLOSED_V6);
+    // The host reaches every one of them: only the sandbox's rules stand in between.
+    for a in CLOSED_V4 {
+        assert!(
+            std::net::TcpStream::connect_timeout(
+                &format!("{a}:{PORT}").parse().unwrap(),
+                std::time::Duration::from_secs(3)
+            )
+            .is_ok(),
+            "the host does not reach {a}"
+        );
+    }
+    let id = fork_with(c, json!({"egress": "allow"})).await;
+    let mut targets: Vec<&str> = CLOSED_V4.to_vec();
+    targets.push(OPEN_PROBE);
+    let probe = format!(
+        "python3 - {} <<'EOF'
+{PROBE}
+EOF",
+        targets.join(" ")
+    );
+    let r = exec(c, &id, &probe).await;
+    let out = String::from_utf8(common::b64(&r["stdout_b64"])).unwrap();
+    let reached: Value = serde_json::from_str(out.trim()).unwrap_or_else(|_| panic!("{r}"));
+    assert_eq!(reached[OPEN_PROBE], json!(["tcp"]), "{reached}");
+    for a in CLOSED_V4 {
+        assert_eq!(reached[a], json!([]), "{a} was reached over TCP: {reached}");
+    }
+    let raw = format!(
+        "python3 - {OPEN_PROBE} {} <<'EOF'
+{RAW_FRAMES}
+EOF",
+        CLOSED_V6.join(" ")
+    );
+    let r = exec(c, &id, &raw).await;
+    assert_eq!(common::b64(&r["stdout_b64"]), b"sent\n", "{r}");
+    // What the test hosts' UDP listener received, by the probe's payload.
+    let mut got = String::new();
+    for _ in 0..50 {
+        got = std::fs::read_to_string(hosts.udp_log()).unwrap_or_default();
+        if got.contains("raw4") && got.contains(&format!("udp {OPEN_PROBE} ")) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(
+        got.contains("raw4"),
+        "the raw IPv4 frame did not arrive: {got:?}"
+    );
+    assert!(!got.contains("raw6"), "an IPv6 frame got out: {got:?}");
+    // The probe's datagrams: the opened address's arrived, no closed one's did.
+    assert!(got.contains(&format!("udp {OPEN_PROBE} ")), "{got:?}");
+    for a in CLOSED_V4 {
+        assert!(
+            !got.contains(&format!("udp {a} ")),
+            "{a} was reached over UDP: {got:?}"
+        );
+    }
+    call(c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+}
+
+/// One child under the default policy runs a fork bomb and a memory hog (as root in
+/// its guest); another child still answers an exec, and so does the first one's
+/// neighbourhood on the host: the daemon lists both.
+async fn a_fork_bomb_and_a_memory_hog_leave_a_neighbour_answering(
+    c: &forkd_daemon::client::Client,
+) {
+    let ids = create(c, "python", 2).await;
+    let (hostile, neighbour) = (&ids[0], &ids[1]);
+    let r = exec(
+        c,
+        hostile,
+        "nohup python3 -c 'b = []\nwhile True: b.append(bytearray(1 << 20))' >/dev/null 2>&1 & \
+         nohup sh -c 'f() { f | f & }; f' >/dev/null 2>&1 & echo started",
+    )
+    .await;
+    assert_eq!(common::b64(&r["stdout_b64"]), b"started\n", "{r}");
+    tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+    for _ in 0..3 {
+        let r = exec(c, neighbour, "echo alive").await;
+        assert_eq!(common::b64(&r["stdout_b64"]), b"alive\n", "{r}");
+    }
+    let (s, listed) = call(c, Method::GET, "/v1/sandboxes", None).await;
+    assert_eq!(s, StatusCode::OK);
+    for id in &ids {
+        assert!(listed.to_string().contains(id.as_str()), "{listed}");
+        call(c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+    }
+}
+
+/// The opened address the probes must reach.
+const OPEN_PROBE: &str = "203.0.113.10";
+
+/// TCP to port 8000 of each address in `argv`, at once, and three datagrams `udp ADDR`
+/// to its port 8001 (what arrives, the test hosts' log says: a reply would leave from
+/// their main address, which the sandbox's NAT would not take for the answer); prints
+/// what each reached over TCP, as JSON.
+const PROBE: &str = r#"import socket, sys, threading, json
+res = {}
+def probe(a):
+    r = []
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for _ in range(3):
+        try:
+            u.sendto(("udp " + a + " ").encode(), (a, 8001))
+        except OSError:
+            pass
+    try:
+        socket.create_connection((a, 8000), timeout=3).close()
+        r.append("tcp")
+    except OSError:
+        pass
+    res[a] = r
+ts = [threading.Thread(target=probe, args=(a,)) for a in sys.argv[1:]]
+[t.start() for t in ts]
+[t.join() for t in ts]
+print(json.dumps(res))"#;
+
+/// Turns IPv6 back on, then writes Ethernet frames itself to the gateway's MAC: a UDP
+/// datagram `raw4` to the IPv4 address `argv[1]`, and `raw6` to each IPv6 address after
+/// it (from a unique local address, three times each).
+const RAW_FRAMES: &str = r#"import socket, struct, sys
+open("/proc/sys/net/ipv6/conf/eth0/disable_ipv6", "w").write("0")
+def csum(b):
+    if len(b) % 2:
+        b += b"\0"
+    t = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    while t >> 16:
+        t = (t & 0xFFFF) + (t >> 16)
+    return ~t & 0xFFFF
+mac = bytes.fromhex(open("/sys/class/net/eth0/address").read().strip().replace(":", ""))
+gw = bytes.fromhex("02666b000001")
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(("eth0", 0))
+def udp(src, dst, pseudo, data):
+    n = 8 + len(data)
+    c = csum(pseudo(n) + struct.pack("!HHHH", 40000, 8001, n, 0) + data) or 0xFFFF
+    return struct.pack("!HHHH", 40000, 8001, n, c) + data
+src4, dst4 = socket.inet_aton("10.254.254.2"), socket.inet_aton(sys.argv[1])
+d = udp(src4, dst4, lambda n: src4 + dst4 + struct.pack("!BBH", 0, 17, n), b"raw4")
+h = struct.pack("!BBHHHBBH", 0x45, 0, 20 + len(d), 1, 0, 64, 17, 0) + src4 + dst4
+h = h[:10] + struct.pack("!H", csum(h)) + h[12:]
+for _ in range(3):
+    s.send(gw + mac + b"\x08\x00" + h + d)
+src6 = socket.inet_pton(socket.AF_INET6, "fd00:beef::2")
+for a in sys.argv[2:]:
+    dst6 = socket.inet_pton(socket.AF_INET6, a)
+    d = udp(src6, dst6, lambda n: src6 + dst6 + struct.pack("!I3xB", n, 17), b"raw6 " + a.encode())
+    h = struct.pack("!IHBB", 0x60000000, len(d), 17, 64) + src6 + dst6
+    for _ in range(3):
+        s.send(gw + mac + b"\x86\xdd" + h + d)
+print("sent")"#;
 
 async fn a_template_built_without_network_has_no_nic(c: &forkd_daemon::client::Client) {
     {

@@ -58,7 +58,7 @@ pub fn receive(
 ) -> Result<ScratchDir, ArchiveError> {
     let scratch = ScratchDir::new(&home.tmp_dir(), SCRATCH_PREFIX)
         .map_err(|e| io("making a scratch directory")(std::io::Error::other(e)))?;
-    super::docker_archive::to_layout(input, "the uploaded archive", tag, scratch.path())?;
+    super::docker_archive::to_layout(input, "the image archive", tag, scratch.path())?;
     Ok(scratch)
 }
 
@@ -82,9 +82,14 @@ pub async fn install(
     let root = uploads_root(home);
     let dest = root.join(&hex);
     if !dest.join("index.json").is_file() {
-        // Written aside and renamed: a kept layout is whole or absent.
-        let tmp = root.join(format!(".{hex}.partial"));
-        let _ = std::fs::remove_dir_all(&tmp);
+        // Written aside (a directory of this upload's own: two uploads of one image may
+        // run at once) and renamed: a kept layout is whole or absent.
+        std::fs::create_dir_all(&root).map_err(io(format!("creating {}", root.display())))?;
+        let aside = tempfile::Builder::new()
+            .prefix(".partial-")
+            .tempdir_in(&root)
+            .map_err(io("making a directory for the upload"))?;
+        let tmp = aside.path().to_owned();
         let blobs = tmp.join("blobs/sha256");
         std::fs::create_dir_all(&blobs).map_err(io(format!("creating {}", blobs.display())))?;
         std::fs::write(blobs.join(&hex), &fetched.manifest).map_err(io("writing the manifest"))?;
@@ -100,8 +105,12 @@ pub async fn install(
         });
         std::fs::write(tmp.join("index.json"), index.to_string())
             .map_err(io("writing index.json"))?;
-        let _ = std::fs::remove_dir_all(&dest);
-        std::fs::rename(&tmp, &dest).map_err(io(format!("storing {}", dest.display())))?;
+        match std::fs::rename(&tmp, &dest) {
+            Ok(()) => {}
+            // The same image, kept by an upload that finished first.
+            Err(_) if dest.join("index.json").is_file() => {}
+            Err(e) => return Err(io(format!("storing {}", dest.display()))(e)),
+        }
     }
     Ok(Uploaded {
         from: format!("{SCHEME}{digest}"),

@@ -232,8 +232,9 @@ impl Staging {
             let path = self.part(name);
             // QEMU 7.2 opens a memory-backend-file read-write even for a private
             // mapping (its `readonly` would make guest RAM read-only), so the memory
-            // image keeps its owner's write bit.
-            make_read_only(&path, if *name == parts::MEMORY { 0o644 } else { 0o444 })?;
+            // image keeps its owner's write bit. Nobody but the owner reads a part: a
+            // guest's memory and disk are its secrets.
+            make_read_only(&path, if *name == parts::MEMORY { 0o600 } else { 0o400 })?;
             // fsync the data before the stamp is taken: the stamp vouches for it.
             std::fs::File::open(&path)
                 .and_then(|f| f.sync_all())
@@ -246,7 +247,7 @@ impl Staging {
             &spath,
             &serde_json::to_vec_pretty(&seal).expect("seals serialize"),
         )?;
-        make_read_only(&spath, 0o444)?;
+        make_read_only(&spath, 0o400)?;
         fsync_dir(&self.dir)?;
         if self.dest.exists() {
             return Err(SnapshotError::Exists {

@@ -29,7 +29,7 @@ pub struct ErrorBody {
 #[derive(Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct ErrorDetail {
     /// Stable code: `bad_request`, `unauthorized`, `not_found`, `conflict`, `too_large`,
-    /// `at_capacity`, `forbidden`, `sandbox_failed`, `internal`.
+    /// `result_too_large`, `at_capacity`, `forbidden`, `sandbox_failed`, `internal`.
     pub code: String,
     /// Human-readable explanation.
     pub message: String,
@@ -111,6 +111,11 @@ impl From<SandboxError> for ApiError {
             | SandboxError::Gone { .. }
             | SandboxError::Destroyed { .. } => ApiError::not_found(msg),
             SandboxError::Template { .. } => ApiError::bad_request(msg),
+            // An answer past a limit (a code cell's result over 16 MiB): the request asked
+            // for more than the API carries; the sandbox is fine and runs on.
+            SandboxError::Agent(forkd_core::agent::AgentError::TooLarge { .. }) => {
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "result_too_large", msg)
+            }
             // The guest said what was wrong with the request (a missing file, a bad
             // path, a program the sandbox does not have): the caller's to fix.
             SandboxError::Agent(a) => {

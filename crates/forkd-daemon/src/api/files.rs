@@ -121,12 +121,7 @@ pub async fn write(
     QueryParams(q): QueryParams<WriteQuery>,
     request: Request,
 ) -> Result<Json<FileInfo>, ApiError> {
-    let declared = request
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > MAX_UPLOAD) {
+    if super::declared_length(request.headers()).is_some_and(|n| n > MAX_UPLOAD) {
         return Err(too_large());
     }
     let sandbox = app.registry.get(&id)?.sandbox;

@@ -12,10 +12,16 @@ use axum::Json;
 use forkd_core::oci::upload;
 use futures::TryStreamExt;
 
+/// The largest image archive taken.
+const MAX_IMAGE: u64 = 64 << 30;
+
+/// What is read of a refused upload's rest before the answer.
+const DRAINED: u64 = 16 << 20;
+
 /// Receives an image archive and keeps its image.
 #[utoipa::path(post, path = "/v1/images", params(ImageUploadQuery),
-    request_body(content = Vec<u8>, content_type = "application/x-tar",
-        description = "A `docker save` archive or a tar of an OCI image layout"),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream",
+        description = "A `docker save` archive or a tar of an OCI image layout (any content type is taken)"),
     responses((status = 201, body = UploadedImage), (status = 400, body = ErrorBody),
         (status = 422, body = ErrorBody), (status = 507, body = ErrorBody)))]
 pub async fn upload(
@@ -26,12 +32,12 @@ pub async fn upload(
     let home = app.config.home.clone();
     // The archive is copied out once and its blobs once more into the cache: a declared
     // size that cannot fit is refused before a byte is read.
-    let declared = request
-        .headers()
-        .get(axum::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if let Some(n) = declared {
+    if let Some(n) = super::declared_length(request.headers()) {
+        if n > MAX_IMAGE {
+            return Err(ApiError::too_large(format!(
+                "the image declares {n} bytes; at most {MAX_IMAGE} are taken"
+            )));
+        }
         forkd_core::space::ensure_room(&home.tmp_dir(), n.saturating_mul(2), "receiving an image")?;
     }
     if q.name
@@ -44,7 +50,9 @@ pub async fn upload(
         .into_body()
         .into_data_stream()
         .map_err(std::io::Error::other);
-    let reader = tokio_util::io::StreamReader::new(stream);
+    // A body without a length is cut at the same bound as one that declares it.
+    let reader =
+        tokio::io::AsyncReadExt::take(tokio_util::io::StreamReader::new(stream), MAX_IMAGE + 1);
     let home2 = home.clone();
     let (received, mut reader) = tokio::task::spawn_blocking(move || {
         let mut bridge = tokio_util::io::SyncIoBridge::new(reader);
@@ -57,8 +65,14 @@ pub async fn upload(
         Ok(s) => s,
         Err(e) => {
             // An HTTP/1 client still writing would see the connection closed under it
-            // instead of the answer.
-            let _ = tokio::io::copy(&mut reader, &mut tokio::io::sink()).await;
+            // instead of the answer: what it still sends is read, up to a bound.
+            let mut rest = tokio::io::AsyncReadExt::take(&mut reader, DRAINED);
+            let _ = tokio::io::copy(&mut rest, &mut tokio::io::sink()).await;
+            if reader.limit() == 0 {
+                return Err(ApiError::too_large(format!(
+                    "the image is larger than {MAX_IMAGE} bytes"
+                )));
+            }
             return Err(e.into());
         }
     };

@@ -67,6 +67,15 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     }
 }
 
+/// The body length a request declares (`Content-Length`), if it declares one: what an
+/// upload is checked against before a byte of it is read.
+pub fn declared_length(headers: &axum::http::HeaderMap) -> Option<u64> {
+    headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+}
+
 /// Path parameters; a bad one answers 400 in the API's error format.
 pub struct PathParams<T>(pub T);
 

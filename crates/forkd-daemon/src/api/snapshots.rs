@@ -261,17 +261,17 @@ pub async fn build(
     State(app): State<App>,
     JsonBody(b): JsonBody<BuildSnapshotBody>,
 ) -> Result<(StatusCode, Json<OperationRow>), ApiError> {
-    let (recipe, files) = match &b.recipe {
+    let (recipe, files, imported) = match &b.recipe {
         Some(text) => {
             let recipe = Recipe::parse(&b.template, text)?;
-            check_host_path(&app, &recipe)?;
+            let imported = open_host_path(&app, &recipe)?;
             let files = sent_files(&recipe, &b.files)?;
-            (recipe, files)
+            (recipe, files, imported)
         }
         None => {
             let recipe = Recipe::find(&b.template, &[app.config.home.root().join("templates")])?;
             let files = recipe.read_files()?;
-            (recipe, files)
+            (recipe, files, None)
         }
     };
     let tag = Tag::parse(b.tag.as_deref().unwrap_or(&recipe.name))?;
@@ -299,7 +299,7 @@ pub async fn build(
     let app2 = app.clone();
     let op_id = op.id.clone();
     tokio::spawn(async move {
-        let r = build_snapshot(&app2, &op_id, &recipe, &files, &tag).await;
+        let r = build_snapshot(&app2, &op_id, &recipe, &files, imported, &tag).await;
         app2.registry.clear_progress(&op_id);
         let (status, error) = match &r {
             Ok(()) => ("succeeded", None),
@@ -318,20 +318,40 @@ pub async fn build(
     Ok((StatusCode::ACCEPTED, Json(op)))
 }
 
-/// A recipe sent through the API names no host path the daemon may not open for a
-/// client (see [`crate::import_dirs`]); checked before anything opens it.
-fn check_host_path(app: &App, recipe: &Recipe) -> Result<(), ApiError> {
+/// The host path a recipe sent through the API names, opened, if the daemon may open
+/// it for a client (see [`crate::import_dirs`]): refused before anything is opened
+/// otherwise.
+fn open_host_path(
+    app: &App,
+    recipe: &Recipe,
+) -> Result<Option<crate::import_dirs::Opened>, ApiError> {
     let Some(from) = recipe.from.as_deref() else {
-        return Ok(());
+        return Ok(None);
     };
     let source = forkd_core::oci::image::ImageSource::parse(from)?;
-    if let Some(path) = source.host_path() {
-        app.config
-            .import_dirs
-            .check(path)
-            .map_err(|e| ApiError::new(StatusCode::FORBIDDEN, "forbidden", e.to_string()))?;
-    }
-    Ok(())
+    app.config.import_dirs.open(&source).map_err(|e| match e {
+        crate::import_dirs::Refused::Outside { .. } => {
+            ApiError::new(StatusCode::FORBIDDEN, "forbidden", e.to_string())
+        }
+        crate::import_dirs::Refused::Unreadable { .. } => ApiError::bad_request(e.to_string()),
+    })
+}
+
+/// The image opened under an import directory, kept as an upload is; what a recipe's
+/// `from` names it by.
+async fn import(app: &App, opened: crate::import_dirs::Opened) -> anyhow::Result<String> {
+    use forkd_core::oci::upload;
+    let home = app.config.home.clone();
+    let scratch = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        let (reader, tag) = opened.reader()?;
+        Ok(upload::receive(&home, reader, tag.as_deref())?)
+    })
+    .await??;
+    let kept = upload::install(&app.config.home, scratch.path(), &|m| {
+        tracing::debug!("importing an image: {m}")
+    })
+    .await?;
+    Ok(kept.from)
 }
 
 /// The recipe's `files` as the request carried them (base64 by `src`): each one, and
@@ -370,6 +390,7 @@ async fn build_snapshot(
     op: &str,
     recipe: &Recipe,
     files: &template::RecipeFiles,
+    imported: Option<crate::import_dirs::Opened>,
     tag: &Tag,
 ) -> anyhow::Result<()> {
     let home = app.config.home.clone();
@@ -387,6 +408,11 @@ async fn build_snapshot(
             .await??
         }
         template::Base::Oci(from) => {
+            // What was opened under an import directory is read, not the path again.
+            let from = match imported {
+                Some(opened) => import(app, opened).await?,
+                None => from,
+            };
             let shown = tag.to_string();
             let pulled = forkd_core::oci::image::pull_image(
                 &home,

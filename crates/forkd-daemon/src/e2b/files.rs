@@ -55,7 +55,35 @@ async fn read(
     let user = q.user(&headers)?;
     let path = resolve(&user, q.path.as_deref().unwrap_or(""))?;
     let sandbox = e2b.sandbox(&t.id)?;
+    readable_by(&sandbox, &user, &path).await?;
     Ok(crate::api::files::download(&sandbox, path).await?)
+}
+
+/// Refuses (403) a read of `path` that `user` could not make himself. The agent reads
+/// as root; the guest's kernel decides what the user may read (modes, ACLs, each
+/// directory on the way), so the file is opened for reading as that user first.
+async fn readable_by(sandbox: &Arc<Sandbox>, user: &str, path: &str) -> Result<(), E2bError> {
+    if user == "root" {
+        return Ok(());
+    }
+    use forkd_proto::exec::{Command, ExecRequest};
+    let argv = ["head", "-c", "0", "--", path].map(str::to_owned).to_vec();
+    let mut req = ExecRequest::new(Command::Argv(argv));
+    req.user = Some(user.to_owned());
+    req.timeout_ms = Some(30_000);
+    let r = sandbox
+        .exec(req, None)
+        .await
+        .map_err(crate::api::ApiError::from)?;
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    if !r.status.success() && stderr.contains("Permission denied") {
+        return Err(fail(
+            StatusCode::FORBIDDEN,
+            format!("permission denied: user {user} may not read {path}"),
+        ));
+    }
+    // Anything else (no such file, a directory) is for the read itself to say.
+    Ok(())
 }
 
 async fn write(
@@ -65,6 +93,20 @@ async fn write(
     req: Request,
 ) -> Result<Response, E2bError> {
     let user = q.user(req.headers())?;
+    let multipart = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("multipart/form-data"));
+    // A raw upload is one file: a declared size over the limit is refused before a byte
+    // is read. (A multipart one may carry several files, each checked as it streams.)
+    let declared = crate::api::declared_length(req.headers());
+    if let Some(n) = declared.filter(|n| !multipart && *n > MAX_UPLOAD) {
+        return Err(fail(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the upload declares {n} bytes; a file may have at most {MAX_UPLOAD}"),
+        ));
+    }
     // The SDKs' gzip uploads (`gzip=True`): not decoded here, so refused rather
     // than written compressed.
     if let Some(enc) = req.headers().get(header::CONTENT_ENCODING) {
@@ -79,11 +121,6 @@ async fn write(
         }
     }
     let sandbox = e2b.sandbox(&t.id)?;
-    let multipart = req
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("multipart/form-data"));
     let mut written = Vec::new();
     if !multipart {
         let path = q

@@ -129,6 +129,8 @@ pub struct E2b {
     /// Failed authentications by address, shared with the daemon's own TCP listener.
     failures: Arc<crate::auth_failures::AuthFailures>,
     processes: process::Table,
+    /// Where what passes is recorded before it runs.
+    audit: Arc<crate::audit::AuditLog>,
 }
 
 type Shared = Arc<E2b>;
@@ -168,12 +170,14 @@ pub(crate) struct Target {
     pub port: u16,
 }
 
-/// The E2B listener's routes. `key` is the API key SDKs must send (the daemon's token).
+/// The E2B listener's routes. `key` is the API key SDKs must send (the daemon's token);
+/// what passes is recorded in `audit` before it runs.
 pub fn router(
     app: App,
     key: String,
     config: E2bConfig,
     failures: Arc<crate::auth_failures::AuthFailures>,
+    audit: Arc<crate::audit::AuditLog>,
 ) -> Router {
     let shared = Arc::new(E2b {
         app,
@@ -181,6 +185,7 @@ pub fn router(
         config,
         failures,
         processes: process::Table::default(),
+        audit: audit.clone(),
     });
     // Bodies are read whole, except uploads, which stream to the guest.
     let limit = axum::extract::DefaultBodyLimit::max(connect::MAX_MESSAGE);
@@ -195,7 +200,12 @@ pub fn router(
         )
         .nest("/_interpreter", interpreter::routes().layer(limit))
         .fallback(not_found)
-        .with_state(shared.clone());
+        .with_state(shared.clone())
+        // Inside `route`, which authenticates: what passed is recorded before it runs.
+        .layer(axum::middleware::from_fn_with_state(
+            audit,
+            crate::server::record_request,
+        ));
     // The middleware rewrites in-sandbox paths, so it runs before the routes do: the
     // routes are the service of an outer router's fallback, under its layer.
     Router::new()
@@ -228,13 +238,16 @@ async fn route(State(e2b): State<Shared>, mut req: Request, next: Next) -> Respo
         }
         return match api_key_ok(&e2b, req.headers()) {
             Ok(()) => next.run(req).await,
-            Err(m) => crate::server::failed_authentication(&e2b.failures, &req)
-                .unwrap_or_else(|| control::error(StatusCode::UNAUTHORIZED, m)),
+            Err(m) => crate::server::refused_authentication(
+                &e2b.failures,
+                &req,
+                control::error(StatusCode::UNAUTHORIZED, m),
+            ),
         };
     };
     if let Err(m) = access_ok(&e2b, &target, req.headers()) {
-        return crate::server::failed_authentication(&e2b.failures, &req)
-            .unwrap_or_else(|| (StatusCode::UNAUTHORIZED, m).into_response());
+        let refusal = (StatusCode::UNAUTHORIZED, m).into_response();
+        return crate::server::refused_authentication(&e2b.failures, &req, refusal);
     }
     let prefix = match target.port {
         ENVD_PORT => "/_envd",
@@ -242,6 +255,9 @@ async fn route(State(e2b): State<Shared>, mut req: Request, next: Next) -> Respo
         // Any other port is the guest's own (a server the sandbox runs): passed on as
         // it came, through the sandbox's network namespace.
         port => {
+            if let Some(refused) = crate::server::record_before(&e2b.audit, &req) {
+                return refused;
+            }
             let id = target.id.clone();
             return crate::api::ports::forward_as_is(&e2b.app, &id, port, req)
                 .await
@@ -367,14 +383,25 @@ mod tests {
         });
         let mut config = E2bConfig::new("127.0.0.1:0".parse().unwrap());
         config.domain = Some("e2b.test".into());
+        let audit = Arc::new(
+            crate::audit::AuditLog::open(
+                &dir.join("audit.jsonl"),
+                crate::audit::AuditKey::load_or_create(&dir.join("audit.key")).unwrap(),
+                None,
+                Box::new(|_| Ok(())),
+            )
+            .unwrap(),
+        );
         let shared = Arc::new(E2b {
             app: app.clone(),
             key: KEY.into(),
             config: config.clone(),
             failures: Default::default(),
             processes: process::Table::default(),
+            audit: audit.clone(),
         });
-        (router(app, KEY.into(), config, Default::default()), shared)
+        let r = router(app, KEY.into(), config, Default::default(), audit);
+        (r, shared)
     }
 
     async fn send(r: &Router, req: axum::http::Request<Body>) -> (StatusCode, serde_json::Value) {
@@ -505,6 +532,25 @@ mod tests {
         // And the token is checked first.
         let (s, _) = send(&r, stat(None, "sb-000000000001", "8080")).await;
         assert_eq!(s, StatusCode::UNAUTHORIZED);
+    }
+
+    #[tokio::test]
+    async fn an_upload_declaring_more_than_the_limit_is_refused_unread() {
+        let dir = tempfile::tempdir().unwrap();
+        let (r, e2b) = listener(dir.path());
+        let id = "sb-000000000001";
+        let req = axum::http::Request::post("/files?path=/root/big")
+            .header("e2b-sandbox-id", id)
+            .header("e2b-sandbox-port", "49983")
+            .header("x-access-token", e2b.access_token(id))
+            .header("content-type", "application/octet-stream")
+            .header("content-length", (5u64 << 30).to_string())
+            .body(Body::empty())
+            .unwrap();
+        // Refused before the sandbox is even looked for (there is none).
+        let (s, v) = send(&r, req).await;
+        assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE, "{v}");
+        assert!(v.to_string().contains("5368709120"), "{v}");
     }
 
     #[test]

@@ -17,6 +17,7 @@
 //! host's end of the veth pair, its address and its rules, leaving nothing to clean up.
 //! forkd finds a running sandbox's namespace again through its QEMU's pid.
 
+pub mod closed;
 mod links;
 pub mod policy;
 pub mod rules;
@@ -227,10 +228,35 @@ fn nft(ruleset: &nftables::schema::Nftables) -> std::io::Result<()> {
     nftables::helper::apply_ruleset(ruleset).map_err(|e| std::io::Error::other(e.to_string()))
 }
 
+/// Reads the host's routes again and, when the networks closed to sandboxes changed
+/// and the host's rules are in place, applies them again (see [`closed`]).
+pub async fn refresh_closed() -> std::io::Result<bool> {
+    if !closed::refresh_host()? {
+        return Ok(false);
+    }
+    if HOST_READY.get().is_some_and(Result::is_ok) {
+        on_own_thread(|| nft(&rules::host())).await?;
+    }
+    Ok(true)
+}
+
+/// Puts the host's rules in place now (where this host can give sandboxes networks),
+/// so that sandboxes a restarted daemon adopts are held to the closed networks it
+/// starts with, not to what the last daemon left.
+pub async fn apply_host_rules() -> std::io::Result<()> {
+    if unavailable().is_some() {
+        return Ok(());
+    }
+    on_own_thread(host_ready).await?;
+    // The first apply of this process may have come before the routes were read.
+    on_own_thread(|| nft(&rules::host())).await
+}
+
+static HOST_READY: OnceLock<Result<(), String>> = OnceLock::new();
+
 /// The host's side, once per process: forwarding on and the host's rules in place.
 fn host_ready() -> std::io::Result<()> {
-    static READY: OnceLock<Result<(), String>> = OnceLock::new();
-    READY
+    HOST_READY
         .get_or_init(|| {
             std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
                 .map_err(|e| format!("turning on IPv4 forwarding: {e}"))?;

@@ -2,9 +2,9 @@
 //!
 //! A destination is an IPv4 address or prefix, or a DNS name, with an optional port (TCP
 //! and UDP): `203.0.113.7`, `203.0.113.0/24`, `203.0.113.7:443`, `pypi.org`,
-//! `*.pythonhosted.org:443`. Private, loopback, link-local and multicast ranges (and
-//! with them the host's side of every sandbox's link) are refused whatever the mode,
-//! unless a network inside them is listed in `allow`; a name never opens them.
+//! `*.pythonhosted.org:443`. The networks of [`super::closed`] (IANA's special-purpose
+//! ranges and the host's own networks) stay closed whatever the mode and the lists say,
+//! unless the daemon's operator opened them; a name never opens them.
 //!
 //! Names are for the resolver forkd serves each sandbox: it answers only the names the
 //! policy lets out, and lets out the addresses it answered with (see `rules`).
@@ -33,8 +33,8 @@ pub struct EgressPolicy {
     /// The mode (`mode` in a recipe's `[egress]`).
     #[serde(default, alias = "mode")]
     pub egress: EgressMode,
-    /// Destinations let through (in `deny` mode, the only ones; in `allow` mode, the
-    /// private ones let through).
+    /// Destinations let through (in `deny` mode, the only ones; in `allow` mode, they
+    /// win over `deny`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allow: Vec<Destination>,
     /// Destinations refused in `allow` mode.
@@ -171,31 +171,8 @@ impl Destination {
     }
 }
 
-/// The ranges no sandbox reaches unless a destination inside them is listed: private
-/// networks, loopback, link-local, shared address space, "this network", multicast and
-/// reserved (RFC 1918, 1122, 3927, 6598, 5771, 1112).
-pub const PRIVATE_RANGES: [(Ipv4Addr, u8); 9] = [
-    (Ipv4Addr::new(0, 0, 0, 0), 8),
-    (Ipv4Addr::new(10, 0, 0, 0), 8),
-    (Ipv4Addr::new(100, 64, 0, 0), 10),
-    (Ipv4Addr::new(127, 0, 0, 0), 8),
-    (Ipv4Addr::new(169, 254, 0, 0), 16),
-    (Ipv4Addr::new(172, 16, 0, 0), 12),
-    (Ipv4Addr::new(192, 168, 0, 0), 16),
-    (Ipv4Addr::new(224, 0, 0, 0), 4),
-    (Ipv4Addr::new(240, 0, 0, 0), 4),
-];
-
-impl Network {
-    /// True when every address of this network lies in one of [`PRIVATE_RANGES`].
-    pub fn is_private(&self) -> bool {
-        PRIVATE_RANGES
-            .iter()
-            .any(|&(net, len)| self.prefix >= len && mask(self.addr, len) == net)
-    }
-}
-
-fn mask(addr: Ipv4Addr, len: u8) -> Ipv4Addr {
+/// `addr` with all but its first `len` bits cleared.
+pub(crate) fn mask(addr: Ipv4Addr, len: u8) -> Ipv4Addr {
     let bits = u32::from(addr);
     let m = if len == 0 { 0 } else { u32::MAX << (32 - len) };
     Ipv4Addr::from(bits & m)
@@ -269,25 +246,31 @@ fn name_pattern(s: &str) -> Result<String, String> {
     Ok(name)
 }
 
-impl fmt::Display for Destination {
+impl fmt::Display for Network {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let port = match self {
-            Destination::Net(n) => {
-                write!(f, "{}", n.addr)?;
-                if n.prefix != 32 {
-                    write!(f, "/{}", n.prefix)?;
-                }
-                n.port
-            }
-            Destination::Name(n) => {
-                f.write_str(&n.name)?;
-                n.port
-            }
-        };
-        if let Some(port) = port {
+        write!(f, "{}", self.addr)?;
+        if self.prefix != 32 {
+            write!(f, "/{}", self.prefix)?;
+        }
+        if let Some(port) = self.port {
             write!(f, ":{port}")?;
         }
         Ok(())
+    }
+}
+
+impl fmt::Display for Destination {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Destination::Net(n) => n.fmt(f),
+            Destination::Name(n) => {
+                f.write_str(&n.name)?;
+                match n.port {
+                    Some(port) => write!(f, ":{port}"),
+                    None => Ok(()),
+                }
+            }
+        }
     }
 }
 
@@ -347,23 +330,6 @@ mod tests {
         ] {
             assert!(bad.parse::<Destination>().is_err(), "{bad}");
         }
-    }
-
-    #[test]
-    fn private_means_wholly_inside_a_private_range() {
-        let private = |s: &str| {
-            s.parse::<Destination>()
-                .unwrap()
-                .network()
-                .unwrap()
-                .is_private()
-        };
-        assert!(private("10.1.2.3"));
-        assert!(private("192.168.0.0/16:53"));
-        assert!(private("127.0.0.1"));
-        assert!(!private("0.0.0.0/0"));
-        assert!(!private("8.0.0.0/7"));
-        assert!(!private("203.0.113.7"));
     }
 
     #[test]

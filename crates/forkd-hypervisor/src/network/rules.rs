@@ -9,12 +9,17 @@
 //! - `postrouting`: the guest's address (the same in every child of a snapshot) is
 //!   masqueraded as the namespace's own uplink address, which is unique.
 //!
+//! - `closed`: the networks no sandbox reaches ([`super::closed`]), jumped to first
+//!   from `egress`.
+//!
 //! The host, `inet forkd`: traffic from one sandbox's link to another's is dropped, a
 //! sandbox's new connections to the host itself are dropped, traffic into a sandbox
-//! passes only as replies, and sandboxes' uplink addresses are masqueraded on the way
-//! out.
+//! passes only as replies, what a sandbox sends to a closed network is dropped (the
+//! host's `closed` chain, applied again when the host's routes change), and sandboxes'
+//! uplink addresses are masqueraded on the way out.
 
-use super::policy::{EgressMode, EgressPolicy, Network, PRIVATE_RANGES};
+use super::closed::ClosedNetworks;
+use super::policy::{EgressMode, EgressPolicy, Network};
 use super::{GATEWAY_ADDR, GUEST_LINK, HOST_LINK_PREFIX, UPLINK, UPLINK_RANGE};
 use nftables::batch::Batch;
 use nftables::expr::{
@@ -33,6 +38,10 @@ pub const TABLE: &str = "forkd";
 
 /// The chain holding a sandbox's egress policy.
 const EGRESS: &str = "egress";
+
+/// The chain that drops what goes to a closed network (see [`super::closed`]), in a
+/// sandbox's namespace and in the host's.
+const CLOSED: &str = "closed";
 
 /// The addresses the sandbox's resolver answered for names let out on every port.
 const RESOLVED: &str = "resolved";
@@ -142,6 +151,10 @@ pub fn sandbox(policy: &EgressPolicy) -> Nftables<'static> {
         NfChainPolicy::Accept,
     )));
     batch.add(NfListObject::Chain(chain(EGRESS)));
+    batch.add(NfListObject::Chain(chain(CLOSED)));
+    for r in closed_rules(&super::closed::current()) {
+        batch.add(r);
+    }
     for set in resolved_sets() {
         batch.add(NfListObject::Set(Box::new(set)));
     }
@@ -152,9 +165,7 @@ pub fn sandbox(policy: &EgressPolicy) -> Nftables<'static> {
             eq(meta(MetaKey::Iifname), string(GUEST_LINK)),
             eq(meta(MetaKey::Oifname), string(UPLINK)),
             eq(meta(MetaKey::Nfproto), string("ipv4")),
-            Statement::Jump(nftables::stmt::JumpTarget {
-                target: EGRESS.into(),
-            }),
+            jump(EGRESS),
         ],
     ));
     batch.add(rule(
@@ -177,9 +188,15 @@ pub fn sandbox(policy: &EgressPolicy) -> Nftables<'static> {
     batch.to_nftables()
 }
 
-/// Replaces a running sandbox's egress policy in one transaction.
+/// Replaces a running sandbox's egress policy in one transaction, and its closed
+/// networks with this process's (a namespace made by an older daemon may hold others).
 pub fn replace_egress(policy: &EgressPolicy) -> Nftables<'static> {
     let mut batch = Batch::new();
+    batch.add(NfListObject::Chain(chain(CLOSED)));
+    batch.add_cmd(NfCmd::Flush(FlushObject::Chain(chain(CLOSED))));
+    for r in closed_rules(&super::closed::current()) {
+        batch.add(r);
+    }
     batch.add_cmd(NfCmd::Flush(FlushObject::Chain(chain(EGRESS))));
     // What was let out for names of the old policy goes with it.
     for set in resolved_sets() {
@@ -231,6 +248,15 @@ pub fn host() -> Nftables<'static> {
         "forward",
         vec![eq(meta(MetaKey::Oifname), sandbox_link()), drop()],
     ));
+    // Closed networks again, here where they follow the host's routes as they change.
+    batch.add(NfListObject::Chain(chain(CLOSED)));
+    for r in closed_rules(&super::closed::current()) {
+        batch.add(r);
+    }
+    batch.add(rule(
+        "forward",
+        vec![eq(meta(MetaKey::Iifname), sandbox_link()), jump(CLOSED)],
+    ));
     batch.add(rule(
         "forward",
         vec![eq(meta(MetaKey::Iifname), sandbox_link()), accept()],
@@ -278,27 +304,16 @@ fn egress_rules(policy: &EgressPolicy) -> Vec<NfListObject<'static>> {
         rules.push(rule(EGRESS, vec![drop()]));
         return rules;
     }
-    let (private, public): (Vec<_>, Vec<_>) =
-        policy.allowed_networks().partition(|d| d.is_private());
-    for d in private {
-        rules.push(rule(EGRESS, to(d, accept())));
-    }
-    for (addr, len) in PRIVATE_RANGES {
-        let d = Network {
-            addr,
-            prefix: len,
-            port: None,
-        };
-        rules.push(rule(EGRESS, to(&d, drop())));
-    }
+    // Closed networks first: no list opens them.
+    rules.push(rule(EGRESS, vec![jump(CLOSED)]));
     // Listed destinations win over the deny-list (as E2B's allowOut over denyOut).
-    for d in public {
+    for d in policy.allowed_networks() {
         rules.push(rule(EGRESS, to(d, accept())));
     }
     match policy.egress {
         EgressMode::Deny => {
-            // What the resolver answered for allowed names (public addresses only:
-            // the private ranges were dropped above, whatever a name resolves to).
+            // What the resolver answered for allowed names (open addresses only: the
+            // closed networks were dropped above, whatever a name resolves to).
             rules.push(rule(
                 EGRESS,
                 vec![
@@ -330,6 +345,24 @@ fn egress_rules(policy: &EgressPolicy) -> Vec<NfListObject<'static>> {
         EgressMode::Off => unreachable!("handled above"),
     }
     rules
+}
+
+/// The `closed` chain: what the operator opened returns to the caller, then every
+/// closed network is dropped.
+fn closed_rules(closed: &ClosedNetworks) -> Vec<NfListObject<'static>> {
+    let opened = closed
+        .opened()
+        .iter()
+        .map(|d| to(d, Statement::Return(None)));
+    let shut = closed.networks();
+    let shut = shut.iter().map(|d| to(d, drop()));
+    opened.chain(shut).map(|r| rule(CLOSED, r)).collect()
+}
+
+fn jump(target: &'static str) -> Statement<'static> {
+    Statement::Jump(nftables::stmt::JumpTarget {
+        target: target.into(),
+    })
 }
 
 /// `ip daddr D [meta l4proto {tcp, udp} th dport P] VERDICT`.
@@ -467,25 +500,21 @@ mod tests {
     }
 
     #[test]
-    fn an_allow_list_lets_private_entries_through_before_private_ranges_drop() {
+    fn closed_networks_are_dropped_before_any_list_lets_something_through() {
         let policy: EgressPolicy =
-            serde_json::from_str(r#"{"allow":["10.9.8.7:80","203.0.113.0/24"]}"#).unwrap();
+            serde_json::from_str(r#"{"allow":["10.9.8.7:80","8.8.0.0/16"]}"#).unwrap();
         let rules = egress_rules(&policy);
         let text: Vec<String> = rules
             .iter()
             .map(|r| serde_json::to_string(r).unwrap())
             .collect();
+        let closed = text.iter().position(|r| r.contains("\"closed\"")).unwrap();
+        assert_eq!(closed, 0, "{text:#?}");
+        let listed = text.iter().position(|r| r.contains("8.8.0.0")).unwrap();
         let private = text.iter().position(|r| r.contains("10.9.8.7")).unwrap();
-        let ten = text
-            .iter()
-            .position(|r| r.contains("\"10.0.0.0\"") && r.contains("drop"))
-            .unwrap();
-        let public = text.iter().position(|r| r.contains("203.0.113.0")).unwrap();
-        assert!(private < ten && ten < public, "{text:#?}");
-        assert!(text[private].contains("\"dport\"") && text[private].contains("80"));
-        // What names resolved to is let out only after the private ranges are shut.
         let resolved = text.iter().position(|r| r.contains("@resolved")).unwrap();
-        assert!(ten < resolved, "{text:#?}");
+        assert!(closed < listed && closed < private && closed < resolved);
+        assert!(text[private].contains("\"dport\"") && text[private].contains("80"));
         // In deny mode, nothing is accepted without a destination.
         assert!(
             text.iter()
@@ -493,6 +522,44 @@ mod tests {
                 .all(|r| r.contains("daddr")),
             "{text:#?}"
         );
+    }
+
+    #[test]
+    fn the_closed_chain_returns_what_is_opened_and_drops_every_closed_network() {
+        let n = |s: &str| {
+            *s.parse::<super::super::policy::Destination>()
+                .unwrap()
+                .network()
+                .unwrap()
+        };
+        let closed = ClosedNetworks::new(vec![n("5.3.5.0/24")], vec![n("10.252.77.0/24")]);
+        let text: Vec<String> = closed_rules(&closed)
+            .iter()
+            .map(|r| serde_json::to_string(r).unwrap())
+            .collect();
+        assert!(text[0].contains("10.252.77.0") && text[0].contains("return"));
+        let drops = &text[1..];
+        assert_eq!(drops.len(), super::super::closed::SPECIAL_PURPOSE.len() + 1);
+        assert!(drops.iter().all(|r| r.contains("drop")));
+        for net in ["\"203.0.113.0\"", "\"198.18.0.0\"", "\"5.3.5.0\""] {
+            assert!(drops.iter().any(|r| r.contains(net)), "{net}: {drops:#?}");
+        }
+        // The host jumps there for every sandbox link before it lets one out.
+        let forward: Vec<String> = host()
+            .objects
+            .iter()
+            .map(|o| serde_json::to_string(o).unwrap())
+            .filter(|r| r.contains("\"rule\"") && r.contains("\"chain\":\"forward\""))
+            .collect();
+        let jump = forward.iter().position(|r| r.contains("\"jump\"")).unwrap();
+        let out = forward
+            .iter()
+            .position(|r| r.contains("\"accept\"") && !r.contains("\"ct\""))
+            .unwrap();
+        assert!(jump < out, "{forward:#?}");
+        // And a change of policy refills the namespace's closed chain too.
+        let replaced = json(&replace_egress(&EgressPolicy::default()));
+        assert!(replaced.contains("\"closed\"") && replaced.contains("203.0.113.0"));
     }
 
     #[test]

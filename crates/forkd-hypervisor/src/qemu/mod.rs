@@ -300,6 +300,11 @@ impl QemuVm {
             }
         }
         crate::sched::schedule(&mut cmd, config.accel);
+        let keep = match hardening.jail {
+            Some(_) => crate::caps::JAILED,
+            None => &[],
+        };
+        crate::caps::restrict(&mut cmd, keep);
         // Opened here, written by the child before exec: QEMU's first allocation is
         // already counted and bounded.
         let procs = match &cgroup {

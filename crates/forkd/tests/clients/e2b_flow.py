@@ -83,6 +83,15 @@ try:
 except SandboxException as e:
     assert "permission denied" in str(e), e
 assert sbx.files.read("/etc/hostname", user="root") != "taken"
+# Nor may the user read what the guest keeps from him.
+sbx.commands.run("echo s3cret > /root/secret && chmod 600 /root/secret", user="root")
+for path in ["/root/secret", "/etc/shadow"]:
+    try:
+        sbx.files.read(path)
+        raise AssertionError(f"the user read {path}")
+    except SandboxException as e:
+        assert "permission denied" in str(e), e
+assert sbx.files.read("/root/secret", user="root") == "s3cret\n"
 # 10 MB of binary, byte for byte.
 blob = os.urandom(10 * 1024 * 1024)
 sbx.files.write("/tmp/blob.bin", blob)

@@ -117,6 +117,12 @@ impl Daemon {
     /// Stops the daemon (SIGTERM: its sandboxes keep running) and starts it again on the
     /// same data directory with `extra` as its arguments.
     pub fn restart(&mut self, extra: &[&str]) {
+        self.stop();
+        self.start_again(extra);
+    }
+
+    /// Stops the daemon (SIGTERM) and waits for it to exit.
+    pub fn stop(&mut self) {
         let c = self.child.as_ref().expect("the daemon runs");
         nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(c.id() as i32),
@@ -124,6 +130,10 @@ impl Daemon {
         )
         .unwrap();
         assert!(self.wait_exit(30).success(), "{}", self.log());
+    }
+
+    /// Starts the stopped daemon again with `extra` as its arguments.
+    pub fn start_again(&mut self, extra: &[&str]) {
         self.args = extra.iter().map(|s| s.to_string()).collect();
         self.tcp = None;
         self.spawn();
@@ -427,4 +437,35 @@ pub fn write_secret(path: &std::path::Path, contents: &str) {
     use std::os::unix::fs::PermissionsExt;
     std::fs::write(path, contents).unwrap();
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
+/// Every file or directory under the data directory `root` that its group or other
+/// users may use (symbolic links are not followed: a test's `images` link points to
+/// assets `forkd image build` made), but the socket, which is opened to its group on
+/// purpose, jails' empty roots, which a jailed QEMU enters, and the test's own log.
+pub fn loose_modes(root: &Path) -> Vec<String> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let mut loose = Vec::new();
+    let mut dirs = vec![root.to_owned()];
+    while let Some(dir) = dirs.pop() {
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let Ok(meta) = std::fs::symlink_metadata(e.path()) else {
+                continue;
+            };
+            let kind = meta.file_type();
+            if kind.is_symlink() || kind.is_socket() {
+                continue;
+            }
+            let name = e.file_name();
+            if kind.is_dir() && name != "jail" {
+                dirs.push(e.path());
+            }
+            let exempt = (kind.is_dir() && name == "jail") || name == "daemon.log";
+            let mode = meta.permissions().mode() & 0o7777;
+            if !exempt && mode & 0o077 != 0 {
+                loose.push(format!("{:o} {}", mode, e.path().display()));
+            }
+        }
+    }
+    loose
 }
