@@ -29,8 +29,9 @@ const IN_FLIGHT: usize = 16;
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long, at least and at most, an address the resolver answered with stays let out.
-const MIN_TTL: u32 = 60;
-const MAX_TTL: u32 = 86_400;
+pub const MIN_TTL: u32 = 60;
+/// See [`MIN_TTL`].
+pub const MAX_TTL: u32 = 86_400;
 
 /// The upstream server when none is given: the host's first `nameserver`.
 pub fn default_upstream() -> Option<SocketAddr> {
@@ -156,19 +157,14 @@ async fn answer(
     upstream: SocketAddr,
     over_tcp: bool,
 ) -> Option<Vec<u8>> {
-    let msg = Message::from_vec(query).ok()?;
-    if msg.metadata.message_type != MessageType::Query {
-        return None;
-    }
-    // One question a message (RFC 9619): a second one would go upstream unchecked.
-    let [question] = msg.queries.as_slice() else {
-        return failure(&msg, ResponseCode::FormErr);
+    let Checked {
+        msg,
+        name,
+        resolution,
+    } = match check(query, policy) {
+        Ok(checked) => checked,
+        Err(reply) => return reply,
     };
-    let name = question.name().to_ascii();
-    let resolution = policy.resolves(&name);
-    if resolution == Resolution::Refused {
-        return failure(&msg, ResponseCode::Refused);
-    }
     let reply = match forward(query, upstream, over_tcp).await {
         Ok(reply) => reply,
         Err(e) => {
@@ -190,10 +186,47 @@ async fn answer(
     Some(reply)
 }
 
+/// A guest's query that may go upstream: the message, its one name, and what the
+/// policy says of it (anything but [`Resolution::Refused`]).
+#[derive(Debug)]
+pub struct Checked {
+    /// The query, parsed.
+    pub msg: Message,
+    /// The name it asks for.
+    pub name: String,
+    /// What the policy says of the name.
+    pub resolution: Resolution,
+}
+
+/// Checks the guest's `query` before anything goes upstream; `Err` holds the reply it
+/// gets at once (FORMERR, REFUSED), or none for what is not a DNS query. Public for the
+/// fuzz targets (the guest's bytes reach it unfiltered).
+pub fn check(query: &[u8], policy: &EgressPolicy) -> Result<Checked, Option<Vec<u8>>> {
+    let msg = Message::from_vec(query).map_err(|_| None)?;
+    if msg.metadata.message_type != MessageType::Query {
+        return Err(None);
+    }
+    // One question a message (RFC 9619): a second one would go upstream unchecked.
+    let [question] = msg.queries.as_slice() else {
+        return Err(failure(&msg, ResponseCode::FormErr));
+    };
+    let name = question.name().to_ascii();
+    let resolution = policy.resolves(&name);
+    if resolution == Resolution::Refused {
+        return Err(failure(&msg, ResponseCode::Refused));
+    }
+    Ok(Checked {
+        msg,
+        name,
+        resolution,
+    })
+}
+
 /// The IPv4 addresses an answer holds that are not closed to sandboxes (see
 /// [`forkd_hypervisor::network::closed`]), and the shortest TTL among them (within
-/// [`MIN_TTL`]..[`MAX_TTL`]).
-fn public_addresses(reply: &Message) -> (Vec<Ipv4Addr>, u32) {
+/// [`MIN_TTL`]..[`MAX_TTL`]). Public for the fuzz targets: the upstream server's
+/// answer is not the daemon's own bytes.
+pub fn public_addresses(reply: &Message) -> (Vec<Ipv4Addr>, u32) {
     let closed = forkd_hypervisor::network::closed::current();
     let mut ttl = MAX_TTL;
     let addrs = reply
