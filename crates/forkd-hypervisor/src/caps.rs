@@ -33,12 +33,39 @@ fn last_cap() -> u32 {
 /// Has the process `cmd` starts run with a bounding set of `keep` only and no ambient
 /// capabilities.
 pub(crate) fn restrict(cmd: &mut tokio::process::Command, keep: &'static [u32]) {
+    warn_if_unable();
     let last = last_cap();
     // SAFETY: runs in the forked child before exec and only calls prctl(2), which is
     // async-signal-safe; it touches no memory but its own stack.
     unsafe {
         cmd.pre_exec(move || drop_all_but(keep, last));
     }
+}
+
+/// `CAP_SETPCAP`, which shrinking a bounding set takes.
+const CAP_SETPCAP: u32 = 8;
+
+/// Says once, in the log, when a root forkd cannot shrink its QEMUs' bounding sets (it
+/// was started without `CAP_SETPCAP`, e.g. by a service manager that took it away):
+/// its QEMUs then keep whatever bounding set forkd has.
+fn warn_if_unable() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        let effective = std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                let line = s.lines().find(|l| l.starts_with("CapEff:"))?.to_owned();
+                u64::from_str_radix(line.split_whitespace().nth(1)?, 16).ok()
+            });
+        if effective.is_some_and(|e| e & mask(&[CAP_SETPCAP]) == 0) {
+            tracing::warn!(
+                "forkd runs as root without CAP_SETPCAP: its QEMUs keep its bounding set"
+            );
+        }
+    });
 }
 
 fn drop_all_but(keep: &[u32], last: u32) -> std::io::Result<()> {

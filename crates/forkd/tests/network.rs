@@ -605,7 +605,11 @@ async fn children_reach_neither_each_other_nor_the_host_nor_the_daemon(
         exec(
             c,
             &b,
-            "nohup python3 -m http.server 9000 >/dev/null 2>&1 & sleep 1",
+            // Until it listens (a loaded TCG guest can take seconds to start Python).
+            "nohup python3 -m http.server 9000 >/dev/null 2>&1 & python3 -c \"\
+             import socket, time\nfor _ in range(600):\n    try:\n        \
+             socket.create_connection(('127.0.0.1', 9000), 1).close(); break\n    \
+             except OSError: time.sleep(0.1)\n\"",
         )
         .await;
         assert_eq!(connect(c, &b, "127.0.0.1", 9000).await, "ok");
