@@ -231,105 +231,60 @@ impl Client {
 /// line, PNGs included), and a bound on what a broken peer can make the client buffer.
 pub const MAX_LINE: usize = 64 << 20;
 
-/// Splits a byte stream into lines. Each byte is scanned once, however the stream is
-/// cut, and a line may not grow past a limit.
-#[derive(Debug)]
-pub struct LineSplitter {
-    buf: bytes::BytesMut,
-    /// Bytes of `buf` already searched for a newline.
-    scanned: usize,
-    max: usize,
-}
+/// The bytes of a response body, as a stream of chunks.
+type BodyBytes = std::pin::Pin<Box<dyn futures::Stream<Item = std::io::Result<Bytes>> + Send>>;
 
-impl LineSplitter {
-    /// A splitter refusing lines longer than `max` bytes (without the newline).
-    pub fn new(max: usize) -> LineSplitter {
-        LineSplitter {
-            buf: bytes::BytesMut::new(),
-            scanned: 0,
-            max,
-        }
-    }
-
-    /// Appends received bytes.
-    pub fn push(&mut self, data: &[u8]) {
-        self.buf.extend_from_slice(data);
-    }
-
-    /// The next complete line (without its newline), if one is buffered; an error when
-    /// the line in progress is already longer than the limit.
-    pub fn next_line(&mut self) -> Result<Option<Bytes>> {
-        match self.buf[self.scanned..].iter().position(|b| *b == b'\n') {
-            Some(at) => {
-                let end = self.scanned + at;
-                self.scanned = 0;
-                if end > self.max {
-                    bail!("{}", self.too_long(end));
-                }
-                let mut line = self.buf.split_to(end + 1);
-                line.truncate(end);
-                Ok(Some(line.freeze()))
-            }
-            None => {
-                self.scanned = self.buf.len();
-                if self.buf.len() > self.max {
-                    bail!("{}", self.too_long(self.buf.len()));
-                }
-                Ok(None)
-            }
-        }
-    }
-
-    /// True when no partial line is left.
-    pub fn is_empty(&self) -> bool {
-        self.buf.is_empty()
-    }
-
-    fn too_long(&self, len: usize) -> String {
-        format!(
-            "a line of the daemon's stream is longer than {} bytes ({len} so far): the \
-             daemon or something between it and this client is broken",
-            self.max
-        )
-    }
-}
-
-/// Reads an NDJSON response body line by line.
+/// Reads an NDJSON response body line by line: tokio-util's `LinesCodec`, which looks
+/// at each byte once however the body is cut into frames, and refuses a line past
+/// [`MAX_LINE`] instead of buffering it.
 pub struct Lines {
-    body: Incoming,
-    split: LineSplitter,
+    inner: tokio_util::codec::FramedRead<
+        tokio_util::io::StreamReader<BodyBytes, Bytes>,
+        tokio_util::codec::LinesCodec,
+    >,
 }
 
 impl Lines {
     /// Lines of `resp`'s body.
     pub fn new(resp: Response<Incoming>) -> Lines {
+        use futures::TryStreamExt;
+        let body = resp
+            .into_body()
+            .into_data_stream()
+            .map_err(std::io::Error::other);
+        Lines::of(Box::pin(body), MAX_LINE)
+    }
+
+    fn of(body: BodyBytes, max: usize) -> Lines {
         Lines {
-            body: resp.into_body(),
-            split: LineSplitter::new(MAX_LINE),
+            inner: tokio_util::codec::FramedRead::new(
+                tokio_util::io::StreamReader::new(body),
+                tokio_util::codec::LinesCodec::new_with_max_length(max),
+            ),
         }
     }
 
     /// The next line, parsed; `None` at the end of the body.
     pub async fn next(&mut self) -> Result<Option<serde_json::Value>> {
-        loop {
-            if let Some(line) = self.split.next_line()? {
-                return Ok(Some(serde_json::from_slice(&line).with_context(|| {
-                    format!(
-                        "a streamed line is not JSON: {}",
-                        String::from_utf8_lossy(&line[..line.len().min(200)])
-                    )
-                })?));
+        use futures::StreamExt;
+        use tokio_util::codec::LinesCodecError;
+        let line = match self.inner.next().await {
+            None => return Ok(None),
+            Some(Ok(line)) => line,
+            Some(Err(LinesCodecError::MaxLineLengthExceeded)) => bail!(
+                "a line of the daemon's stream is longer than {} bytes: the daemon or \
+                 something between it and this client is broken",
+                self.inner.decoder().max_length()
+            ),
+            Some(Err(LinesCodecError::Io(e))) => {
+                return Err(anyhow::Error::new(e).context("reading the daemon's stream"))
             }
-            match self.body.frame().await {
-                Some(frame) => {
-                    if let Ok(data) = frame.context("reading the daemon's stream")?.into_data() {
-                        self.split.push(&data);
-                    }
-                }
-                None if self.split.is_empty() => return Ok(None),
-                None => bail!("the daemon's stream ended in the middle of a line"),
-            }
-        }
+        };
+        let v = serde_json::from_str(&line).with_context(|| {
+            let shown: String = line.chars().take(200).collect();
+            format!("a streamed line is not JSON (or the stream was cut short): {shown}")
+        })?;
+        Ok(Some(v))
     }
 
     /// The next line of a streamed exec, its output decoded; `None` at the end.
@@ -465,56 +420,37 @@ where
 mod tests {
     use super::*;
 
-    #[test]
-    fn lines_split_however_the_stream_is_cut() {
-        let text = b"{\"a\":1}\n\n{\"b\":\"x y\"}\nlast\n";
+    fn lines_of(chunks: Vec<&'static [u8]>, max: usize) -> Lines {
+        let s = futures::stream::iter(chunks.into_iter().map(|c| Ok(Bytes::from_static(c))));
+        Lines::of(Box::pin(s), max)
+    }
+
+    #[tokio::test]
+    async fn lines_split_however_the_stream_is_cut() {
+        let text: &'static [u8] = b"{\"a\":1}\n{\"b\":\"x y\"}\n[]\n";
         for cut in 1..text.len() {
-            let mut s = LineSplitter::new(100);
+            let mut l = lines_of(text.chunks(cut).collect(), 100);
             let mut got = Vec::new();
-            for piece in text.chunks(cut) {
-                s.push(piece);
-                while let Some(l) = s.next_line().unwrap() {
-                    got.push(String::from_utf8(l.to_vec()).unwrap());
-                }
+            while let Some(v) = l.next().await.unwrap() {
+                got.push(v.to_string());
             }
-            assert!(s.is_empty());
-            assert_eq!(
-                got,
-                ["{\"a\":1}", "", "{\"b\":\"x y\"}", "last"],
-                "cut {cut}"
-            );
+            assert_eq!(got, ["{\"a\":1}", "{\"b\":\"x y\"}", "[]"], "cut {cut}");
         }
     }
 
-    #[test]
-    fn a_line_over_the_limit_is_an_error() {
-        let mut s = LineSplitter::new(8);
-        s.push(b"12345678\n");
-        assert_eq!(s.next_line().unwrap().unwrap().as_ref(), b"12345678");
-        s.push(b"12345");
-        assert!(s.next_line().unwrap().is_none());
-        s.push(b"6789");
-        let e = s.next_line().unwrap_err().to_string();
+    #[tokio::test]
+    async fn a_line_over_the_limit_or_cut_short_is_an_error() {
+        let mut l = lines_of(vec![b"[1,2,3]\n", b"[12345", b"6789]\n"], 8);
+        assert_eq!(
+            l.next().await.unwrap().unwrap(),
+            serde_json::json!([1, 2, 3])
+        );
+        let e = l.next().await.unwrap_err().to_string();
         assert!(e.contains("longer than 8 bytes"), "{e}");
-        // Arriving whole, with its newline, it is refused too.
-        let mut s = LineSplitter::new(8);
-        s.push(b"123456789\nok\n");
-        assert!(s.next_line().is_err());
-    }
-
-    #[test]
-    fn a_long_line_in_small_pieces_is_scanned_once() {
-        // One byte at a time: each push scans only what it added, so the work is
-        // linear; `scanned` shows where the next search starts.
-        let mut s = LineSplitter::new(1 << 20);
-        for i in 0..100_000 {
-            s.push(b"x");
-            assert!(s.next_line().unwrap().is_none());
-            assert_eq!(s.scanned, i + 1);
-        }
-        s.push(b"\n");
-        assert_eq!(s.next_line().unwrap().unwrap().len(), 100_000);
-        assert_eq!((s.scanned, s.is_empty()), (0, true));
+        let mut l = lines_of(vec![b"{\"a\":1}\n{\"b\""], 100);
+        assert!(l.next().await.unwrap().is_some());
+        let e = l.next().await.unwrap_err().to_string();
+        assert!(e.contains("not JSON"), "{e}");
     }
 
     #[test]
