@@ -1,6 +1,8 @@
-//! The seed corpus, as code: what `corpus/<target>/` was written from (by the ignored
-//! test `write_seeds`). Each seed is a small, valid input of its decoder, so that the
-//! mutations start from inputs that reach deep into it rather than from noise.
+//! The seed corpus, as code: what `corpus/<target>/` was written from (by the test
+//! `the_committed_seeds_are_what_the_generator_makes` with `FORKD_WRITE_SEEDS=1`, and
+//! checked against it in every run). Each seed is a small, valid input of its decoder,
+//! so that the mutations start from inputs that reach deep into it rather than from
+//! noise.
 
 use forkd_proto::exec::{Command, ExecEvent, ExecRequest, ExitStatus};
 use forkd_proto::frame::{encode, encode_json, Tag};

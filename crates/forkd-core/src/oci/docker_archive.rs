@@ -318,17 +318,20 @@ mod tests {
         assert_eq!(familiar("docker.io/team/app:1"), "team/app:1");
     }
 
+    /// Appends a regular file `name` holding `data` to `b`.
+    fn add_file<W: std::io::Write>(b: &mut tar::Builder<W>, name: &str, data: &[u8]) {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_cksum();
+        b.append_data(&mut h, name, data).unwrap();
+    }
+
     /// A `docker save`-style archive of two images, one layer linked from the other.
     fn archive(dir: &Path) -> PathBuf {
         let path = dir.join("images.tar");
         let mut b = tar::Builder::new(std::fs::File::create(&path).unwrap());
-        let mut add = |name: &str, data: &[u8]| {
-            let mut h = tar::Header::new_gnu();
-            h.set_size(data.len() as u64);
-            h.set_mode(0o644);
-            h.set_cksum();
-            b.append_data(&mut h, name, data).unwrap();
-        };
+        let mut add = |name: &str, data: &[u8]| add_file(&mut b, name, data);
         let mut layer = tar::Builder::new(Vec::new());
         let mut h = tar::Header::new_gnu();
         h.set_size(2);
@@ -422,13 +425,7 @@ mod tests {
     fn layout_tar(dir: &Path, damage: bool) -> PathBuf {
         let path = dir.join("layout.tar");
         let mut b = tar::Builder::new(std::fs::File::create(&path).unwrap());
-        let mut add = |name: &str, data: &[u8]| {
-            let mut h = tar::Header::new_gnu();
-            h.set_size(data.len() as u64);
-            h.set_mode(0o644);
-            h.set_cksum();
-            b.append_data(&mut h, name, data).unwrap();
-        };
+        let mut add = |name: &str, data: &[u8]| add_file(&mut b, name, data);
         let mut entries = Vec::new();
         for t in ["a", "b"] {
             let m = format!(r#"{{"schemaVersion":2,"tag":"{t}"}}"#);
