@@ -169,7 +169,8 @@ pub async fn branch(
     );
     let parent_digest = crate::snapshot::sha256_file(&base.dir.join(MANIFEST))?.0;
     let mut versions = base.manifest.versions.clone();
-    versions.qemu = crate::template::hypervisor_version(hv);
+    versions.hypervisor = hv.name().to_owned();
+    versions.hypervisor_version = crate::template::hypervisor_version(hv);
     let manifest = Manifest {
         format: crate::snapshot::manifest::FORMAT,
         tag: tag.to_string(),

@@ -85,8 +85,8 @@ impl Record {
 
     /// True while the QEMU process the record names runs.
     pub fn alive(&self) -> bool {
-        forkd_hypervisor::process::is_alive(self.pid)
-            && forkd_hypervisor::process::start_time(self.pid) == Some(self.start_time)
+        forkd_host::process::is_alive(self.pid)
+            && forkd_host::process::start_time(self.pid) == Some(self.start_time)
     }
 }
 

@@ -141,7 +141,7 @@ pub async fn ensure(
     stopped?;
     progress(&format!("making root filesystem {name}: writing the image"));
     let image = scratch.path().join(format!("{name}.ext4"));
-    forkd_hypervisor::qemu::qcow2::to_raw(&disk, &image).await?;
+    hv.layer_to_raw(&disk, &image).await?;
     let home2 = home.clone();
     let rootfs = tokio::task::spawn_blocking(move || {
         custom_rootfs::publish(&home2, &inputs, &image, started)

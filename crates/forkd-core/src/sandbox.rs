@@ -30,7 +30,7 @@ pub struct SandboxOptions {
     /// kept) when it has not answered a ping for this long.
     pub agent_timeout: Duration,
     /// Limits of its QEMU's cgroup, beyond the defaults for its shape.
-    pub limits: forkd_hypervisor::cgroup::LimitOverrides,
+    pub limits: forkd_host::cgroup::LimitOverrides,
     /// QEMU's seccomp filter.
     pub seccomp: bool,
     /// For a restored child: variables its commands, background processes and code
@@ -404,10 +404,10 @@ impl Sandbox {
 
     /// What the VM's guest RAM costs the host: the QEMU process's mappings of the RAM
     /// file. `None` for anonymous guest RAM or once QEMU is gone.
-    pub fn guest_ram_usage(&self) -> Option<forkd_hypervisor::smaps::MappingUsage> {
+    pub fn guest_ram_usage(&self) -> Option<forkd_host::smaps::MappingUsage> {
         match &self.inner.config.memory {
             MemoryBackend::File { path, .. } => {
-                forkd_hypervisor::smaps::file_mapping_usage(self.pid()?, path)
+                forkd_host::smaps::file_mapping_usage(self.pid()?, path)
             }
             MemoryBackend::Anonymous => None,
         }

@@ -88,7 +88,7 @@ pub struct Recipe {
     /// What children may reach when their fork does not say (`[egress]`: `mode`,
     /// `allow`, `deny`, as the API's `network`); by default nothing.
     #[serde(default)]
-    pub egress: Option<forkd_hypervisor::network::policy::EgressPolicy>,
+    pub egress: Option<forkd_host::network::policy::EgressPolicy>,
     /// The directory it was read from, which its `files` are relative to.
     #[serde(skip)]
     pub dir: Option<PathBuf>,
@@ -480,7 +480,7 @@ pub async fn build(
         }
     }
     if !nic && recipe.network == NetworkChoice::Auto {
-        if let Some(why) = forkd_hypervisor::network::unavailable() {
+        if let Some(why) = forkd_host::network::unavailable() {
             progress(&format!("its children will have no network: {why}"));
         }
     }
@@ -552,7 +552,8 @@ pub async fn build(
             initramfs_sha256: assets.initramfs.sha256.clone(),
             forkd: env!("CARGO_PKG_VERSION").into(),
             agent_protocol: forkd_proto::PROTOCOL_VERSION,
-            qemu: hypervisor_version(hv),
+            hypervisor: hv.name().to_owned(),
+            hypervisor_version: hypervisor_version(hv),
         },
         parts: Default::default(),
         contexts,
@@ -602,7 +603,7 @@ pub(crate) struct BootDisk {
 #[serde(rename_all = "snake_case")]
 pub enum NetworkChoice {
     /// A NIC where the host can give children networks (see
-    /// [`forkd_hypervisor::network::unavailable`]), else none.
+    /// [`forkd_host::network::unavailable`]), else none.
     #[default]
     Auto,
     /// A NIC, each child's in a network namespace of its own behind NAT.
@@ -614,7 +615,7 @@ pub enum NetworkChoice {
 impl NetworkChoice {
     /// Whether the guest gets a NIC on this host; an error when `nat` cannot be had.
     pub fn nic(self) -> Result<bool, String> {
-        let why = forkd_hypervisor::network::unavailable;
+        let why = forkd_host::network::unavailable;
         match self {
             NetworkChoice::None => Ok(false),
             NetworkChoice::Auto => Ok(why().is_none()),
@@ -642,10 +643,10 @@ pub(crate) async fn boot_vm(
     let mut cmdline = kernel_cmdline(&id);
     if nic {
         cmdline.push(' ');
-        cmdline.push_str(&forkd_hypervisor::network::guest_cmdline());
+        cmdline.push_str(&forkd_host::network::guest_cmdline());
     }
     // The parent's network lets nothing out: what it is built from comes in as files.
-    let network = nic.then(forkd_hypervisor::network::NetworkConfig::default);
+    let network = nic.then(forkd_host::network::NetworkConfig::default);
     let clock = crate::sandbox::clock_for(accel);
     let config = VmConfig {
         cmdline,
@@ -662,7 +663,7 @@ pub(crate) async fn boot_vm(
         cpu: recipe.cpu_model(accel),
         clock,
         pit: clock.needs_pit(accel),
-        limits: Some(forkd_hypervisor::cgroup::ResourceLimits::for_vm(
+        limits: Some(forkd_host::cgroup::ResourceLimits::for_vm(
             recipe.vcpus,
             recipe.memory_mib,
         )),

@@ -80,7 +80,7 @@ async fn five_children_of_minimal_are_isolated_and_leave_the_template_untouched(
     // Under TCG (and FORKD_VM_SCHED unset) every thread of a child's QEMU runs as
     // SCHED_BATCH, which the threads QEMU started after exec inherited.
     if m.accel == forkd_hypervisor::Accel::Tcg
-        && std::env::var_os(forkd_hypervisor::sched::SCHED_ENV).is_none()
+        && std::env::var_os(forkd_host::sched::SCHED_ENV).is_none()
     {
         let pid = again[0].pid().expect("the child's QEMU runs");
         let policies: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
@@ -105,7 +105,7 @@ async fn five_children_of_minimal_are_isolated_and_leave_the_template_untouched(
     };
     assert_eq!(caps("CapAmb:"), 0, "{status}");
     if nix::unistd::geteuid().is_root() {
-        let jailed = forkd_hypervisor::caps::mask(forkd_hypervisor::caps::JAILED);
+        let jailed = forkd_host::caps::mask(forkd_host::caps::JAILED);
         assert_eq!(caps("CapBnd:") & !jailed, 0, "{status}");
         assert_eq!(caps("CapEff:"), 0, "{status}");
     }

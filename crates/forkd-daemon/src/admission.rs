@@ -36,7 +36,7 @@ pub struct InsufficientMemory {
 
 /// Private memory (Private_Clean + Private_Dirty) of the whole process `pid`, in bytes.
 pub fn private_memory(pid: u32) -> Option<u64> {
-    forkd_hypervisor::smaps::process_usage(pid).map(|u| u.private_clean + u.private_dirty)
+    forkd_host::smaps::process_usage(pid).map(|u| u.private_clean + u.private_dirty)
 }
 
 /// `MemAvailable` from a `/proc/meminfo` text, in bytes.

@@ -53,8 +53,8 @@ pub struct DaemonConfig {
     /// archives and layouts on this host (`--import-dir`; none by default).
     pub import_dirs: crate::import_dirs::ImportDirs,
     /// Networks closed to sandboxes by default that the operator opened on purpose
-    /// (`--egress-open`; see [`forkd_hypervisor::network::closed`]).
-    pub egress_open: Vec<forkd_hypervisor::network::policy::Network>,
+    /// (`--egress-open`; see [`forkd_host::network::closed`]).
+    pub egress_open: Vec<forkd_host::network::policy::Network>,
     /// Start a new audit chain when the log is found broken (`--audit-reset`), after
     /// moving the broken one aside; without it the daemon refuses to start.
     pub audit_reset: bool,

@@ -139,9 +139,9 @@ pub struct PoolStatus {
     pub error: Option<String>,
 }
 
-/// Removes a member's recorded VM and files (see [`forkd_hypervisor::process::kill_vm`]).
+/// Removes a member's recorded VM and files (see [`forkd_host::process::kill_vm`]).
 fn remove_leftover(row: &PoolMemberRow) {
-    forkd_hypervisor::process::kill_vm(row.pid, row.start_time, &row.dir);
+    forkd_host::process::kill_vm(row.pid, row.start_time, &row.dir);
     let _ = forkd_core::sandbox::remove_dir(&row.dir);
 }
 

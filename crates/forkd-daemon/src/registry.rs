@@ -15,7 +15,7 @@ use forkd_core::fork::{fork_partial, fork_using, ForkObserver, ForkOptions, Fork
 use forkd_core::lifecycle::SandboxState;
 use forkd_core::snapshot::{Snapshot, Store};
 use forkd_core::{Sandbox, SandboxError, SandboxOptions};
-use forkd_hypervisor::network::policy::EgressPolicy;
+use forkd_host::network::policy::EgressPolicy;
 use forkd_hypervisor::{Hypervisor, VmConfig};
 use forkd_image::Home;
 use std::collections::{BTreeMap, HashMap};
@@ -148,10 +148,10 @@ pub struct CreateSpec {
     pub partial: bool,
     /// Limits of the children's QEMUs beyond the defaults. Children with limits of
     /// their own are never taken from the warm pool, whose members have the defaults.
-    pub limits: forkd_hypervisor::cgroup::LimitOverrides,
+    pub limits: forkd_host::cgroup::LimitOverrides,
     /// What the children may reach. Pool members are made with the default policy and
     /// given this one once restored.
-    pub egress: forkd_hypervisor::network::policy::EgressPolicy,
+    pub egress: forkd_host::network::policy::EgressPolicy,
     /// The fork's operation id (`op-...`), chosen by the caller so that it can answer
     /// with it before the fork ends.
     pub op_id: String,
@@ -754,7 +754,7 @@ impl Registry {
         let stopped = entry.sandbox.stop().await;
         if stopped.is_err() {
             // Whatever stop could not do, the VM and the directory still go.
-            forkd_hypervisor::process::kill(entry.row.pid, entry.row.start_time);
+            forkd_host::process::kill(entry.row.pid, entry.row.start_time);
             let _ = forkd_core::sandbox::remove_dir(&entry.row.config.dir);
         }
         let forgotten = self.state.delete_sandbox(&entry.row.id);
@@ -777,7 +777,7 @@ impl Registry {
         }
         let row2 = row.clone();
         tokio::task::spawn_blocking(move || {
-            forkd_hypervisor::process::kill_vm(row2.pid, row2.start_time, &row2.config.dir)
+            forkd_host::process::kill_vm(row2.pid, row2.start_time, &row2.config.dir)
         })
         .await
         .map_err(|e| StateError::Row(serde::de::Error::custom(e.to_string())))?;
@@ -813,7 +813,7 @@ impl Registry {
     pub async fn set_egress(
         &self,
         id: &str,
-        policy: forkd_hypervisor::network::policy::EgressPolicy,
+        policy: forkd_host::network::policy::EgressPolicy,
     ) -> Result<Entry, RegistryError> {
         let entry = self.get(id)?;
         if entry.row.config.network.is_none() {
@@ -833,7 +833,7 @@ impl Registry {
             .get_mut(id)
             .ok_or_else(|| SandboxError::NotFound { id: id.to_owned() })?;
         let mut config = entry.row.config.clone();
-        config.network = Some(forkd_hypervisor::network::NetworkConfig {
+        config.network = Some(forkd_host::network::NetworkConfig {
             policy: policy.clone(),
         });
         self.state.set_config(id, &config)?;
@@ -868,7 +868,7 @@ impl Registry {
         let (mut adopted, mut gone) = (Vec::new(), Vec::new());
         let (keep, drop): (Vec<SandboxRow>, Vec<SandboxRow>) = rows.into_iter().partition(|r| {
             matches!(r.state, SandboxState::Running | SandboxState::Unresponsive)
-                && forkd_hypervisor::process::is_running(r.pid, r.start_time)
+                && forkd_host::process::is_running(r.pid, r.start_time)
         });
         for row in drop {
             tracing::info!(id = %row.id, state = %row.state, "removing a sandbox the last daemon left");
@@ -889,7 +889,7 @@ impl Registry {
                     adopted.push(id);
                 }
                 // Proof that it is gone: its process no longer runs.
-                Err(_) if !forkd_hypervisor::process::is_running(row.pid, row.start_time) => {
+                Err(_) if !forkd_host::process::is_running(row.pid, row.start_time) => {
                     self.remove_row(&row).await?;
                     gone.push(row.id);
                 }
@@ -956,7 +956,7 @@ impl Registry {
                 continue;
             }
             let path = e.path();
-            if !forkd_hypervisor::process::find_inside(&path).is_empty() {
+            if !forkd_host::process::find_inside(&path).is_empty() {
                 continue;
             }
             if forkd_core::sandbox::remove_dir(&path).is_ok() {
@@ -1034,7 +1034,7 @@ impl Registry {
         row: &SandboxRow,
         expired: bool,
     ) -> Result<bool, RegistryError> {
-        let alive = forkd_hypervisor::process::is_running(row.pid, row.start_time);
+        let alive = forkd_host::process::is_running(row.pid, row.start_time);
         if expired || !alive {
             self.remove_row(row).await?;
             return Ok(true);
@@ -1148,7 +1148,7 @@ impl ForkObserver for Recorder<'_> {
 /// Removes the cgroup of the VM of sandbox `id`, whose QEMU is gone (nothing if VMs get
 /// no cgroups here, or it has none left).
 fn remove_cgroup(id: &str) {
-    if let Ok(Some(cgroups)) = forkd_hypervisor::cgroup::for_vms() {
+    if let Ok(Some(cgroups)) = forkd_host::cgroup::for_vms() {
         cgroups.remove(id);
     }
 }
@@ -1217,7 +1217,8 @@ mod tests {
                 initramfs_sha256: String::new(),
                 forkd: "test".into(),
                 agent_protocol: forkd_proto::PROTOCOL_VERSION,
-                qemu: "fake".into(),
+                hypervisor: "fake".into(),
+                hypervisor_version: "fake".into(),
             },
             parts: Default::default(),
             contexts: Vec::new(),
@@ -1256,11 +1257,7 @@ mod tests {
     }
 
     fn signal(row: &SandboxRow, sig: nix::sys::signal::Signal) {
-        assert!(forkd_hypervisor::process::signal(
-            row.pid,
-            row.start_time,
-            sig
-        ));
+        assert!(forkd_host::process::signal(row.pid, row.start_time, sig));
     }
 
     async fn echo(e: &Entry) -> Result<forkd_core::agent::ExecResult, SandboxError> {
@@ -1357,10 +1354,7 @@ mod tests {
         assert!(matches!(err, SandboxError::Unresponsive { .. }), "{err}");
         assert!(err.to_string().contains("kept"), "{err}");
         assert!(e.sandbox.failure().is_none());
-        assert!(
-            forkd_hypervisor::process::is_alive(e.row.pid),
-            "the VM is kept"
-        );
+        assert!(forkd_host::process::is_alive(e.row.pid), "the VM is kept");
         signal(&e.row, nix::sys::signal::Signal::SIGCONT);
         reap_until(&r, |r| {
             r.describe(&id).unwrap().row.state == SandboxState::Running
@@ -1377,7 +1371,7 @@ mod tests {
         let r = w.registry(4);
         let mut two = r.create(&w.snap, spec(2)).await.unwrap().entries;
         let (a, b) = (two.remove(0), two.remove(0));
-        forkd_hypervisor::process::kill(a.row.pid, a.row.start_time);
+        forkd_host::process::kill(a.row.pid, a.row.start_time);
         reap_until(&r, |r| r.get(&a.row.id).is_err()).await;
         assert_eq!(db_state(&w, &a.row.id), None);
         assert!(!a.row.config.dir.exists());
@@ -1385,7 +1379,7 @@ mod tests {
             .unwrap();
         let removed = r.reap(crate::unix_now()).await;
         assert_eq!(removed, vec![b.row.id.clone()]);
-        assert!(!forkd_hypervisor::process::is_alive(b.row.pid));
+        assert!(!forkd_host::process::is_alive(b.row.pid));
         assert_eq!(r.running(), 0);
     }
 
@@ -1397,7 +1391,7 @@ mod tests {
         // The daemon "dies": its handles go, its detached VMs run on.
         drop(first);
         let (live, dead, stopping) = (kids.remove(0), kids.remove(0), kids.remove(0));
-        forkd_hypervisor::process::kill(dead.row.pid, dead.row.start_time);
+        forkd_host::process::kill(dead.row.pid, dead.row.start_time);
         // A delete was interrupted after it marked the row.
         w.state
             .set_state(&stopping.row.id, SandboxState::Stopping, None, None)
@@ -1440,8 +1434,8 @@ mod tests {
         ];
         expected.sort();
         assert_eq!(gone, expected);
-        assert!(!forkd_hypervisor::process::is_alive(stopping.row.pid));
-        assert!(!forkd_hypervisor::process::is_alive(orphan.id()));
+        assert!(!forkd_host::process::is_alive(stopping.row.pid));
+        assert!(!forkd_host::process::is_alive(orphan.id()));
         assert!(!orphan.wait().unwrap().success(), "killed, not ended");
         assert!(!orphan_dir.exists() && !dead.row.config.dir.exists());
         assert_eq!(second.prune_unowned(), vec!["sb-5ca7".to_string()]);
@@ -1483,7 +1477,7 @@ mod tests {
             second.get(&e.row.id),
             Err(SandboxError::NotReady { .. })
         ));
-        assert!(forkd_hypervisor::process::is_alive(e.row.pid));
+        assert!(forkd_host::process::is_alive(e.row.pid));
         assert_eq!(second.running(), 1);
         // Once it answers, the reaper takes it over.
         signal(&e.row, nix::sys::signal::Signal::SIGCONT);
@@ -1493,13 +1487,13 @@ mod tests {
         reap_until(&second, |r| r.get(&e.row.id).is_ok()).await;
         assert_eq!(db_state(&w, &e.row.id), Some(SandboxState::Running));
         second.delete(&e.row.id).await.unwrap();
-        assert!(!forkd_hypervisor::process::is_alive(e.row.pid));
+        assert!(!forkd_host::process::is_alive(e.row.pid));
     }
 
     /// Every process whose command line names a sandbox directory of this world.
     fn vms_of(w: &World) -> Vec<(u32, u64)> {
         let dir = forkd_core::sandbox::sandboxes_dir(&w.home);
-        forkd_hypervisor::process::find_inside(&dir)
+        forkd_host::process::find_inside(&dir)
     }
 
     #[tokio::test]

@@ -13,7 +13,7 @@
 //! [`IN_FLIGHT`] queries answered at once; the rest are dropped, as a busy server does.
 
 use forkd_core::Sandbox;
-use forkd_hypervisor::network::policy::{EgressPolicy, Resolution};
+use forkd_host::network::policy::{EgressPolicy, Resolution};
 use hickory_proto::op::{Message, MessageType, ResponseCode};
 use hickory_proto::rr::RData;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -72,7 +72,7 @@ async fn serve(
     let Some(pid) = sandbox.pid() else {
         return Ok(());
     };
-    let (socket, listener) = forkd_hypervisor::network::bind_resolver(pid).await?;
+    let (socket, listener) = forkd_host::network::bind_resolver(pid).await?;
     let socket = Arc::new(socket);
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     let mut buf = vec![0u8; 4096];
@@ -177,7 +177,7 @@ async fn answer(
         let (addrs, ttl) = public_addresses(&parsed);
         if !addrs.is_empty() {
             // Before the guest hears the answer: its first connection must pass.
-            if let Err(e) = forkd_hypervisor::network::let_out(pid, addrs, ports, ttl).await {
+            if let Err(e) = forkd_host::network::let_out(pid, addrs, ports, ttl).await {
                 tracing::warn!("letting out the addresses of {name}: {e}");
                 return failure(&msg, ResponseCode::ServFail);
             }
@@ -223,11 +223,11 @@ pub fn check(query: &[u8], policy: &EgressPolicy) -> Result<Checked, Option<Vec<
 }
 
 /// The IPv4 addresses an answer holds that are not closed to sandboxes (see
-/// [`forkd_hypervisor::network::closed`]), and the shortest TTL among them (within
+/// [`forkd_host::network::closed`]), and the shortest TTL among them (within
 /// [`MIN_TTL`]..[`MAX_TTL`]). Public for the fuzz targets: the upstream server's
 /// answer is not the daemon's own bytes.
 pub fn public_addresses(reply: &Message) -> (Vec<Ipv4Addr>, u32) {
-    let closed = forkd_hypervisor::network::closed::current();
+    let closed = forkd_host::network::closed::current();
     let mut ttl = MAX_TTL;
     let addrs = reply
         .answers

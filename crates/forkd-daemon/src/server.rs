@@ -61,11 +61,13 @@ pub struct ErrorKind(pub &'static str);
 #[derive(Debug, Clone, Default)]
 pub struct AuditIds(pub Vec<String>);
 
-/// Runs the daemon until `shutdown` resolves. `ready` is called once every listener is
+/// Runs the daemon until `shutdown` resolves, with VMs of `hypervisor` (the binary picks
+/// the backend; the daemon never names one). `ready` is called once every listener is
 /// bound (with the TCP address actually bound, if any). `extra` is served beside the
 /// API, behind the same authentication, audit and metrics (the MCP endpoint).
 pub async fn run(
     config: DaemonConfig,
+    hypervisor: Arc<dyn forkd_hypervisor::Hypervisor>,
     extra: Router,
     shutdown: impl Future<Output = ()> + Send,
     ready: impl FnOnce(Option<std::net::SocketAddr>),
@@ -88,7 +90,7 @@ pub async fn run(
     forkd_core::oci::layout::Layout::remove_leftovers(&store);
     forkd_core::customise::remove_leftovers(&config.home);
     // Cgroups of VMs that exited while no daemon watched them.
-    if let Ok(Some(cgroups)) = forkd_hypervisor::cgroup::for_vms() {
+    if let Ok(Some(cgroups)) = forkd_host::cgroup::for_vms() {
         cgroups.sweep(std::time::Duration::from_secs(60));
     }
     let mut branch_sources = Vec::new();
@@ -111,7 +113,7 @@ pub async fn run(
     let audit = Arc::new(open_audit_log(&config, &state)?);
     close_networks(&config, &audit).await?;
     let registry = Registry::new(
-        forkd_hypervisor::new(),
+        hypervisor,
         config.home.clone(),
         store,
         state,
@@ -698,7 +700,7 @@ fn open_audit_log(config: &DaemonConfig, state: &Arc<State>) -> Result<AuditLog>
 /// The networks closed to sandboxes: the operator's `--egress-open` (recorded in the
 /// audit log, since it opens what is closed by default) and the host's routes now.
 async fn close_networks(config: &DaemonConfig, audit: &AuditLog) -> Result<()> {
-    use forkd_hypervisor::network::{closed, refresh_closed};
+    use forkd_host::network::{closed, refresh_closed};
     closed::open(config.egress_open.clone());
     let opened: Vec<String> = config.egress_open.iter().map(|n| n.to_string()).collect();
     if !opened.is_empty() {
@@ -716,7 +718,7 @@ async fn close_networks(config: &DaemonConfig, audit: &AuditLog) -> Result<()> {
     refresh_closed()
         .await
         .context("reading the host's routes (/proc/net/route)")?;
-    forkd_hypervisor::network::apply_host_rules()
+    forkd_host::network::apply_host_rules()
         .await
         .context("putting the host's network rules in place")?;
     let host: Vec<String> = closed::current()
@@ -734,10 +736,10 @@ async fn follow_host_networks() {
     let mut tick = tokio::time::interval(CLOSED_CHECK_EVERY);
     loop {
         tick.tick().await;
-        match forkd_hypervisor::network::refresh_closed().await {
+        match forkd_host::network::refresh_closed().await {
             Ok(false) => {}
             Ok(true) => {
-                let host = forkd_hypervisor::network::closed::current();
+                let host = forkd_host::network::closed::current();
                 let host: Vec<String> = host.host().iter().map(|n| n.to_string()).collect();
                 tracing::info!("host networks closed to sandboxes now: {}", host.join(", "));
             }

@@ -24,7 +24,7 @@ fn body<T: DeserializeOwned>(bytes: &[u8]) -> Option<T> {
 fn network(n: NetworkBody) {
     if let Ok(p) = n.policy() {
         let text = serde_json::to_string(&p).expect("a policy serializes");
-        let back: forkd_hypervisor::network::policy::EgressPolicy =
+        let back: forkd_host::network::policy::EgressPolicy =
             serde_json::from_str(&text).expect("a checked policy reads back");
         assert_eq!(
             serde_json::to_string(&back).expect("a policy serializes"),

@@ -3,7 +3,7 @@
 //! addresses may be let out of the sandbox's namespace.
 
 use forkd_daemon::resolver::{self, Checked, MAX_TTL, MIN_TTL};
-use forkd_hypervisor::network::policy::{EgressPolicy, Resolution};
+use forkd_host::network::policy::{EgressPolicy, Resolution};
 use hickory_proto::op::{Message, ResponseCode};
 use std::sync::OnceLock;
 
@@ -55,7 +55,7 @@ pub fn dns_query(data: &[u8]) {
     if let Ok(answer) = Message::from_vec(data) {
         let (addrs, ttl) = resolver::public_addresses(&answer);
         assert!((MIN_TTL..=MAX_TTL).contains(&ttl), "ttl {ttl}");
-        let closed = forkd_hypervisor::network::closed::current();
+        let closed = forkd_host::network::closed::current();
         for a in addrs {
             assert!(!closed.closes(a), "{a} is let out of the namespace");
         }

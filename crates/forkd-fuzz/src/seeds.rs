@@ -203,7 +203,8 @@ fn snapshot_archive() -> Vec<u8> {
             initramfs_sha256: "i".into(),
             forkd: "0".into(),
             agent_protocol: forkd_proto::PROTOCOL_VERSION,
-            qemu: "q".into(),
+            hypervisor: "qemu".into(),
+            hypervisor_version: "q".into(),
         },
         parts: contents
             .iter()

@@ -43,8 +43,8 @@ impl Accel {
         }
     }
 
-    /// The value of QEMU's `-accel`.
-    pub fn qemu_name(self) -> &'static str {
+    /// Its name (`kvm`, `tcg`): also the value of QEMU's `-accel`.
+    pub fn as_str(self) -> &'static str {
         match self {
             Accel::Kvm => "kvm",
             Accel::Tcg => "tcg",
@@ -54,7 +54,7 @@ impl Accel {
 
 impl fmt::Display for Accel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.qemu_name())
+        f.write_str(self.as_str())
     }
 }
 

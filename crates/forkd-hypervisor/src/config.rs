@@ -61,11 +61,11 @@ pub struct VmConfig {
     /// The limits of the VM's process (its own cgroup), if it gets any. Records made
     /// before limits existed have none.
     #[serde(default)]
-    pub limits: Option<crate::cgroup::ResourceLimits>,
+    pub limits: Option<forkd_host::cgroup::ResourceLimits>,
     /// The VM's NIC and the namespace it is in; none for a VM without a NIC (records
     /// made before networks existed have none).
     #[serde(default)]
-    pub network: Option<crate::network::NetworkConfig>,
+    pub network: Option<forkd_host::network::NetworkConfig>,
     /// Enable the hypervisor's syscall filter (QEMU `-sandbox on,...`).
     pub seccomp: bool,
     /// The VM outlives the handle that started it: it runs in its own session and is not

@@ -1,62 +1,59 @@
-//! Errors of the hypervisor layer.
-
-use std::path::PathBuf;
+//! Errors of the hypervisor layer, in words that hold for any backend: a backend names
+//! its own programs and control protocol in the fields it fills in.
 
 /// Something went wrong starting or driving a VM.
-#[derive(Debug, thiserror::Error)]
+//
+// Each variant's doc comment is its message (displaydoc), so the two cannot drift apart.
+#[derive(Debug, displaydoc::Display, thiserror::Error)]
 pub enum HypervisorError {
-    /// could not start {program}: {source} (install it: apt-get install qemu-system-x86)
-    #[error("could not start {program}: {source} (install it: apt-get install qemu-system-x86)")]
+    /// could not start {program}: {source} (install it: {install})
     Spawn {
         /// The program that failed to start.
         program: String,
         /// Why.
         source: std::io::Error,
+        /// What provides it (`apt-get install qemu-system-x86`).
+        install: &'static str,
     },
-    /// QEMU exited during start-up ({status}): {stderr}
-    #[error("QEMU exited during start-up ({status}): {stderr}")]
+    /// {program} exited during start-up ({status}): {stderr}
     EarlyExit {
+        /// The hypervisor program (`QEMU`).
+        program: &'static str,
         /// Exit status.
         status: String,
-        /// The tail of QEMU's stderr.
+        /// The tail of its stderr.
         stderr: String,
     },
-    /// the guest CPU model {model} is not available with {accel} on this host ({missing})
-    #[error("the guest CPU model {model} is not available with {accel} on this host ({missing}); a snapshot forks only where its CPU model is: build the template on this host, or give its recipe a `cpu` this host has")]
+    /// the guest CPU model {model} is not available with {accel} on this host ({missing}); a snapshot forks only where its CPU model is: build the template on this host, or give its recipe a `cpu` this host has
     CpuModel {
         /// The model.
         model: String,
         /// The accelerator.
         accel: crate::Accel,
-        /// What QEMU said is missing.
+        /// What the hypervisor said is missing.
         missing: String,
     },
-    /// QEMU's control socket {path} did not answer within {secs} s
-    #[error("QEMU's control socket {} did not answer within {secs} s", path.display())]
-    QmpTimeout {
-        /// The QMP socket.
-        path: PathBuf,
+    /// the VM's control socket {socket} did not answer within {secs} s
+    ControlTimeout {
+        /// The control socket (QEMU's QMP socket).
+        socket: String,
         /// How long we waited.
         secs: u64,
     },
-    /// QMP command {command} failed: {class}: {desc}
-    #[error("QMP command {command} failed: {class}: {desc}")]
-    Qmp {
+    /// control command {command} failed: {class}: {desc}
+    Control {
         /// The command.
         command: String,
-        /// QEMU's error class.
+        /// The hypervisor's error class.
         class: String,
-        /// QEMU's description.
+        /// The hypervisor's description.
         desc: String,
     },
-    /// QMP connection lost ({0}); the VM has probably exited
-    #[error("QMP connection lost ({0}); the VM has probably exited")]
-    QmpClosed(String),
+    /// the VM's control connection was lost ({0}); the VM has probably exited
+    ControlClosed(String),
     /// KVM was requested but cannot be used: {0}
-    #[error("KVM was requested but cannot be used: {0}")]
     KvmUnavailable(String),
-    /// VM {id} is not running (its QEMU, pid {pid}, is gone)
-    #[error("VM {id} is not running (its QEMU, pid {pid}, is gone)")]
+    /// VM {id} is not running (its hypervisor process, pid {pid}, is gone)
     NotRunning {
         /// The VM's id.
         id: String,
@@ -64,22 +61,17 @@ pub enum HypervisorError {
         pid: u32,
     },
     /// device state migration failed: {0}
-    #[error("device state migration failed: {0}")]
     Migration(String),
     /// device state migration did not finish within {secs} s
-    #[error("device state migration did not finish within {secs} s")]
     MigrationTimeout {
         /// How long we waited.
         secs: u64,
     },
-    /// invalid VM configuration: {0}
-    #[error("sandbox network: {0}")]
+    /// sandbox network: {0}
     Network(String),
-
-    #[error("invalid VM configuration: {0}")]
+    /// invalid VM configuration: {0}
     Config(String),
     /// {context}: {source}
-    #[error("{context}: {source}")]
     Io {
         /// What was being done.
         context: String,
@@ -89,10 +81,17 @@ pub enum HypervisorError {
 }
 
 impl HypervisorError {
-    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+    /// An I/O error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         HypervisorError::Io {
             context: context.into(),
             source,
         }
+    }
+}
+
+impl From<forkd_host::network::NetworkError> for HypervisorError {
+    fn from(e: forkd_host::network::NetworkError) -> Self {
+        HypervisorError::Network(e.to_string())
     }
 }

@@ -98,14 +98,15 @@ impl AgentProcesses {
             .stderr(log)
             .kill_on_drop(false);
         if config.detached {
-            crate::process::start_detached(&mut cmd);
+            forkd_host::process::start_detached(&mut cmd);
         }
         let mut child = cmd.spawn().map_err(|source| HypervisorError::Spawn {
             program: self.agent.display().to_string(),
             source,
+            install: "build the agent: ./dev setup",
         })?;
         let pid = child.id().unwrap_or(0);
-        let start_time = crate::process::start_time(pid).unwrap_or(0);
+        let start_time = forkd_host::process::start_time(pid).unwrap_or(0);
         let (exit_tx, exit) = watch::channel(None);
         tokio::spawn(async move {
             let desc = match child.wait().await {
@@ -125,12 +126,13 @@ impl AgentProcesses {
             if vm.exited() || tokio::time::Instant::now() > deadline {
                 vm.kill();
                 return Err(HypervisorError::EarlyExit {
+                    program: "the fake VM's agent",
                     status: vm
                         .exit
                         .borrow()
                         .clone()
                         .unwrap_or_else(|| "no socket".into()),
-                    stderr: crate::qemu::tail(&config.hypervisor_log(), 20),
+                    stderr: forkd_host::capped_log::tail(&config.hypervisor_log(), 20),
                 });
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -193,7 +195,7 @@ impl Hypervisor for AgentProcesses {
             id: config.id.clone(),
             pid,
         };
-        let pidfd = crate::process::PidFd::open_checked(pid, start_time).ok_or_else(gone)?;
+        let pidfd = forkd_host::process::PidFd::open_checked(pid, start_time).ok_or_else(gone)?;
         let (exit_tx, exit) = watch::channel(None);
         tokio::spawn(async move {
             let _ = pidfd.exited().await;
@@ -263,7 +265,7 @@ pub struct FakeVm {
 
 impl FakeVm {
     fn signal(&self, sig: Signal) -> Result<(), HypervisorError> {
-        if crate::process::signal(self.pid, self.start_time, sig) {
+        if forkd_host::process::signal(self.pid, self.start_time, sig) {
             Ok(())
         } else {
             Err(HypervisorError::NotRunning {
@@ -320,7 +322,7 @@ impl Vm for FakeVm {
     }
 
     async fn wait_exit(&self) -> String {
-        crate::process::wait_for_exit(&self.exit).await
+        forkd_host::process::wait_for_exit(&self.exit).await
     }
 
     async fn stop(&self, grace: Duration) -> Result<(), HypervisorError> {
@@ -342,6 +344,6 @@ impl Vm for FakeVm {
     }
 
     fn console_tail(&self, lines: usize) -> String {
-        crate::qemu::tail(&self.config.hypervisor_log(), lines)
+        forkd_host::capped_log::tail(&self.config.hypervisor_log(), lines)
     }
 }

@@ -1,25 +1,18 @@
-//! The hypervisor layer of forkd: a small trait ([`Hypervisor`], [`Vm`]) and the QEMU
-//! backend behind it ([`qemu::Qemu`]).
+//! The hypervisor layer of forkd: the traits a backend implements ([`Hypervisor`],
+//! [`PreparedVm`], [`Vm`]) and the neutral types they speak in.
 //!
 //! Nothing above this crate knows how a VM is started: the sandbox layer hands over a
-//! [`VmConfig`] and gets back a [`Vm`] it can pause, resume, query and stop. A
-//! Firecracker backend can implement the same trait on hosts that have it.
+//! [`VmConfig`] and gets back a [`Vm`] it can pause, resume, query and stop. The QEMU
+//! backend lives in its own crate, which only the `forkd` binary (and tests) depend on:
+//! the compiler keeps every other crate from reaching into it. A Firecracker backend
+//! can implement the same traits on hosts that have it.
 
 pub mod accel;
-pub mod caps;
-pub mod cgroup;
 pub mod clock;
 pub mod config;
-pub mod enforcement;
 pub mod error;
 #[cfg(feature = "fake")]
 pub mod fake;
-pub mod lifeline;
-pub mod network;
-pub mod process;
-pub mod qemu;
-pub mod sched;
-pub mod smaps;
 
 pub use accel::{Accel, AccelChoice};
 pub use clock::GuestClock;
@@ -28,15 +21,14 @@ pub use error::HypervisorError;
 
 use async_trait::async_trait;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
-/// The hypervisor this host uses, built once: the daemon, the CLI and the tests hold it
-/// as an `Arc<dyn Hypervisor>` and never name a backend. Today that is QEMU
-/// (`$FORKD_QEMU`, else `qemu-system-x86_64` from `PATH`), under KVM or TCG as each
-/// [`VmConfig`] says.
-pub fn new() -> Arc<dyn Hypervisor> {
-    Arc::new(qemu::Qemu::from_env())
+/// The error of a layer operation a backend does not provide.
+fn unsupported(what: &str) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::Unsupported,
+        format!("this hypervisor backend cannot {what}"),
+    )
 }
 
 /// What a disk layer's base is.
@@ -156,6 +148,46 @@ pub trait Hypervisor: Send + Sync {
     fn layer_base(&self, layer: &Path) -> Result<Option<std::path::PathBuf>, HypervisorError> {
         let _ = layer;
         Ok(None)
+    }
+
+    /// The base a disk layer names, as it is written in the layer: absolute, or relative
+    /// to the layer's directory. None when the layer has no base.
+    fn layer_base_name(&self, layer: &Path) -> std::io::Result<Option<String>> {
+        let _ = layer;
+        Err(unsupported("read a disk layer's base"))
+    }
+
+    /// Makes a disk layer name `name` as its base, its data left as it is: the new base
+    /// must hold what the old one held. An unpacked chain link's layer named its
+    /// parent's disk where that lay on the host it came from.
+    fn set_layer_base_name(&self, layer: &Path, name: &str) -> std::io::Result<()> {
+        let _ = (layer, name);
+        Err(unsupported("rename a disk layer's base"))
+    }
+
+    /// Checks that a disk layer from elsewhere (an unpacked snapshot's) keeps its data in
+    /// itself: it names no file of this host other than its base, and uses nothing of
+    /// its format this backend does not know.
+    fn check_foreign_layer(&self, layer: &Path) -> std::io::Result<()> {
+        let _ = layer;
+        Err(unsupported("check a disk layer from elsewhere"))
+    }
+
+    /// Writes `out`, a raw image (sparse where the disk reads zeros) with the contents
+    /// of the layered disk `top`: a build VM's disk turned into a root filesystem image.
+    async fn layer_to_raw(&self, top: &Path, out: &Path) -> Result<(), HypervisorError> {
+        let _ = (top, out);
+        Err(HypervisorError::Config(
+            "this hypervisor backend cannot turn a disk layer into an image".into(),
+        ))
+    }
+
+    /// Why device state saved by version `made` of this backend (as [`Hypervisor::version`]
+    /// said then) cannot be restored by this one, if it cannot. A version either side
+    /// cannot read is left for the restore itself to judge.
+    fn restore_refusal(&self, made: &str) -> Option<String> {
+        let _ = made;
+        None
     }
 
     /// The size of the disk a layer made by [`Hypervisor::create_disk_layer`] gives its
@@ -303,7 +335,12 @@ pub trait Vm: Send + Sync {
     fn console_tail(&self, lines: usize) -> String;
 
     /// The cgroup version and what the VM's own cgroup counts now, if it runs in one.
-    fn cgroup(&self) -> Option<(cgroup::CgroupVersion, cgroup::CgroupUsage)> {
+    fn cgroup(
+        &self,
+    ) -> Option<(
+        forkd_host::cgroup::CgroupVersion,
+        forkd_host::cgroup::CgroupUsage,
+    )> {
         None
     }
 
@@ -311,7 +348,7 @@ pub trait Vm: Send + Sync {
     /// (and another mode brings it up again).
     async fn set_egress(
         &self,
-        _policy: &network::policy::EgressPolicy,
+        _policy: &forkd_host::network::policy::EgressPolicy,
     ) -> Result<(), HypervisorError> {
         Err(HypervisorError::Network(
             "this backend gives its VMs no network".into(),

@@ -172,7 +172,7 @@ async fn cold_boots(
     quiet: bool,
 ) -> Result<Vec<BootRun>> {
     let mut out = Vec::new();
-    let hv = forkd_hypervisor::new();
+    let hv = forkd_qemu::hypervisor();
     for i in 0..runs {
         let sb = Sandbox::boot(hv.as_ref(), home, assets, opts)
             .await
@@ -223,7 +223,7 @@ struct ForkReport {
 struct ChildMemory {
     id: String,
     #[serde(flatten)]
-    usage: forkd_hypervisor::smaps::MappingUsage,
+    usage: forkd_host::smaps::MappingUsage,
 }
 
 async fn fork(home: &Home, args: ForkArgs) -> Result<()> {
@@ -258,7 +258,7 @@ async fn fork(home: &Home, args: ForkArgs) -> Result<()> {
     };
     let t = Instant::now();
     let snap = forkd_core::template::build(
-        forkd_hypervisor::new().as_ref(),
+        forkd_qemu::hypervisor().as_ref(),
         home,
         &store,
         &recipe,
@@ -318,7 +318,7 @@ async fn fork_measurements(
     say: &dyn Fn(&str),
 ) -> Result<ForkFigures> {
     use forkd_core::fork::{fork, ForkOptions, Unrecorded};
-    let hv = forkd_hypervisor::new();
+    let hv = forkd_qemu::hypervisor();
     let mut one = Vec::new();
     for i in 0..args.runs {
         let opts = ForkOptions {

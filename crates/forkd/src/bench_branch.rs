@@ -144,7 +144,7 @@ pub async fn run(home: &Home, args: BranchArgs) -> Result<()> {
     drop(daemon);
     let report = BranchReport {
         accel,
-        qemu: forkd_core::template::hypervisor_version(forkd_hypervisor::new().as_ref()),
+        qemu: forkd_core::template::hypervisor_version(forkd_qemu::hypervisor().as_ref()),
         branches: rows,
         live_to_pause,
         chain_forks,

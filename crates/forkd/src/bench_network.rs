@@ -63,7 +63,7 @@ pub async fn run(home: &Home, args: NetworkArgs) -> Result<()> {
             eprintln!("[forkd] {m}");
         }
     };
-    if let Some(why) = forkd_hypervisor::network::unavailable() {
+    if let Some(why) = forkd_host::network::unavailable() {
         anyhow::bail!("this host cannot give sandboxes networks: {why}");
     }
     let recipe = forkd_core::template::BUILTIN
@@ -106,10 +106,10 @@ pub async fn run(home: &Home, args: NetworkArgs) -> Result<()> {
         let usage: Vec<_> = pids_of(c, &ids)
             .await?
             .into_iter()
-            .filter_map(forkd_hypervisor::smaps::process_usage)
+            .filter_map(forkd_host::smaps::process_usage)
             .collect();
         delete_all(c, &ids).await?;
-        let mean = |f: &dyn Fn(&forkd_hypervisor::smaps::MappingUsage) -> u64| {
+        let mean = |f: &dyn Fn(&forkd_host::smaps::MappingUsage) -> u64| {
             usage.iter().map(|u| f(u) as f64).sum::<f64>() / usage.len().max(1) as f64 / MIB
         };
         let v = Variant {

@@ -128,7 +128,7 @@ pub async fn run(home: &Home, args: ScaleArgs) -> Result<()> {
             .await?;
     let accel = forkd_hypervisor::accel::resolve(opts.accel)?;
     let mut cold = Vec::new();
-    let hv = forkd_hypervisor::new();
+    let hv = forkd_qemu::hypervisor();
     for i in 0..args.runs {
         // What `forkd run` does before its command: a disk layer, QEMU, the agent.
         let t = Instant::now();
@@ -268,9 +268,9 @@ async fn measure(
         .collect();
     let usage: Vec<_> = pids
         .iter()
-        .filter_map(|p| forkd_hypervisor::smaps::process_usage(*p))
+        .filter_map(|p| forkd_host::smaps::process_usage(*p))
         .collect();
-    let mean_mib = |f: &dyn Fn(&forkd_hypervisor::smaps::MappingUsage) -> u64| {
+    let mean_mib = |f: &dyn Fn(&forkd_host::smaps::MappingUsage) -> u64| {
         usage.iter().map(|u| f(u) as f64).sum::<f64>() / usage.len().max(1) as f64 / MIB
     };
     let pss_mib = mean_mib(&|u| u.pss);
@@ -505,7 +505,7 @@ impl Drop for BenchDaemon {
         );
         let _ = self.process.wait();
         // Children outlive their daemon by design: end whatever the directory still runs.
-        forkd_hypervisor::process::kill_vm(0, 0, &self.dir);
+        forkd_host::process::kill_vm(0, 0, &self.dir);
         if let Err(e) = std::fs::remove_dir_all(&self.dir) {
             eprintln!("[forkd] removing {}: {e}", self.dir.display());
         }

@@ -77,7 +77,7 @@ pub struct DaemonArgs {
     /// private address); their egress policy still decides (repeatable; recorded in the
     /// audit log).
     #[arg(long, value_parser = parse_open_network)]
-    egress_open: Vec<forkd_hypervisor::network::policy::Network>,
+    egress_open: Vec<forkd_host::network::policy::Network>,
     /// When the audit log is found broken (edited, cut short, emptied), move it aside
     /// and start a new chain whose first record says what was found, instead of
     /// refusing to start.
@@ -104,8 +104,8 @@ fn parse_token_file(s: &str) -> Result<(String, PathBuf), String> {
     }
 }
 
-fn parse_open_network(s: &str) -> Result<forkd_hypervisor::network::policy::Network, String> {
-    use forkd_hypervisor::network::policy::Destination;
+fn parse_open_network(s: &str) -> Result<forkd_host::network::policy::Network, String> {
+    use forkd_host::network::policy::Destination;
     match s.parse::<Destination>()? {
         Destination::Net(n) if n.port.is_none() => Ok(n),
         _ => Err(format!(
@@ -176,7 +176,8 @@ pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
         ),
         config.token.is_some(),
     );
-    forkd_daemon::server::run(config, mcp, shutdown_signal(), |tcp| {
+    let hypervisor = forkd_qemu::hypervisor();
+    forkd_daemon::server::run(config, hypervisor, mcp, shutdown_signal(), |tcp| {
         eprintln!("forkd daemon: listening on {}", socket.display());
         if let Some(a) = tcp {
             eprintln!("forkd daemon: listening on tcp {a}");

@@ -2,8 +2,8 @@
 
 use anyhow::Result;
 use forkd_hypervisor::accel::probe_kvm;
-use forkd_hypervisor::qemu::{version, Qemu};
 use forkd_image::Home;
+use forkd_qemu::{version, Qemu};
 use serde::Serialize;
 use std::path::Path;
 use std::process::Command;
@@ -242,7 +242,7 @@ fn check_mkfs() -> Check {
 }
 
 fn check_network() -> Check {
-    match forkd_hypervisor::network::unavailable() {
+    match forkd_host::network::unavailable() {
         None => ok(
             "network",
             "templates get a NIC (network = \"auto\"); each child is in a network namespace of its own behind NAT, with egress denied unless its policy allows it, and no route to other sandboxes or the host",
@@ -259,7 +259,7 @@ fn check_network() -> Check {
 /// What no sandbox reaches: the special-purpose ranges, the host's networks as they
 /// are now, less what the daemon's last start opened (its audit log says).
 fn check_closed_networks(home: &Home) -> Check {
-    use forkd_hypervisor::network::closed;
+    use forkd_host::network::closed;
     if let Err(e) = closed::refresh_host() {
         return bad(
             "closed nets",
@@ -299,8 +299,8 @@ fn check_closed_networks(home: &Home) -> Check {
 }
 
 fn check_cgroups() -> Check {
-    use forkd_hypervisor::cgroup;
-    use forkd_hypervisor::enforcement::Enforcement;
+    use forkd_host::cgroup;
+    use forkd_host::enforcement::Enforcement;
     let policy = match Enforcement::from_env(cgroup::ENV) {
         Ok(p) => p,
         Err(e) => return bad("cgroups", Level::Fail, e, "unset FORKD_CGROUPS or fix it"),
@@ -372,8 +372,8 @@ fn check_data_directory(home: &Home) -> Check {
 
 /// What stands between a guest and the host, said plainly, with what is not there yet.
 fn check_isolation() -> Check {
-    use forkd_hypervisor::enforcement::Enforcement;
-    use forkd_hypervisor::qemu::jail;
+    use forkd_host::enforcement::Enforcement;
+    use forkd_qemu::jail;
     let qemu = Qemu::from_env();
     let jail = match (
         Enforcement::from_env(jail::ENV),
@@ -390,7 +390,7 @@ fn check_isolation() -> Check {
     let missing = "its network, if it has one, is a namespace of its own (see the network check)";
     match jail {
         Ok(()) => {
-            let bound = match forkd_hypervisor::lifeline::unavailable() {
+            let bound = match forkd_host::lifeline::unavailable() {
                 None => "every VM is jailed once it runs (a user id of its own, no capabilities, an empty root directory; a child maps the template's RAM read-only), and one bound to the command that starts it (a template build, `forkd run`) dies with that command through its PID namespace".to_owned(),
                 Some(why) => format!("forked children are jailed once they run (a user id of their own, no capabilities, an empty root directory, the template's RAM read-only); VMs bound to the command that starts them (template builds, `forkd run`) are not, since {why}"),
             };

@@ -135,8 +135,8 @@ fn main() {
         std::process::exit(2);
     }
     let env_checks = [
-        forkd_hypervisor::qemu::cmdline::tcg_tb_mib().map(drop),
-        forkd_hypervisor::sched::tcg_sched().map(drop),
+        forkd_qemu::cmdline::tcg_tb_mib().map(drop),
+        forkd_host::sched::tcg_sched().map(drop),
     ];
     if let Some(Err(e)) = env_checks.into_iter().find(Result::is_err) {
         eprintln!("forkd: {e}");

@@ -62,7 +62,7 @@ pub async fn run(home: &Home, args: RunArgs) -> Result<i32> {
     let assets = crate::image::ensure_assets(home, args.vm.image, false).await?;
     let t_assets = t0.elapsed();
     let sandbox = Sandbox::boot(
-        forkd_hypervisor::new().as_ref(),
+        forkd_qemu::hypervisor().as_ref(),
         home,
         &assets,
         &args.vm.options(),

@@ -314,7 +314,7 @@ fn branch_through_the_daemon() {
         for e in std::fs::read_dir(&dir).unwrap().flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             if name.starts_with("root") && name.ends_with(".qcow2") {
-                let base = forkd_hypervisor::qemu::qcow2::backing_name(&e.path()).unwrap();
+                let base = forkd_qemu::qcow2::backing_name(&e.path()).unwrap();
                 assert!(
                     !base.unwrap_or_default().contains("/cut/"),
                     "{name} builds on the cut branch"

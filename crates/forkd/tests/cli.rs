@@ -80,10 +80,10 @@ fn a_killed_run_takes_its_vm_along() {
     use std::time::{Duration, Instant};
     let before = sandboxes_left();
     let home = forkd_image::Home::from_env();
-    let qemu = forkd_hypervisor::qemu::Qemu::from_env();
-    let jailed = forkd_hypervisor::qemu::version::current_version(qemu.binary())
+    let qemu = forkd_qemu::Qemu::from_env();
+    let jailed = forkd_qemu::version::current_version(qemu.binary())
         .ok()
-        .is_some_and(|v| forkd_hypervisor::qemu::jail::unjailable(v).is_none());
+        .is_some_and(|v| forkd_qemu::jail::unjailable(v).is_none());
     let mut run = forkd()
         .args(["run", "--image", "minimal", "--", "sleep", "600"])
         .stdout(std::process::Stdio::null())
@@ -98,10 +98,10 @@ fn a_killed_run_takes_its_vm_along() {
             .filter(|s| !before.contains(s))
             .map(|s| home.run_dir().join("sandboxes").join(s))
             .find_map(|dir| {
-                let pids = forkd_hypervisor::process::find_inside(&dir);
+                let pids = forkd_host::process::find_inside(&dir);
                 let (pid, _) = pids.into_iter().next()?;
-                let settled = !jailed
-                    || uid_of(pid).is_some_and(|u| u >= forkd_hypervisor::qemu::jail::FIRST_UID);
+                let settled =
+                    !jailed || uid_of(pid).is_some_and(|u| u >= forkd_qemu::jail::FIRST_UID);
                 settled.then_some((dir, pid))
             });
         if let Some(found) = found {
@@ -125,7 +125,7 @@ fn a_killed_run_takes_its_vm_along() {
     run.kill().unwrap();
     run.wait().unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
-    while forkd_hypervisor::process::is_alive(qemu_pid) {
+    while forkd_host::process::is_alive(qemu_pid) {
         assert!(
             Instant::now() < deadline,
             "the VM of a killed forkd run outlived it (jailed: {jailed})"

@@ -250,7 +250,7 @@ fn a_restarted_daemon_adopts_live_sandboxes_and_clears_dead_ones() {
         nix::sys::signal::Signal::SIGKILL,
     )
     .unwrap();
-    while forkd_hypervisor::process::is_alive(pid as u32) {
+    while forkd_host::process::is_alive(pid as u32) {
         std::thread::sleep(Duration::from_millis(20));
     }
     d.spawn();

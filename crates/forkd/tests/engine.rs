@@ -292,10 +292,10 @@ fn terminate(pid: u32) {
 
 /// Processes (other than zombies) one of whose arguments names something inside `dir`.
 fn processes_naming(dir: &Path) -> Vec<u32> {
-    forkd_hypervisor::process::find_inside(dir)
+    forkd_host::process::find_inside(dir)
         .into_iter()
         .map(|(pid, _)| pid)
-        .filter(|pid| forkd_hypervisor::process::is_alive(*pid))
+        .filter(|pid| forkd_host::process::is_alive(*pid))
         .collect()
 }
 
@@ -480,10 +480,7 @@ fn a_second_daemon_on_the_same_data_directory_refuses_to_start_and_harms_nothing
         );
         for s in &after {
             let id = s["id"].as_str().unwrap();
-            assert!(
-                forkd_hypervisor::process::is_alive(pid_of(s)),
-                "{id}'s QEMU died"
-            );
+            assert!(forkd_host::process::is_alive(pid_of(s)), "{id}'s QEMU died");
             assert_eq!(status_of(&c, id).await, "running");
             assert_eq!(exec_ok(&c, id, "cat /mark").await, format!("{id}\n"));
         }
@@ -519,7 +516,7 @@ async fn assert_consistent(h: &Home, c: &Client, after: &str) -> Vec<Value> {
     let ids = ids_of(&listed);
     for s in &listed {
         assert!(
-            forkd_hypervisor::process::is_alive(pid_of(s)),
+            forkd_host::process::is_alive(pid_of(s)),
             "after {after}: listed with a dead QEMU: {s}"
         );
     }
@@ -631,7 +628,7 @@ fn a_daemon_killed_at_any_failpoint_leaves_what_its_restart_makes_consistent() {
         let mut expected = ids_of(&before);
         expected.retain(|id| *id != victim_id);
         assert_eq!(ids_of(&listed), expected, "delete.after_mark");
-        assert!(!forkd_hypervisor::process::is_alive(pid_of(&victim)));
+        assert!(!forkd_host::process::is_alive(pid_of(&victim)));
         // Enough sandboxes for a restart that adopts several.
         create(&c, 2).await;
     });
@@ -780,7 +777,7 @@ fn starved_guests_are_kept_and_a_stopped_vm_is_unresponsive_until_it_runs_again(
                 seen.insert(s["status"].as_str().unwrap().to_owned());
             }
             for pid in &pids {
-                assert!(forkd_hypervisor::process::is_alive(*pid), "QEMU {pid} died");
+                assert!(forkd_host::process::is_alive(*pid), "QEMU {pid} died");
             }
             tokio::time::sleep(Duration::from_secs(2)).await;
         }
@@ -791,7 +788,7 @@ fn starved_guests_are_kept_and_a_stopped_vm_is_unresponsive_until_it_runs_again(
             assert_eq!(exec_ok(&c, id, "echo ok").await, "ok\n");
         }
         for pid in &pids {
-            assert!(forkd_hypervisor::process::is_alive(*pid), "QEMU {pid} died");
+            assert!(forkd_host::process::is_alive(*pid), "QEMU {pid} died");
         }
 
         // The VM process of one stopped from the host: its agent and QMP go silent.
@@ -802,7 +799,7 @@ fn starved_guests_are_kept_and_a_stopped_vm_is_unresponsive_until_it_runs_again(
         assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
         assert_eq!(v["error"]["code"], "sandbox_unresponsive", "{v}");
         assert!(ids_of(&list(&c).await).contains(id), "{id} was dropped");
-        assert!(forkd_hypervisor::process::is_alive(pid));
+        assert!(forkd_host::process::is_alive(pid));
         signal(pid, nix::sys::signal::Signal::SIGCONT);
         wait_status(&c, id, "running", Duration::from_secs(60)).await;
         assert_eq!(exec_ok(&c, id, "echo ok").await, "ok\n");
@@ -1077,7 +1074,7 @@ fn jailed(pid: u32) -> u32 {
     let uids = field("Uid:");
     assert!(uids.iter().all(|u| u == &uids[0]), "{uids:?}");
     let uid: u32 = uids[0].parse().unwrap();
-    assert!(uid >= forkd_hypervisor::qemu::jail::FIRST_UID, "{uid}");
+    assert!(uid >= forkd_qemu::jail::FIRST_UID, "{uid}");
     assert_eq!(field("Gid:")[0], uids[0]);
     assert_eq!(field("CapEff:"), ["0000000000000000"]);
     assert_eq!(field("NoNewPrivs:"), ["1"]);
@@ -1125,7 +1122,7 @@ fn control(dirs: &[PathBuf], name: &str) -> String {
 
 #[test]
 fn each_child_runs_jailed_in_a_cgroup_of_its_own_with_the_limits_it_was_forked_with() {
-    let cgroups = forkd_hypervisor::cgroup::host()
+    let cgroups = forkd_host::cgroup::host()
         .as_ref()
         .expect("this project's test machines give root a cgroup hierarchy");
     let mut h = Home::with_template();
@@ -1159,7 +1156,7 @@ fn each_child_runs_jailed_in_a_cgroup_of_its_own_with_the_limits_it_was_forked_w
         let memory = child["memory_mib"].as_u64().unwrap() << 20;
         assert_eq!(
             limits["memory_bytes"].as_u64(),
-            Some(memory + forkd_hypervisor::cgroup::MEMORY_OVERHEAD),
+            Some(memory + forkd_host::cgroup::MEMORY_OVERHEAD),
             "{child}"
         );
         assert_eq!(limits["cpu_cores"].as_f64(), Some(0.5), "{child}");

@@ -6,7 +6,7 @@ use super::layout::Layout;
 use super::{pack, unpack, ArchiveError};
 use crate::snapshot::manifest::{parts, BuildTimes, Machine, Manifest, Versions};
 use crate::snapshot::{chain, memory_diff, Store, Tag, MANIFEST};
-use forkd_hypervisor::qemu::qcow2;
+use forkd_qemu::qcow2;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -37,7 +37,8 @@ fn manifest(tag: &str, parent: Option<(&str, String)>) -> Manifest {
             initramfs_sha256: "i".into(),
             forkd: "0".into(),
             agent_protocol: 4,
-            qemu: "q".into(),
+            hypervisor: "qemu".into(),
+            hypervisor_version: "q".into(),
         },
         parts: Default::default(),
         contexts: Vec::new(),
@@ -116,7 +117,13 @@ fn packed_chain() -> (tempfile::TempDir, Vec<u8>) {
 
 fn unpack_into(dir: &Path, tar: &[u8]) -> Result<unpack::Unpacked, ArchiveError> {
     let store = Store::at(dir.join("b"));
-    unpack::unpack(&store, tar, None, &|_| {})
+    unpack::unpack(
+        &store,
+        forkd_qemu::hypervisor().as_ref(),
+        tar,
+        None,
+        &|_| {},
+    )
 }
 
 /// What the store holds, staging aside.
@@ -164,7 +171,14 @@ fn a_chain_round_trips_into_another_store() {
     // Under another name the head is installed again, on the base that is here.
     let store = Store::at(dir.path().join("b"));
     let other = Tag::parse("other").unwrap();
-    let got = unpack::unpack(&store, &tar[..], Some(&other), &|_| {}).unwrap();
+    let got = unpack::unpack(
+        &store,
+        forkd_qemu::hypervisor().as_ref(),
+        &tar[..],
+        Some(&other),
+        &|_| {},
+    )
+    .unwrap();
     assert_eq!(
         (got.installed, got.present),
         (vec!["other".to_owned()], vec!["base".to_owned()])

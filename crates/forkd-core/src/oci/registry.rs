@@ -265,6 +265,7 @@ struct Pulled {
 /// which is linked from the parent when installed.
 pub async fn pull(
     store: &Store,
+    hv: std::sync::Arc<dyn forkd_hypervisor::Hypervisor>,
     reference: &str,
     rename: Option<&Tag>,
     opts: &RegistryOptions,
@@ -346,7 +347,14 @@ pub async fn pull(
     let store = store.clone();
     let rename = rename.cloned();
     tokio::task::spawn_blocking(move || {
-        unpack::install(&store, &layout, &chain, rename.as_ref(), &|_| {})
+        unpack::install(
+            &store,
+            hv.as_ref(),
+            &layout,
+            &chain,
+            rename.as_ref(),
+            &|_| {},
+        )
     })
     .await
     .map_err(|e| io("installing")(std::io::Error::other(e)))?

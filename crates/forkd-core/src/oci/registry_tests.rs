@@ -148,9 +148,16 @@ async fn a_chain_is_pushed_once_and_pulled_into_another_store() {
             downloads.lock().unwrap().push(total);
         }
     };
-    let got = registry::pull(&b, &reference, None, &opts, &counted)
-        .await
-        .unwrap();
+    let got = registry::pull(
+        &b,
+        forkd_qemu::hypervisor(),
+        &reference,
+        None,
+        &opts,
+        &counted,
+    )
+    .await
+    .unwrap();
     assert_eq!(
         (got.tag.as_str(), got.installed.clone()),
         ("link", vec!["base".into(), "link".into()])
@@ -159,9 +166,16 @@ async fn a_chain_is_pushed_once_and_pulled_into_another_store() {
     // Under another tag, on the base that is here now: only the link's own parts
     // (its state, memory diff and disk layer) are downloaded.
     let other = Tag::parse("other").unwrap();
-    let got = registry::pull(&b, &reference, Some(&other), &opts, &counted)
-        .await
-        .unwrap();
+    let got = registry::pull(
+        &b,
+        forkd_qemu::hypervisor(),
+        &reference,
+        Some(&other),
+        &opts,
+        &counted,
+    )
+    .await
+    .unwrap();
     assert_eq!(
         (got.installed, got.present),
         (vec!["other".into()], vec!["base".into()])
@@ -185,11 +199,16 @@ async fn a_chain_is_pushed_once_and_pulled_into_another_store() {
     // What is not there, or not a snapshot, is refused and installs nothing.
     let c = dir.path().join("c");
     let missing = format!("{}/forkd/none:v1", reg.addr);
-    assert!(
-        registry::pull(&Store::at(&c), &missing, None, &opts, &quiet)
-            .await
-            .is_err()
-    );
+    assert!(registry::pull(
+        &Store::at(&c),
+        forkd_qemu::hypervisor(),
+        &missing,
+        None,
+        &opts,
+        &quiet
+    )
+    .await
+    .is_err());
     let image = format!("{}/library/plain:latest", reg.addr);
     let client = oci_client::Client::new(oci_client::client::ClientConfig {
         protocol: oci_client::client::ClientProtocol::Http,
@@ -210,10 +229,17 @@ async fn a_chain_is_pushed_once_and_pulled_into_another_store() {
         )
         .await
         .unwrap();
-    let e = registry::pull(&Store::at(&c), &image, None, &opts, &quiet)
-        .await
-        .unwrap_err()
-        .to_string();
+    let e = registry::pull(
+        &Store::at(&c),
+        forkd_qemu::hypervisor(),
+        &image,
+        None,
+        &opts,
+        &quiet,
+    )
+    .await
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("is not a forkd snapshot"), "{e}");
     assert!(tags(&c).is_empty());
 }
@@ -250,9 +276,16 @@ async fn a_registry_with_basic_auth_takes_the_auth_file_s_credentials() {
     let raw = skopeo_inspect(&reference, Some("forkd:pass-word"));
     assert_eq!(raw["artifactType"], super::ARTIFACT_TYPE);
     let b = Store::at(dir.path().join("b"));
-    registry::pull(&b, &reference, None, &opts, &quiet)
-        .await
-        .unwrap();
+    registry::pull(
+        &b,
+        forkd_qemu::hypervisor(),
+        &reference,
+        None,
+        &opts,
+        &quiet,
+    )
+    .await
+    .unwrap();
     chain::verify(&b, &base).unwrap();
 }
 
@@ -456,8 +489,15 @@ async fn a_registry_behind_a_token_service_is_reached_with_a_bearer_token() {
         .unwrap();
     assert!(pushed.uploaded > 0);
     let b = Store::at(dir.path().join("b"));
-    registry::pull(&b, &reference, None, &opts, &quiet)
-        .await
-        .unwrap();
+    registry::pull(
+        &b,
+        forkd_qemu::hypervisor(),
+        &reference,
+        None,
+        &opts,
+        &quiet,
+    )
+    .await
+    .unwrap();
     chain::verify(&b, &link).unwrap();
 }

@@ -11,6 +11,7 @@ use super::layout::{Artifact, Layout};
 use super::{blob, io, ArchiveError};
 use crate::snapshot::manifest::parts;
 use crate::snapshot::{memory_diff, Manifest, Snapshot, Store, Tag, MANIFEST};
+use forkd_hypervisor::Hypervisor;
 use std::io::Read;
 use std::path::PathBuf;
 
@@ -29,21 +30,23 @@ pub struct Unpacked {
 }
 
 /// Reads the archive `r` and installs its chain; the head goes under `rename` if given,
-/// else under the tag it was packed with.
+/// else under the tag it was packed with. `hv` reads and checks the disk layers.
 pub fn unpack(
     store: &Store,
+    hv: &dyn Hypervisor,
     r: impl Read,
     rename: Option<&Tag>,
     progress: &dyn Fn(&str),
 ) -> Result<Unpacked, ArchiveError> {
     let layout = Layout::receive(store, r, progress)?;
     let chain = layout.index_chain()?;
-    install(store, &layout, &chain, rename, progress)
+    install(store, hv, &layout, &chain, rename, progress)
 }
 
 /// Installs `chain` (root first) from `layout`.
 pub fn install(
     store: &Store,
+    hv: &dyn Hypervisor,
     layout: &Layout,
     chain: &[Artifact],
     rename: Option<&Tag>,
@@ -99,7 +102,7 @@ pub fn install(
                 present.push(tag.to_string());
                 s
             }
-            None => match install_one(store, layout, a, &tag, parent.as_ref(), progress) {
+            None => match install_one(store, hv, layout, a, &tag, parent.as_ref(), progress) {
                 Ok(s) => {
                     installed.push(tag);
                     s
@@ -201,6 +204,7 @@ fn space_needed(
 
 fn install_one(
     store: &Store,
+    hv: &dyn Hypervisor,
     layout: &Layout,
     a: &Artifact,
     tag: &Tag,
@@ -246,7 +250,7 @@ fn install_one(
         }
     }
     let disk = staging.part(parts::DISK);
-    forkd_hypervisor::qemu::qcow2::check_foreign(&disk)
+    hv.check_foreign_layer(&disk)
         .map_err(|e| refused(format!("its disk layer: {e}")))?;
     let mut manifest = a.manifest.clone();
     match parent {
@@ -271,13 +275,14 @@ fn install_one(
             let name = base
                 .to_str()
                 .ok_or_else(|| refused(format!("{} is not UTF-8", base.display())))?;
-            forkd_hypervisor::qemu::qcow2::set_backing_name(&disk, name)
+            hv.set_layer_base_name(&disk, name)
                 .map_err(|e| refused(format!("its disk layer: {e}")))?;
             manifest.parent = Some(p.tag.to_string());
             manifest.parent_digest = Some(crate::snapshot::sha256_file(&p.dir.join(MANIFEST))?.0);
         }
         None => {
-            let base = forkd_hypervisor::qemu::qcow2::backing_name(&disk)
+            let base = hv
+                .layer_base_name(&disk)
                 .map_err(|e| refused(format!("its disk layer: {e}")))?;
             if base.as_deref() != Some(parts::ROOTFS) {
                 return Err(refused(format!(

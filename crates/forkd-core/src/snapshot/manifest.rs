@@ -76,7 +76,7 @@ pub struct Manifest {
     /// What its children may reach when a fork does not say (its recipe's `[egress]`);
     /// none: nothing (egress `deny`, empty allow-list).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub egress: Option<forkd_hypervisor::network::policy::EgressPolicy>,
+    pub egress: Option<forkd_host::network::policy::EgressPolicy>,
 }
 
 impl Manifest {
@@ -152,8 +152,19 @@ pub struct Versions {
     pub forkd: String,
     /// The agent protocol version.
     pub agent_protocol: u32,
-    /// `qemu-system-x86_64 --version`, first line.
-    pub qemu: String,
+    /// The hypervisor backend that made it ([`forkd_hypervisor::Hypervisor::name`]).
+    /// Manifests written before it was recorded were all QEMU's.
+    #[serde(default = "first_backend")]
+    pub hypervisor: String,
+    /// That backend's version ([`forkd_hypervisor::Hypervisor::version`]); written
+    /// `qemu` by forkd before 0.2, and read under either name.
+    #[serde(alias = "qemu")]
+    pub hypervisor_version: String,
+}
+
+/// The backend of manifests that do not name one.
+fn first_backend() -> String {
+    "qemu".to_owned()
 }
 
 /// One part.
@@ -207,5 +218,24 @@ impl FileStamp {
             ino: m.ino(),
             mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_written_before_the_backend_was_named_are_qemu_s() {
+        let old = r#"{"kernel": "6.1.0-57-cloud-amd64", "rootfs": "python",
+            "initramfs_sha256": "ab", "forkd": "0.1.0", "agent_protocol": 3,
+            "qemu": "10.0.2"}"#;
+        let v: Versions = serde_json::from_str(old).unwrap();
+        assert_eq!((v.hypervisor.as_str(), v.hypervisor_version.as_str()), ("qemu", "10.0.2"));
+        // Written under the new names, and read back the same.
+        let new = serde_json::to_value(&v).unwrap();
+        assert_eq!(new["hypervisor"], "qemu");
+        assert_eq!(new["hypervisor_version"], "10.0.2");
+        assert_eq!(serde_json::from_value::<Versions>(new).unwrap(), v);
     }
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 /// The hypervisor every test VM runs on.
 pub fn hv() -> std::sync::Arc<dyn forkd_hypervisor::Hypervisor> {
-    forkd_hypervisor::new()
+    forkd_qemu::hypervisor()
 }
 
 /// Forks through [`hv`] with nothing recorded.
@@ -87,13 +87,13 @@ impl Footprint {
     pub fn assert_gone(&self) {
         // QEMU is reaped asynchronously after a kill: give it a moment.
         for _ in 0..100 {
-            if !forkd_hypervisor::process::is_alive(self.pid) {
+            if !forkd_host::process::is_alive(self.pid) {
                 break;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
         assert!(
-            !forkd_hypervisor::process::is_alive(self.pid),
+            !forkd_host::process::is_alive(self.pid),
             "QEMU (pid {}) of {} still runs",
             self.pid,
             self.id
@@ -124,9 +124,7 @@ pub fn processes_naming(needle: &str) -> Vec<u32> {
         let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
             continue;
         };
-        if String::from_utf8_lossy(&cmd).contains(needle)
-            && forkd_hypervisor::process::is_alive(pid)
-        {
+        if String::from_utf8_lossy(&cmd).contains(needle) && forkd_host::process::is_alive(pid) {
             out.push(pid);
         }
     }

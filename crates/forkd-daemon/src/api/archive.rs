@@ -125,6 +125,7 @@ pub async fn upload(
         .map_err(std::io::Error::other);
     let mut reader = tokio_util::io::StreamReader::new(stream);
     let store = app.registry.store().clone();
+    let hv = app.registry.hypervisor().clone();
     let rename = match q.tag.as_deref().map(Tag::parse).transpose() {
         Ok(Some(t)) if store.exists(&t) => Err(SnapshotError::Exists { tag: t.to_string() }),
         other => other,
@@ -138,7 +139,7 @@ pub async fn upload(
     };
     let (result, reader) = tokio::task::spawn_blocking(move || {
         let mut bridge = tokio_util::io::SyncIoBridge::new(reader);
-        let r = unpack::unpack(&store, &mut bridge, rename.as_ref(), &|m| {
+        let r = unpack::unpack(&store, hv.as_ref(), &mut bridge, rename.as_ref(), &|m| {
             tracing::debug!("unpacking: {m}");
         });
         (r, bridge.into_inner())

@@ -88,6 +88,7 @@ pub async fn pull(
         let report = |done, total, step: &str| progress(&app, &id, &known, done, total, step);
         let r = registry::pull(
             app.registry.store(),
+            app.registry.hypervisor().clone(),
             &b.reference,
             rename.as_ref(),
             &app.config.registries,

@@ -31,7 +31,7 @@ async fn connect(app: &App, id: &str, port: u16) -> Result<tokio::net::TcpStream
             "sandbox {id} has no NIC (its snapshot's template was built with network = \"none\"), so it has no ports to reach"
         )));
     }
-    forkd_hypervisor::network::connect_guest(entry.row.pid, port)
+    forkd_host::network::connect_guest(entry.row.pid, port)
         .await
         .map_err(|e| {
             let why = match e.kind() {

@@ -14,7 +14,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use forkd_core::snapshot::Tag;
-use forkd_hypervisor::cgroup::LimitOverrides;
+use forkd_host::cgroup::LimitOverrides;
 use serde::Deserialize;
 
 /// Most labels on one sandbox, and the longest key or value.

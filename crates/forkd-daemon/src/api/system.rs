@@ -18,12 +18,13 @@ pub async fn health(State(app): State<App>) -> Json<Health> {
     })
 }
 
-/// Versions of forkd, the agent protocol and QEMU.
+/// Versions of forkd, the agent protocol and the hypervisor backend.
 #[utoipa::path(get, path = "/v1/version", responses((status = 200, body = Version)))]
 pub async fn version(State(app): State<App>) -> Json<Version> {
     Json(Version {
         forkd: env!("CARGO_PKG_VERSION").into(),
         agent_protocol: forkd_proto::PROTOCOL_VERSION,
+        hypervisor: app.registry.hypervisor().name().to_owned(),
         qemu: crate::hypervisor_version(app.registry.hypervisor().as_ref()),
     })
 }

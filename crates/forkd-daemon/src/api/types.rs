@@ -64,21 +64,21 @@ pub struct NetworkBody {
     /// or `off` (the NIC's link is down).
     #[serde(default)]
     #[schema(value_type = String, example = "deny")]
-    pub egress: forkd_hypervisor::network::policy::EgressMode,
+    pub egress: forkd_host::network::policy::EgressMode,
     /// Destinations let out.
     #[serde(default)]
     #[schema(value_type = Vec<String>, example = json!(["203.0.113.0/24", "198.51.100.7:443"]))]
-    pub allow: Vec<forkd_hypervisor::network::policy::Destination>,
+    pub allow: Vec<forkd_host::network::policy::Destination>,
     /// Destinations refused in `allow` mode.
     #[serde(default)]
     #[schema(value_type = Vec<String>)]
-    pub deny: Vec<forkd_hypervisor::network::policy::Destination>,
+    pub deny: Vec<forkd_host::network::policy::Destination>,
 }
 
 impl NetworkBody {
     /// The policy it describes, checked as a whole.
-    pub fn policy(self) -> Result<forkd_hypervisor::network::policy::EgressPolicy, String> {
-        let p = forkd_hypervisor::network::policy::EgressPolicy {
+    pub fn policy(self) -> Result<forkd_host::network::policy::EgressPolicy, String> {
+        let p = forkd_host::network::policy::EgressPolicy {
             egress: self.egress,
             allow: self.allow,
             deny: self.deny,
@@ -88,8 +88,8 @@ impl NetworkBody {
     }
 }
 
-impl From<&forkd_hypervisor::network::policy::EgressPolicy> for NetworkBody {
-    fn from(p: &forkd_hypervisor::network::policy::EgressPolicy) -> Self {
+impl From<&forkd_host::network::policy::EgressPolicy> for NetworkBody {
+    fn from(p: &forkd_host::network::policy::EgressPolicy) -> Self {
         NetworkBody {
             egress: p.egress,
             allow: p.allow.clone(),
@@ -670,7 +670,10 @@ pub struct Version {
     pub forkd: String,
     /// The guest agent protocol version.
     pub agent_protocol: u32,
-    /// The QEMU the daemon runs.
+    /// The hypervisor backend the daemon runs VMs with (`qemu`).
+    pub hypervisor: String,
+    /// That backend's version. The field is named for the first backend, and kept so
+    /// for the clients that read it.
     pub qemu: String,
 }
 

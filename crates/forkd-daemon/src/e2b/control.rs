@@ -144,13 +144,9 @@ fn rfc3339(unix: i64) -> String {
 }
 
 /// A sandbox as list and get answer it.
-fn listed(e: &Listed) -> Value {
+fn listed(hv: &dyn forkd_hypervisor::Hypervisor, e: &Listed) -> Value {
     let r = &e.row;
-    let disk_mb = forkd_hypervisor::qemu::qcow2::virtual_size(
-        &r.config.root_disk,
-        forkd_hypervisor::qemu::qcow2::BaseFormat::Qcow2,
-    )
-    .map_or(0, |b| b >> 20);
+    let disk_mb = hv.disk_size(&r.config.root_disk).map_or(0, |b| b >> 20);
     let started = r.created_at.clone();
     json!({
         "templateID": r.snapshot,
@@ -231,7 +227,7 @@ async fn connect(
 
 async fn detail(State(e2b): State<Shared>, Path(id): Path<String>) -> Result<Response, E2bError> {
     let e = e2b.app.registry.describe(&id)?;
-    let mut v = listed(&e);
+    let mut v = listed(e2b.app.registry.hypervisor().as_ref(), &e);
     v["envdAccessToken"] = json!(e2b.access_token(&id));
     v["domain"] = json!(e2b.config.domain);
     Ok(Json(v).into_response())
@@ -326,9 +322,14 @@ async fn list(State(e2b): State<Shared>, RawQuery(q): RawQuery) -> Result<Respon
     let total = matching.len();
     let page: Vec<Listed> = matching.into_iter().skip(offset).take(limit).collect();
     // Each item reads its disk's size from its layer's header: off the runtime.
-    let page = tokio::task::spawn_blocking(move || page.iter().map(listed).collect::<Vec<_>>())
-        .await
-        .map_err(|e| E2bError(ApiError::internal(format!("listing sandboxes: {e}"))))?;
+    let hv = e2b.app.registry.hypervisor().clone();
+    let page = tokio::task::spawn_blocking(move || {
+        page.iter()
+            .map(|e| listed(hv.as_ref(), e))
+            .collect::<Vec<_>>()
+    })
+    .await
+    .map_err(|e| E2bError(ApiError::internal(format!("listing sandboxes: {e}"))))?;
     let mut r = Json(Value::Array(page)).into_response();
     let next = offset.saturating_add(limit);
     if next < total {

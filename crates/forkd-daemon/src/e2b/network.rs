@@ -8,7 +8,7 @@
 //! offers and forkd does not (an egress proxy, request rewriting rules, a host mask)
 //! is refused, not ignored.
 
-use forkd_hypervisor::network::policy::{Destination, EgressMode, EgressPolicy};
+use forkd_host::network::policy::{Destination, EgressMode, EgressPolicy};
 use serde::Deserialize;
 
 /// `network` of E2B's create call, and the body of its network update. Fields forkd has

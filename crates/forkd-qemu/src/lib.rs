@@ -8,9 +8,9 @@ pub mod qcow2;
 pub mod qmp;
 pub mod version;
 
-use crate::cgroup::Cgroups;
-use crate::{HypervisorError, Vm, VmConfig, VmStatus};
 use async_trait::async_trait;
+use forkd_host::cgroup::Cgroups;
+use forkd_hypervisor::{HypervisorError, Vm, VmConfig, VmStatus};
 use qmp::Qmp;
 use serde_json::json;
 use std::os::fd::{AsFd, AsRawFd};
@@ -24,6 +24,13 @@ const QMP_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Longest unix socket path the kernel accepts (`sun_path` minus the NUL).
 const MAX_SOCKET_PATH: usize = 107;
+
+/// The QEMU backend as the hypervisor the rest of forkd holds, as an
+/// `Arc<dyn Hypervisor>` that never names a backend: `$FORKD_QEMU`, else
+/// `qemu-system-x86_64` from `PATH`, under KVM or TCG as each [`VmConfig`] says.
+pub fn hypervisor() -> std::sync::Arc<dyn forkd_hypervisor::Hypervisor> {
+    std::sync::Arc::new(Qemu::from_env())
+}
 
 /// The QEMU backend.
 #[derive(Debug, Clone)]
@@ -47,7 +54,7 @@ impl Qemu {
 }
 
 #[async_trait]
-impl crate::Hypervisor for Qemu {
+impl forkd_hypervisor::Hypervisor for Qemu {
     fn name(&self) -> &'static str {
         "qemu"
     }
@@ -58,10 +65,13 @@ impl crate::Hypervisor for Qemu {
             .map_err(HypervisorError::Config)
     }
 
-    async fn create_disk_layer(&self, layer: crate::DiskLayer<'_>) -> Result<(), HypervisorError> {
+    async fn create_disk_layer(
+        &self,
+        layer: forkd_hypervisor::DiskLayer<'_>,
+    ) -> Result<(), HypervisorError> {
         let format = match layer.base_format {
-            crate::DiskFormat::Raw => qcow2::BaseFormat::Raw,
-            crate::DiskFormat::Layer => qcow2::BaseFormat::Qcow2,
+            forkd_hypervisor::DiskFormat::Raw => qcow2::BaseFormat::Raw,
+            forkd_hypervisor::DiskFormat::Layer => qcow2::BaseFormat::Qcow2,
         };
         let (base, name) = if let Some(named) = layer.named {
             let name = named.to_str().map(str::to_owned).ok_or_else(|| {
@@ -114,6 +124,26 @@ impl crate::Hypervisor for Qemu {
         Ok(name.map(|n| layer.parent().unwrap_or(Path::new("/")).join(n)))
     }
 
+    fn layer_base_name(&self, layer: &Path) -> std::io::Result<Option<String>> {
+        qcow2::backing_name(layer)
+    }
+
+    fn set_layer_base_name(&self, layer: &Path, name: &str) -> std::io::Result<()> {
+        qcow2::set_backing_name(layer, name)
+    }
+
+    fn check_foreign_layer(&self, layer: &Path) -> std::io::Result<()> {
+        qcow2::check_foreign(layer)
+    }
+
+    async fn layer_to_raw(&self, top: &Path, out: &Path) -> Result<(), HypervisorError> {
+        qcow2::to_raw(top, out).await
+    }
+
+    fn restore_refusal(&self, made: &str) -> Option<String> {
+        version::release_refusal(made, &self.version().ok()?)
+    }
+
     fn disk_size(&self, layer: &Path) -> Option<u64> {
         qcow2::virtual_size(layer, qcow2::BaseFormat::Qcow2).ok()
     }
@@ -137,7 +167,7 @@ impl crate::Hypervisor for Qemu {
         &self,
         config: &VmConfig,
         state: &Path,
-    ) -> Result<Box<dyn crate::PreparedVm>, HypervisorError> {
+    ) -> Result<Box<dyn forkd_hypervisor::PreparedVm>, HypervisorError> {
         let file = std::fs::File::open(state)
             .map_err(|e| HypervisorError::io(format!("opening {}", state.display()), e))?;
         let vm = QemuVm::start(&self.binary, config, Start::Restore(file)).await?;
@@ -236,7 +266,7 @@ impl QemuVm {
         // A receiver never runs its guest: its NIC needs no link behind it.
         let network = match (&config.network, &start) {
             (Some(net), Start::Boot | Start::Restore(_)) => {
-                Some(crate::network::create(&net.policy).await?)
+                Some(forkd_host::network::create(&net.policy).await?)
             }
             _ => None,
         };
@@ -265,7 +295,7 @@ impl QemuVm {
         // to this process is tied to it by a lifeline instead (which it is spawned
         // through, from a thread that ends at once: the signal would follow that thread).
         let lifeline = match (&hardening.jail, config.detached) {
-            (Some(_), false) => Some(crate::lifeline::Lifeline::new().map_err(|e| {
+            (Some(_), false) => Some(forkd_host::lifeline::Lifeline::new().map_err(|e| {
                 HypervisorError::io(format!("making the PID namespace of VM {}", config.id), e)
             })?),
             _ => None,
@@ -278,7 +308,7 @@ impl QemuVm {
             .stderr(log)
             .kill_on_drop(!config.detached);
         if config.detached {
-            crate::process::start_detached(&mut cmd);
+            forkd_host::process::start_detached(&mut cmd);
         } else {
             // Own process group: a Ctrl-C meant for the CLI must not reach the VM
             // directly; the CLI tears it down itself.
@@ -299,12 +329,12 @@ impl QemuVm {
                 });
             }
         }
-        crate::sched::schedule(&mut cmd, config.accel);
+        forkd_host::sched::schedule(&mut cmd, config.accel == forkd_hypervisor::Accel::Tcg);
         let keep = match hardening.jail {
-            Some(_) => crate::caps::JAILED,
+            Some(_) => forkd_host::caps::JAILED,
             None => &[],
         };
-        crate::caps::restrict(&mut cmd, keep);
+        forkd_host::caps::restrict(&mut cmd, keep);
         // Opened here, written by the child before exec: QEMU's first allocation is
         // already counted and bounded.
         let procs = match &cgroup {
@@ -319,7 +349,7 @@ impl QemuVm {
             // SAFETY: runs in the forked child before exec; `join` only calls write(2) on
             // descriptors `procs` keeps open until spawn returns.
             unsafe {
-                cmd.pre_exec(move || crate::cgroup::join(&fds));
+                cmd.pre_exec(move || forkd_host::cgroup::join(&fds));
             }
         }
         if let Some(net) = &network {
@@ -357,6 +387,7 @@ impl QemuVm {
                 return Err(HypervisorError::Spawn {
                     program: binary.display().to_string(),
                     source,
+                    install: "apt-get install qemu-system-x86",
                 });
             }
         };
@@ -390,7 +421,7 @@ impl QemuVm {
             QemuVm::connect(binary, config, pid, exit, Owner::Spawned(kill_tx), console).await?;
         if tap
             && config.network.as_ref().map(|n| n.policy.egress)
-                == Some(crate::network::policy::EgressMode::Off)
+                == Some(forkd_host::network::policy::EgressMode::Off)
         {
             if let Err(e) = vm.set_link(false).await {
                 vm.kill();
@@ -413,7 +444,7 @@ impl QemuVm {
             id: config.id.clone(),
             pid,
         };
-        let pidfd = crate::process::PidFd::open_checked(pid, start_time).ok_or_else(gone)?;
+        let pidfd = forkd_host::process::PidFd::open_checked(pid, start_time).ok_or_else(gone)?;
         // The cgroup its starter made goes when it exits.
         let placed = PlacedCgroup::of(config);
         // QEMU went on listening for a console reader when the one before went away.
@@ -453,8 +484,9 @@ impl QemuVm {
             match exit_probe.borrow().clone() {
                 None => Ok(()),
                 Some(status) => Err(HypervisorError::EarlyExit {
+                    program: "QEMU",
                     status,
-                    stderr: tail(&log_path, 20),
+                    stderr: forkd_host::capped_log::tail(&log_path, 20),
                 }),
             }
         })
@@ -480,13 +512,14 @@ impl QemuVm {
                 Err(match (e, status) {
                     // QEMU may have died between the last probe and here: say why.
                     (
-                        HypervisorError::QmpClosed(_) | HypervisorError::QmpTimeout { .. },
+                        HypervisorError::ControlClosed(_) | HypervisorError::ControlTimeout { .. },
                         Some(status),
                     ) => cpu_model_error(
                         config,
                         HypervisorError::EarlyExit {
+                            program: "QEMU",
                             status,
-                            stderr: tail(&log_path, 20),
+                            stderr: forkd_host::capped_log::tail(&log_path, 20),
                         },
                     ),
                     (other, _) => other,
@@ -567,7 +600,7 @@ impl QemuVm {
                         }
                     }
                     Err(RecvError::Closed) => {
-                        return Err(HypervisorError::QmpClosed(
+                        return Err(HypervisorError::ControlClosed(
                             "QEMU closed its QMP socket during a migration".into(),
                         ))
                     }
@@ -619,8 +652,12 @@ impl QemuVm {
     fn explain_exit(&self, e: HypervisorError) -> HypervisorError {
         match self.exit.borrow().clone() {
             Some(status) => HypervisorError::EarlyExit {
+                program: "QEMU",
                 status,
-                stderr: format!("{e}; {}", tail(&self.config.hypervisor_log(), 20)),
+                stderr: format!(
+                    "{e}; {}",
+                    forkd_host::capped_log::tail(&self.config.hypervisor_log(), 20)
+                ),
             },
             None => e,
         }
@@ -636,7 +673,7 @@ impl QemuVm {
 impl Vm for QemuVm {
     async fn set_egress(
         &self,
-        policy: &crate::network::policy::EgressPolicy,
+        policy: &forkd_host::network::policy::EgressPolicy,
     ) -> Result<(), HypervisorError> {
         if self.config.network.is_none() {
             return Err(HypervisorError::Network(
@@ -649,8 +686,8 @@ impl Vm for QemuVm {
                 pid: self.pid,
             });
         }
-        crate::network::set_egress(self.pid, policy).await?;
-        self.set_link(policy.egress != crate::network::policy::EgressMode::Off)
+        forkd_host::network::set_egress(self.pid, policy).await?;
+        self.set_link(policy.egress != forkd_host::network::policy::EgressMode::Off)
             .await
     }
 
@@ -666,7 +703,7 @@ impl Vm for QemuVm {
         self.qmp.execute("stop", None).await.map(drop)
     }
 
-    fn can_branch(&self, mode: crate::BranchMode) -> Result<(), String> {
+    fn can_branch(&self, mode: forkd_hypervisor::BranchMode) -> Result<(), String> {
         // The receiver is started from the installed program, which an upgrade may have
         // replaced since this VM started: a migration stream is only read by its release.
         let installed = version::current_version(&self.binary).ok();
@@ -678,18 +715,18 @@ impl Vm for QemuVm {
             }
         }
         match mode {
-            crate::BranchMode::Live => {
+            forkd_hypervisor::BranchMode::Live => {
                 branch::live_copy_is_faithful(self.config.accel, self.qmp.version())
             }
-            crate::BranchMode::Pause => Ok(()),
+            forkd_hypervisor::BranchMode::Pause => Ok(()),
         }
     }
 
     async fn branch(
         &self,
-        mode: crate::BranchMode,
-        plan: &crate::BranchPlan,
-    ) -> Result<crate::BranchStats, HypervisorError> {
+        mode: forkd_hypervisor::BranchMode,
+        plan: &forkd_hypervisor::BranchPlan,
+    ) -> Result<forkd_hypervisor::BranchStats, HypervisorError> {
         self.can_branch(mode).map_err(HypervisorError::Config)?;
         self.branch_into(mode, plan).await
     }
@@ -723,7 +760,7 @@ impl Vm for QemuVm {
     }
 
     async fn wait_exit(&self) -> String {
-        crate::process::wait_for_exit(&self.exit).await
+        forkd_host::process::wait_for_exit(&self.exit).await
     }
 
     async fn stop(&self, grace: Duration) -> Result<(), HypervisorError> {
@@ -743,7 +780,7 @@ impl Vm for QemuVm {
     fn start_time(&self) -> Option<u64> {
         match self.owner {
             Owner::Adopted { start_time } => Some(start_time),
-            Owner::Spawned(_) => crate::process::start_time(self.pid),
+            Owner::Spawned(_) => forkd_host::process::start_time(self.pid),
         }
     }
 
@@ -783,7 +820,7 @@ impl Vm for QemuVm {
             }
             Owner::Adopted { start_time } => {
                 if !self.exited() {
-                    crate::process::signal(
+                    forkd_host::process::signal(
                         self.pid,
                         *start_time,
                         nix::sys::signal::Signal::SIGKILL,
@@ -794,10 +831,15 @@ impl Vm for QemuVm {
     }
 
     fn console_tail(&self, lines: usize) -> String {
-        console::tail(&self.config.console_log(), lines)
+        forkd_host::capped_log::tail(&self.config.console_log(), lines)
     }
 
-    fn cgroup(&self) -> Option<(crate::cgroup::CgroupVersion, crate::cgroup::CgroupUsage)> {
+    fn cgroup(
+        &self,
+    ) -> Option<(
+        forkd_host::cgroup::CgroupVersion,
+        forkd_host::cgroup::CgroupUsage,
+    )> {
         let cgroups = vm_cgroups(&self.config)?;
         Some((cgroups.version(), cgroups.usage(&self.config.id)?))
     }
@@ -807,7 +849,7 @@ impl Vm for QemuVm {
 pub struct PreparedQemu(QemuVm);
 
 #[async_trait]
-impl crate::PreparedVm for PreparedQemu {
+impl forkd_hypervisor::PreparedVm for PreparedQemu {
     fn pid(&self) -> Option<u32> {
         self.0.pid()
     }
@@ -848,7 +890,6 @@ impl Drop for QemuVm {
 /// The name under which the device-state file is handed to QEMU (`getfd`).
 const STATE_FD_NAME: &str = "forkd-state";
 
-/// The last `lines` lines of a log file, read from its end only (see [`console::tail`]).
 /// Reads the root disk's chain and opens its top layer read-write and read-only (see
 /// [`cmdline::DISK_FDSET`]).
 fn open_disk(top: &Path) -> std::io::Result<(cmdline::Disk, std::fs::File, std::fs::File)> {
@@ -911,11 +952,11 @@ impl Inherited {
 }
 
 /// Makes the cgroup of a VM with limits, when VMs get cgroups here.
-fn make_cgroup(config: &VmConfig) -> Result<Option<crate::cgroup::VmCgroup>, HypervisorError> {
+fn make_cgroup(config: &VmConfig) -> Result<Option<forkd_host::cgroup::VmCgroup>, HypervisorError> {
     let Some(limits) = &config.limits else {
         return Ok(None);
     };
-    let Some(cgroups) = crate::cgroup::for_vms().map_err(HypervisorError::Config)? else {
+    let Some(cgroups) = forkd_host::cgroup::for_vms().map_err(HypervisorError::Config)? else {
         return Ok(None);
     };
     limits
@@ -969,11 +1010,7 @@ impl PlacedCgroup {
 /// The cgroups a VM with limits was placed in, if VMs get cgroups here.
 fn vm_cgroups(config: &VmConfig) -> Option<&'static Cgroups> {
     config.limits?;
-    crate::cgroup::for_vms().ok().flatten()
-}
-
-pub fn tail(path: &std::path::Path, lines: usize) -> String {
-    console::tail(path, lines)
+    forkd_host::cgroup::for_vms().ok().flatten()
 }
 
 /// Starts copying `config`'s console into its capped log, within the limit in force.

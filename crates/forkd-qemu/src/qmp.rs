@@ -6,7 +6,7 @@
 //! and the crates on offer pull in a generated binding of the whole QAPI schema.
 
 use super::version::QemuVersion;
-use crate::HypervisorError;
+use forkd_hypervisor::HypervisorError;
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
@@ -53,8 +53,8 @@ impl Qmp {
                 }
                 Err(_) => {
                     alive()?;
-                    return Err(HypervisorError::QmpTimeout {
-                        path: path.to_owned(),
+                    return Err(HypervisorError::ControlTimeout {
+                        socket: path.display().to_string(),
                         secs: timeout.as_secs(),
                     });
                 }
@@ -64,14 +64,14 @@ impl Qmp {
         let mut lines = BufReader::new(read).lines();
         let greeting = tokio::time::timeout_at(deadline.into(), lines.next_line())
             .await
-            .map_err(|_| HypervisorError::QmpTimeout {
-                path: path.to_owned(),
+            .map_err(|_| HypervisorError::ControlTimeout {
+                socket: path.display().to_string(),
                 secs: timeout.as_secs(),
             })?
-            .map_err(|e| HypervisorError::QmpClosed(e.to_string()))?
-            .ok_or_else(|| HypervisorError::QmpClosed("no greeting".into()))?;
+            .map_err(|e| HypervisorError::ControlClosed(e.to_string()))?
+            .ok_or_else(|| HypervisorError::ControlClosed("no greeting".into()))?;
         let Some(version) = parse_greeting(&greeting) else {
-            return Err(HypervisorError::QmpClosed(format!(
+            return Err(HypervisorError::ControlClosed(format!(
                 "unexpected greeting: {greeting}"
             )));
         };
@@ -140,17 +140,19 @@ impl Qmp {
         };
         if let Err(e) = write.await {
             lock(&self.pending).remove(&id);
-            return Err(HypervisorError::QmpClosed(e.to_string()));
+            return Err(HypervisorError::ControlClosed(e.to_string()));
         }
         match rx.await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(HypervisorError::Qmp { class, desc, .. })) => Err(HypervisorError::Qmp {
-                command: command.to_owned(),
-                class,
-                desc,
-            }),
+            Ok(Err(HypervisorError::Control { class, desc, .. })) => {
+                Err(HypervisorError::Control {
+                    command: command.to_owned(),
+                    class,
+                    desc,
+                })
+            }
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(HypervisorError::QmpClosed(format!(
+            Err(_) => Err(HypervisorError::ControlClosed(format!(
                 "connection closed while {command} ran"
             ))),
         }
@@ -234,7 +236,7 @@ async fn read_loop(
             Ok(ret.clone())
         } else {
             let err = msg.get("error").cloned().unwrap_or(Value::Null);
-            Err(HypervisorError::Qmp {
+            Err(HypervisorError::Control {
                 command: String::new(),
                 class: err["class"].as_str().unwrap_or("unknown").to_owned(),
                 desc: err["desc"].as_str().unwrap_or("no description").to_owned(),
@@ -243,7 +245,7 @@ async fn read_loop(
         let _ = tx.send(result);
     };
     for (_, tx) in lock(&pending).drain() {
-        let _ = tx.send(Err(HypervisorError::QmpClosed(reason.clone())));
+        let _ = tx.send(Err(HypervisorError::ControlClosed(reason.clone())));
     }
 }
 

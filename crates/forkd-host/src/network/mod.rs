@@ -52,7 +52,7 @@ pub const UPLINK_RANGE: (Ipv4Addr, u8) = (Ipv4Addr::new(10, 253, 0, 0), 16);
 /// How many /30s [`UPLINK_RANGE`] holds.
 const UPLINKS: u32 = 1 << (32 - 16 - 2);
 
-/// What a VM's network is, as its [`crate::VmConfig`] records it.
+/// What a VM's network is, as its VM configuration records it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NetworkConfig {
     /// What the sandbox may reach.
@@ -98,6 +98,18 @@ fn which(program: &str) -> Option<std::path::PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Why a sandbox's network could not be made or changed (the whole sentence).
+#[derive(Debug)]
+pub struct NetworkError(String);
+
+impl std::fmt::Display for NetworkError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NetworkError {}
+
 /// A sandbox's namespace, ready for its QEMU.
 #[derive(Debug)]
 pub struct SandboxNetwork {
@@ -110,30 +122,30 @@ pub struct SandboxNetwork {
 }
 
 /// Makes a sandbox's namespace with `policy` in force.
-pub async fn create(policy: &EgressPolicy) -> Result<SandboxNetwork, crate::HypervisorError> {
+pub async fn create(policy: &EgressPolicy) -> Result<SandboxNetwork, NetworkError> {
     // Checked once: whether forkd is root, the tun device and nft are there does not
     // change while it runs, and the fork path need not look again.
     static UNAVAILABLE: OnceLock<Option<String>> = OnceLock::new();
     if let Some(why) = UNAVAILABLE.get_or_init(unavailable) {
-        return Err(crate::HypervisorError::Network(format!(
+        return Err(NetworkError(format!(
             "its snapshot's guest has a NIC, and this host cannot give it a network: {why}"
         )));
     }
     let policy = policy.clone();
     on_own_thread(move || create_blocking(&policy))
         .await
-        .map_err(|e| crate::HypervisorError::Network(format!("making its network: {e}")))
+        .map_err(|e| NetworkError(format!("making its network: {e}")))
 }
 
 /// Replaces the egress policy in the namespace of the process `pid` (a sandbox's QEMU).
-pub async fn set_egress(pid: u32, policy: &EgressPolicy) -> Result<(), crate::HypervisorError> {
+pub async fn set_egress(pid: u32, policy: &EgressPolicy) -> Result<(), NetworkError> {
     let policy = policy.clone();
     on_own_thread(move || {
         enter_sandbox_netns(pid)?;
         nft(&rules::replace_egress(&policy))
     })
     .await
-    .map_err(|e| crate::HypervisorError::Network(format!("changing its egress policy: {e}")))
+    .map_err(|e| NetworkError(format!("changing its egress policy: {e}")))
 }
 
 /// Opens a TCP connection to the guest's `port` from the namespace of the process `pid`

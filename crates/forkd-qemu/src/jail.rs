@@ -12,8 +12,8 @@
 //! change the template's memory, whatever runs in it.
 
 use super::version::QemuVersion;
-use crate::enforcement::Enforcement;
-use crate::{HypervisorError, MemoryBackend, VmConfig};
+use forkd_host::enforcement::Enforcement;
+use forkd_hypervisor::{HypervisorError, MemoryBackend, VmConfig};
 use std::path::PathBuf;
 
 /// The first QEMU with `-run-with user=` (9.0 had `chroot=` only, and `-runas`).
@@ -71,7 +71,7 @@ pub fn unjailable(version: QemuVersion) -> Option<String> {
 ///
 /// Every VM is jailed alike. One bound to the process that starts it (a template's
 /// parent, a build VM, `forkd run`, a branch's receiver) is also tied to that process by
-/// a [`Lifeline`](crate::lifeline::Lifeline): the kernel clears the parent-death signal
+/// a [`Lifeline`](forkd_host::lifeline::Lifeline): the kernel clears the parent-death signal
 /// when QEMU changes user.
 pub fn hardening(config: &VmConfig, version: QemuVersion) -> Result<Hardening, HypervisorError> {
     let readonly_ram = matches!(config.memory, MemoryBackend::File { shared: false, .. })
@@ -81,7 +81,7 @@ pub fn hardening(config: &VmConfig, version: QemuVersion) -> Result<Hardening, H
     let why_not = |version| {
         unjailable(version).or_else(|| {
             (!config.detached)
-                .then(crate::lifeline::unavailable)
+                .then(forkd_host::lifeline::unavailable)
                 .flatten()
                 .map(|why| {
                     format!("a VM bound to the process that starts it needs a lifeline: {why}")

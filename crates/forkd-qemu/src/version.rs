@@ -86,6 +86,19 @@ pub fn release_of(version: &str) -> Option<(u32, u32)> {
     Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
 }
 
+/// Why device state saved by QEMU `made` cannot be restored by QEMU `now`: another
+/// `major.minor` release. Its device state is QEMU's migration format of that release,
+/// for the `microvm` machine, which has no versioned machine types to keep it loadable
+/// by later releases. A version either side cannot read is left to the restore.
+pub fn release_refusal(made: &str, now: &str) -> Option<String> {
+    match (release_of(made), release_of(now)) {
+        (Some(a), Some(b)) if a != b => Some(format!(
+            "it was made by QEMU {made} and this host runs QEMU {now}; a snapshot's device state does not carry across QEMU releases, so build it again (`forkd template build`, or branch its source again)"
+        )),
+        _ => None,
+    }
+}
+
 /// The machine types `binary -machine help` lists.
 pub fn machine_types(binary: &Path) -> Result<Vec<String>, String> {
     let out = std::process::Command::new(binary)
@@ -102,6 +115,18 @@ pub fn machine_types(binary: &Path) -> Result<Vec<String>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn snapshots_of_another_qemu_release_are_refused() {
+        assert_eq!(release_refusal("10.0.2", "10.0.7"), None);
+        let why = release_refusal("7.2.22", "10.0.2").unwrap();
+        assert!(
+            why.contains("QEMU 7.2.22") && why.contains("QEMU 10.0.2"),
+            "{why}"
+        );
+        // A version that is not a QEMU release is left alone.
+        assert_eq!(release_refusal("fake-0.1.0", "10.0.2"), None);
+    }
 
     #[test]
     fn versions_parse() {

@@ -16,7 +16,7 @@
 
 use super::version::QemuVersion;
 use super::{QemuVm, Start};
-use crate::{Accel, BranchMode, BranchPlan, BranchStats, HypervisorError, Vm};
+use forkd_hypervisor::{Accel, BranchMode, BranchPlan, BranchStats, HypervisorError, Vm};
 use serde_json::json;
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
@@ -360,7 +360,7 @@ impl QemuVm {
         let mut refused = 0u32;
         loop {
             match self.qmp.execute("cont", None).await {
-                Err(HypervisorError::Qmp { desc, .. })
+                Err(HypervisorError::Control { desc, .. })
                     if desc.contains("not finalized") && Instant::now() < deadline =>
                 {
                     refused += 1;

@@ -65,10 +65,10 @@ pub fn tcg_sched() -> Result<VmSched, String> {
         .clone()
 }
 
-/// Has the VM process `cmd` starts scheduled as [`SCHED_ENV`] asks when `accel` is TCG;
-/// otherwise it inherits the policy of the thread that starts it.
-pub(crate) fn schedule(cmd: &mut tokio::process::Command, accel: crate::Accel) {
-    if accel == crate::Accel::Tcg && tcg_sched() == Ok(VmSched::Batch) {
+/// Has the VM process `cmd` starts scheduled as [`SCHED_ENV`] asks when its guest runs
+/// under TCG (`tcg`); otherwise it inherits the policy of the thread that starts it.
+pub fn schedule(cmd: &mut tokio::process::Command, tcg: bool) {
+    if tcg && tcg_sched() == Ok(VmSched::Batch) {
         // SAFETY: runs in the forked child before exec; make_batch only makes system
         // calls.
         unsafe {

@@ -6,7 +6,7 @@
 //! guest reboot (and a panic, with `panic=-1`) into QEMU exiting.
 
 use super::jail::Hardening;
-use crate::{Accel, GuestClock, MemoryBackend, VmConfig};
+use forkd_hypervisor::{Accel, GuestClock, MemoryBackend, VmConfig};
 use std::ffi::OsString;
 
 /// QEMU's seccomp filter: deny obsolete syscalls, privilege changes, spawning processes and
@@ -71,8 +71,8 @@ pub fn tcg_tb_mib() -> Result<Option<u32>, String> {
 /// The value of `-accel`: under TCG, with the translation buffer cap if there is one.
 fn accel_arg(accel: Accel, tb_mib: Option<u32>) -> String {
     match (accel, tb_mib) {
-        (Accel::Tcg, Some(mib)) => format!("{},tb-size={mib}", accel.qemu_name()),
-        _ => accel.qemu_name().to_owned(),
+        (Accel::Tcg, Some(mib)) => format!("{},tb-size={mib}", accel.as_str()),
+        _ => accel.as_str().to_owned(),
     }
 }
 
@@ -209,7 +209,7 @@ fn assemble(
         // link is a tap of its own that no switch stands behind.
         let mut nic = format!(
             "virtio-net-device,id={NIC_ID},mac={},guest_announce=off",
-            crate::network::guest_mac()
+            forkd_host::network::guest_mac()
         );
         if tap {
             args.push("-netdev")

@@ -323,7 +323,7 @@ pub fn create_overlay(
 /// Writes `out`, a raw image (sparse where the disk reads zeros) with the contents of
 /// the layered disk `top`: a build VM's disk turned into a root filesystem image of its
 /// own, by `qemu-img convert`.
-pub async fn to_raw(top: &Path, out: &Path) -> Result<(), crate::HypervisorError> {
+pub async fn to_raw(top: &Path, out: &Path) -> Result<(), forkd_hypervisor::HypervisorError> {
     let mut cmd = qemu_img();
     cmd.args(["convert", "-q", "-f", "qcow2", "-O", "raw", "-S", "4k"])
         .arg(top)
@@ -349,16 +349,20 @@ async fn run_into(
     mut cmd: tokio::process::Command,
     out: &Path,
     what: &str,
-) -> Result<(), crate::HypervisorError> {
+) -> Result<(), forkd_hypervisor::HypervisorError> {
     let program = cmd.as_std().get_program().to_string_lossy().into_owned();
     let output = cmd
         .stdin(std::process::Stdio::null())
         .output()
         .await
-        .map_err(|source| crate::HypervisorError::Spawn { program, source })?;
+        .map_err(|source| forkd_hypervisor::HypervisorError::Spawn {
+            program,
+            source,
+            install: "apt-get install qemu-utils",
+        })?;
     if !output.status.success() {
         let _ = std::fs::remove_file(out);
-        return Err(crate::HypervisorError::Io {
+        return Err(forkd_hypervisor::HypervisorError::Io {
             context: what.to_owned(),
             source: std::io::Error::other(
                 String::from_utf8_lossy(&output.stderr).trim().to_owned(),
@@ -367,7 +371,7 @@ async fn run_into(
     }
     std::fs::File::open(out)
         .and_then(|f| f.sync_all())
-        .map_err(|e| crate::HypervisorError::io(format!("syncing {}", out.display()), e))
+        .map_err(|e| forkd_hypervisor::HypervisorError::io(format!("syncing {}", out.display()), e))
 }
 
 /// Writes `out`, a qcow2 layer over the raw image `base` (named relative to `out`'s
@@ -376,8 +380,12 @@ async fn run_into(
 /// between held. A rare operation (compacting a snapshot chain), for which QEMU's own
 /// tool is the reference. (`qemu-img convert -B` would not do: it copies only the top
 /// layer, taking the new base for the old chain.)
-pub async fn flatten(top: &Path, base: &Path, out: &Path) -> Result<(), crate::HypervisorError> {
-    let io = |what: String| move |e: std::io::Error| crate::HypervisorError::io(what, e);
+pub async fn flatten(
+    top: &Path,
+    base: &Path,
+    out: &Path,
+) -> Result<(), forkd_hypervisor::HypervisorError> {
+    let io = |what: String| move |e: std::io::Error| forkd_hypervisor::HypervisorError::io(what, e);
     std::fs::copy(top, out).map_err(io(format!("copying {}", top.display())))?;
     let mut cmd = qemu_img();
     cmd.current_dir(out.parent().unwrap_or(Path::new(".")))

@@ -32,7 +32,7 @@ fn last_cap() -> u32 {
 
 /// Has the process `cmd` starts run with a bounding set of `keep` only and no ambient
 /// capabilities.
-pub(crate) fn restrict(cmd: &mut tokio::process::Command, keep: &'static [u32]) {
+pub fn restrict(cmd: &mut tokio::process::Command, keep: &'static [u32]) {
     warn_if_unable();
     let last = last_cap();
     // SAFETY: runs in the forked child before exec and only calls prctl(2), which is
