@@ -10,6 +10,7 @@ pub mod caps;
 pub mod cgroup;
 pub mod enforcement;
 pub mod lifeline;
+pub mod mountinfo;
 pub mod network;
 pub mod process;
 pub mod sched;

@@ -193,32 +193,12 @@ fn mounts_under(dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// Mount points (field 5) of a mountinfo text, with the kernel's octal escapes undone.
+/// Mount points of a mountinfo text, with the kernel's octal escapes undone.
 fn parse_mount_points(mountinfo: &str) -> Vec<PathBuf> {
-    mountinfo
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(|m| PathBuf::from(unescape_octal(m)))
+    forkd_host::mountinfo::parse(mountinfo)
+        .into_iter()
+        .map(|m| m.mount_point)
         .collect()
-}
-
-fn unescape_octal(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
-            let oct = std::str::from_utf8(&bytes[i + 1..i + 4]).unwrap_or("");
-            if let Ok(v) = u8::from_str_radix(oct, 8) {
-                out.push(v);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// A scratch directory under the images tmp dir, removed (mount-safely) on drop,

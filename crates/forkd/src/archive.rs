@@ -23,6 +23,10 @@ pub struct PackArgs {
     /// e.g. into `forkd unpack -` on another host.
     #[arg(short, long)]
     pub output: PathBuf,
+    /// Print what was written as JSON (path, bytes, snapshots); not with `-o -`, whose
+    /// standard output is the archive.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `forkd unpack`.
@@ -33,6 +37,9 @@ pub struct UnpackArgs {
     /// Install the archive's snapshot under this tag (its ancestors keep theirs).
     #[arg(long)]
     pub tag: Option<String>,
+    /// Print what was installed as JSON (tag, installed, present).
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// A bytes progress bar on a terminal's stderr (hidden elsewhere); without a length
@@ -68,6 +75,9 @@ pub async fn pack(client: &Client, args: PackArgs) -> Result<()> {
     if to_stdout && std::io::IsTerminal::is_terminal(&std::io::stdout()) {
         bail!("not writing an archive to a terminal: redirect standard output or give a file");
     }
+    if to_stdout && args.json {
+        bail!("--json cannot go with `-o -`: standard output carries the archive");
+    }
     if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         eprintln!("packing {tag}: compressing its parts...");
     }
@@ -85,6 +95,13 @@ pub async fn pack(client: &Client, args: PackArgs) -> Result<()> {
         return Ok(());
     }
     let (written, snapshots) = download(client, &tag, &args.output).await?;
+    if args.json {
+        return crate::remote::print_json(&serde_json::json!({
+            "path": args.output,
+            "bytes": written,
+            "snapshots": snapshots,
+        }));
+    }
     println!(
         "wrote {} ({}): {}",
         args.output.display(),
@@ -201,6 +218,9 @@ async fn receive_into<W: tokio::io::AsyncWrite + Unpin>(
 pub async fn unpack(client: &Client, args: UnpackArgs) -> Result<()> {
     let tag = args.tag.as_deref().map(Tag::parse).transpose()?;
     let v = upload(client, &args.file, tag.as_ref()).await?;
+    if args.json {
+        return crate::remote::print_json(&v);
+    }
     print_installed(&v);
     Ok(())
 }

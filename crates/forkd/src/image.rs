@@ -18,6 +18,9 @@ pub enum ImageCommand {
         /// Reach its registry over plain HTTP (loopback registries always are).
         #[arg(long)]
         insecure: bool,
+        /// Print the result as JSON (reference, digest, rootfs path and size).
+        #[arg(long)]
+        json: bool,
     },
     /// Remove the root filesystem made from a pulled image (`oci-...`) or for a recipe's
     /// packages, files and build steps (`custom-...`), by its name in `forkd image ls`.
@@ -96,6 +99,7 @@ pub async fn run(home: &Home, cmd: ImageCommand) -> Result<()> {
         ImageCommand::Pull {
             reference,
             insecure,
+            json,
         } => {
             let mut opts = forkd_core::oci::registry::RegistryOptions::default();
             if insecure {
@@ -107,6 +111,14 @@ pub async fn run(home: &Home, cmd: ImageCommand) -> Result<()> {
                 eprintln!("[forkd] {m}")
             })
             .await?;
+            if json {
+                return crate::remote::print_json(&serde_json::json!({
+                    "reference": reference,
+                    "digest": pulled.defaults.digest,
+                    "rootfs": pulled.rootfs.path,
+                    "size": pulled.rootfs.size,
+                }));
+            }
             println!(
                 "{reference}: {} ({}), root filesystem {}",
                 pulled.defaults.digest,

@@ -283,3 +283,85 @@ impl VmArgs {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Cli;
+    use clap::CommandFactory;
+
+    /// Verbs that print no data a script would parse: they act, stream a command's own
+    /// output, serve, or write a file. Every other verb takes `--json`, as the README
+    /// says; a new verb must land in one group or the other.
+    const PRINTS_NO_DATA: &[&str] = &[
+        "run",              // streams the command's own output
+        "exec",             // streams the command's own output (--json too, for the result)
+        "run-code",         // the cell's own output
+        "image build",      // progress only; `image ls --json` lists what it made
+        "image rm",         // acts
+        "template ls",      // the built-in recipes' names
+        "rmi",              // acts
+        "kill",             // acts
+        "login",            // writes the auth file
+        "port-forward",     // serves a local port
+        "quickstart",       // a walk-through
+        "daemon",           // serves
+        "mcp",              // serves MCP on stdio
+        "audit verify",     // a verdict and the exit status
+        "snapshot compact", // acts, prints the new tag
+    ];
+
+    fn leaves(cmd: &clap::Command, prefix: &str, out: &mut Vec<(String, clap::Command)>) {
+        for sub in cmd.get_subcommands() {
+            let name = format!("{prefix}{}", sub.get_name());
+            if sub.has_subcommands() {
+                leaves(sub, &format!("{name} "), out);
+            } else {
+                out.push((name, sub.clone()));
+            }
+        }
+    }
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        // clap's own checks: conflicting names, bad defaults, missing value names.
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_verb_that_prints_data_takes_json() {
+        let mut all = Vec::new();
+        leaves(&Cli::command(), "", &mut all);
+        let mut missing = Vec::new();
+        for (name, cmd) in &all {
+            let json = cmd.get_arguments().any(|a| a.get_long() == Some("json"));
+            let listed = PRINTS_NO_DATA.contains(&name.as_str());
+            if !json && !listed && !name.starts_with("bench ") {
+                missing.push(name.clone());
+            }
+        }
+        assert!(missing.is_empty(), "verbs without --json: {missing:?}");
+        // The list names only verbs that exist.
+        for name in PRINTS_NO_DATA {
+            assert!(all.iter().any(|(n, _)| n == name), "{name} is not a verb");
+        }
+    }
+
+    #[test]
+    fn destinations_in_the_help_are_what_the_policy_takes() {
+        let mut all = Vec::new();
+        leaves(&Cli::command(), "", &mut all);
+        let fork = &all.iter().find(|(n, _)| n == "fork").unwrap().1;
+        let allow = fork
+            .get_arguments()
+            .find(|a| a.get_long() == Some("allow"))
+            .unwrap();
+        let help = allow.get_help().unwrap().to_string();
+        // Each example the help gives is a destination the API accepts.
+        for example in ["pypi.org", "*.pythonhosted.org"] {
+            assert!(help.contains(example), "{help}");
+            let body = serde_json::json!({ "egress": "deny", "allow": [example] });
+            serde_json::from_value::<forkd_host::network::policy::EgressPolicy>(body)
+                .unwrap_or_else(|e| panic!("{example}: {e}"));
+        }
+    }
+}

@@ -18,6 +18,9 @@ pub struct PushArgs {
     pub tag: String,
     /// Where to: REGISTRY/REPO:TAG.
     pub reference: String,
+    /// Print what was pushed as JSON (snapshots, reference, digest, blobs uploaded).
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `forkd pull`.
@@ -28,6 +31,9 @@ pub struct PullArgs {
     /// Install it under this tag (its ancestors keep theirs).
     #[arg(long)]
     pub tag: Option<String>,
+    /// Print what was installed as JSON (tag, installed, present).
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `forkd login`.
@@ -57,6 +63,9 @@ pub async fn push(client: &Client, args: PushArgs) -> Result<()> {
         .await?;
     let v = follow(client, &op, "pushing").await?;
     let r = &v["result"];
+    if args.json {
+        return crate::remote::print_json(r);
+    }
     let names: Vec<&str> = r["snapshots"]
         .as_array()
         .map(|a| a.iter().filter_map(Value::as_str).collect())
@@ -82,6 +91,9 @@ pub async fn pull(client: &Client, args: PullArgs) -> Result<()> {
     let body = json!({ "reference": args.reference, "tag": tag.map(|t| t.to_string()) });
     let op: Value = client.json(Method::POST, "/v1/pull", Some(&body)).await?;
     let v = follow(client, &op, "pulling").await?;
+    if args.json {
+        return crate::remote::print_json(&v["result"]);
+    }
     crate::archive::print_installed(&v["result"]);
     Ok(())
 }

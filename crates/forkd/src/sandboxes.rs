@@ -3,10 +3,11 @@
 
 use crate::remote::{fail, print_json};
 use anyhow::{bail, Context, Result};
+use base64::Engine;
 use forkd_daemon::client::{Client, ExecLine, Lines};
 use hyper::{Method, StatusCode};
 use serde_json::{json, Value};
-use std::io::Write;
+use std::io::{IsTerminal, Read, Write};
 use std::time::Instant;
 
 /// Arguments of `forkd fork`.
@@ -15,7 +16,7 @@ pub struct ForkArgs {
     /// The snapshot to fork.
     #[arg(long, short)]
     tag: String,
-    /// How many children (1 to 256).
+    /// How many children (1 to 256; the API's `n`).
     #[arg(short = 'n', long = "count", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=forkd_core::fork::MAX_CHILDREN as i64))]
     count: u16,
@@ -60,10 +61,11 @@ pub struct EgressArgs {
     /// unless a destination inside them is allowed.
     #[arg(long, value_parser = ["deny", "allow", "off"])]
     egress: Option<String>,
-    /// A destination let out, ADDRESS[/PREFIX][:PORT] (repeatable).
+    /// A destination let out (repeatable): ADDRESS[/PREFIX][:PORT], or NAME[:PORT]
+    /// where NAME is a DNS name (pypi.org) or every name under one (*.pythonhosted.org).
     #[arg(long = "allow", value_name = "DEST")]
     allow: Vec<String>,
-    /// A destination refused with --egress allow, ADDRESS[/PREFIX][:PORT] (repeatable).
+    /// A destination refused with --egress allow (repeatable), written as for --allow.
     #[arg(long = "deny", value_name = "DEST")]
     deny: Vec<String>,
 }
@@ -210,6 +212,11 @@ pub struct ExecArgs {
     /// (base64 of the raw bytes), exit code, signal, timeout.
     #[arg(long)]
     json: bool,
+    /// Give the command /dev/null as stdin. Without it, what is piped into `forkd exec`
+    /// (up to 700 KiB, read before the command starts) is the command's stdin; a
+    /// terminal is never read.
+    #[arg(long)]
+    no_stdin: bool,
     /// The command and its arguments.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -414,6 +421,14 @@ pub async fn exec(client: &Client, args: ExecArgs) -> Result<i32> {
         }
         body["timeout_s"] = t.into();
     }
+    if !args.no_stdin && !std::io::stdin().is_terminal() {
+        let input = read_stdin(EXEC_STDIN_MAX)?;
+        if !input.is_empty() {
+            body["stdin_b64"] = base64::engine::general_purpose::STANDARD
+                .encode(&input)
+                .into();
+        }
+    }
     let path = format!("/v1/sandboxes/{id}/exec");
     if args.json {
         let v: Value = client.json(Method::POST, &path, Some(&body)).await?;
@@ -439,6 +454,27 @@ pub async fn exec(client: &Client, args: ExecArgs) -> Result<i32> {
         }
     }
     bail!("the command's output ended without an exit status")
+}
+
+/// Most stdin `forkd exec` passes on: it travels base64 in the request, whose body the
+/// API takes up to 1 MiB.
+const EXEC_STDIN_MAX: u64 = 700 << 10;
+
+/// All of standard input, refused beyond `max` bytes.
+fn read_stdin(max: u64) -> Result<Vec<u8>> {
+    let mut input = Vec::new();
+    std::io::stdin()
+        .lock()
+        .take(max + 1)
+        .read_to_end(&mut input)
+        .context("reading standard input")?;
+    if input.len() as u64 > max {
+        bail!(
+            "standard input is larger than the {} KiB `forkd exec` passes on: write it to a file in the sandbox and redirect from it, or give --no-stdin",
+            max >> 10
+        );
+    }
+    Ok(input)
 }
 
 async fn stream(client: &Client, path: &str, body: &Value) -> Result<Lines> {

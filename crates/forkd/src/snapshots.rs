@@ -45,6 +45,9 @@ pub enum SnapshotCommand {
     Verify {
         /// The snapshot's tag.
         tag: String,
+        /// Print the result as JSON (links, bytes, millis).
+        #[arg(long)]
+        json: bool,
     },
     /// Print what the daemon knows of a snapshot: its chain (depth, ancestors,
     /// dependents), its own and total size, its children.
@@ -223,9 +226,12 @@ fn path_tag(tag: &str) -> Result<String> {
 
 pub async fn snapshot(client: &Client, cmd: SnapshotCommand) -> Result<()> {
     match cmd {
-        SnapshotCommand::Verify { tag } => {
+        SnapshotCommand::Verify { tag, json } => {
             let path = format!("/v1/snapshots/{}/verify", path_tag(&tag)?);
             let v: Value = client.json(Method::POST, &path, None).await?;
+            if json {
+                return print_json(&v);
+            }
             let links = v["links"].as_u64().unwrap_or(1);
             println!(
                 "{tag}: every part matches its digest{} ({} hashed in {:.1} s)",

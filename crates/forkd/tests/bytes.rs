@@ -406,4 +406,45 @@ fn exec_output_is_bytes_and_oversized_requests_are_refused_on_record() {
     assert_eq!(out.status.code(), Some(3));
     assert!(out.stdout.is_empty());
     assert_eq!(sha256_hex(&out.stderr), want);
+
+    // What is piped into `forkd exec` is the command's stdin, byte for byte; with
+    // --no-stdin the command reads /dev/null; more than exec passes on is refused.
+    let piped = |args: &[&str], input: Vec<u8>| {
+        use std::io::Write;
+        let mut child = d
+            .forkd()
+            .env("FORKD_URL", &url)
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        // Written from a thread: a refused input is not read to its end.
+        let writer = std::thread::spawn(move || {
+            let _ = stdin.write_all(&input);
+        });
+        let out = child.wait_with_output().unwrap();
+        writer.join().unwrap();
+        out
+    };
+    let input: Vec<u8> = (0..=255u8).cycle().take(300_000).collect();
+    let out = piped(&["exec", &id, "--", "sha256sum"], input.clone());
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with(&sha256_hex(&input)));
+    let out = piped(&["exec", &id, "--no-stdin", "--", "wc", "-c"], input);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0");
+    let out = piped(&["exec", &id, "--", "wc", "-c"], vec![b'x'; 800 << 10]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--no-stdin"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -360,6 +360,49 @@ fn bad_input_gets_a_clear_4xx_and_changes_nothing() {
     });
 }
 
+/// The OpenAPI document says what each route takes: a method it lists is routed (never
+/// 405, never "no such route"), and every other method answers 405. Ids are made up:
+/// the handlers refuse them after routing, which is all this needs.
+#[test]
+fn the_openapi_document_lists_the_methods_each_route_takes() {
+    let d = Daemon::start(&[]);
+    runtime().block_on(async {
+        let c = d.unix();
+        let (s, doc) = call(&c, Method::GET, "/v1/openapi.json", None).await;
+        assert_eq!(s, StatusCode::OK);
+        let paths = doc["paths"].as_object().expect("paths");
+        assert!(paths.len() > 30, "{}", paths.len());
+        for (path, item) in paths {
+            let concrete = path
+                .replace("{id}", "sb-0000")
+                .replace("{tag}", "nosuch")
+                .replace("{port}", "8080")
+                .replace("{process}", "1")
+                .replace("{context}", "nosuch")
+                .replace("{path}", "x");
+            assert!(!concrete.contains('{'), "a parameter left in {path}");
+            for m in [
+                Method::GET,
+                Method::POST,
+                Method::PUT,
+                Method::PATCH,
+                Method::DELETE,
+            ] {
+                let listed = item.get(m.as_str().to_lowercase()).is_some();
+                let (s, v) = call(&c, m.clone(), &concrete, None).await;
+                let unrouted = s == StatusCode::METHOD_NOT_ALLOWED
+                    || v["error"]["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains("no such route"));
+                assert_eq!(
+                    listed, !unrouted,
+                    "{m} {path}: listed {listed}, answered {s} {v}"
+                );
+            }
+        }
+    });
+}
+
 /// Sends a raw HTTP request head and returns what comes back first.
 fn raw_request(socket: &Path, head: &str) -> String {
     use std::io::{Read, Write};

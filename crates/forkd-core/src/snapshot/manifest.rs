@@ -231,7 +231,10 @@ mod tests {
             "initramfs_sha256": "ab", "forkd": "0.1.0", "agent_protocol": 3,
             "qemu": "10.0.2"}"#;
         let v: Versions = serde_json::from_str(old).unwrap();
-        assert_eq!((v.hypervisor.as_str(), v.hypervisor_version.as_str()), ("qemu", "10.0.2"));
+        assert_eq!(
+            (v.hypervisor.as_str(), v.hypervisor_version.as_str()),
+            ("qemu", "10.0.2")
+        );
         // Written under the new names, and read back the same.
         let new = serde_json::to_value(&v).unwrap();
         assert_eq!(new["hypervisor"], "qemu");

@@ -44,8 +44,9 @@ async fn connect(app: &App, id: &str, port: u16) -> Result<tokio::net::TcpStream
         })
 }
 
-/// An HTTP request to a port of the sandbox, at the path after the port.
-#[utoipa::path(get, path = "/v1/sandboxes/{id}/ports/{port}/{path}", operation_id = "port_proxy",
+/// An HTTP request to a port of the sandbox, at the path after the port, in any method:
+/// the guest server answers it.
+#[utoipa::path(method(get, post, put, patch, delete, head, options), path = "/v1/sandboxes/{id}/ports/{port}/{path}", operation_id = "port_proxy",
     params(("id" = String, Path), ("port" = u16, Path), ("path" = String, Path)),
     responses((status = 200, description = "the guest server's answer, whatever it is"),
         (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
@@ -59,8 +60,8 @@ pub async fn proxy(
 }
 
 /// The root of a port: `Upgrade: tcp` makes the connection a tunnel to it, anything
-/// else is an HTTP request for `/`.
-#[utoipa::path(get, path = "/v1/sandboxes/{id}/ports/{port}", operation_id = "port_root",
+/// else is an HTTP request for `/`, in any method.
+#[utoipa::path(method(get, post, put, patch, delete, head, options), path = "/v1/sandboxes/{id}/ports/{port}", operation_id = "port_root",
     params(("id" = String, Path), ("port" = u16, Path)),
     responses((status = 101, description = "with `Upgrade: tcp`: the connection is now the port's"),
         (status = 200, description = "without: the guest server's answer to `/`"),

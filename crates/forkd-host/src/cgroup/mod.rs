@@ -15,6 +15,7 @@ mod v1;
 mod v2;
 
 use crate::enforcement::Enforcement;
+use crate::mountinfo::Mount;
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -203,7 +204,7 @@ impl Cgroups {
                         ctrls.split(',').any(|c| c == controller)
                     })
                     .ok_or_else(|| format!("/proc/self/cgroup names no {controller} cgroup"))?;
-                    let parent = m.inside(own).join("forkd");
+                    let parent = inside(m, own).join("forkd");
                     if !v1_parents.contains(&parent) {
                         v1_parents.push(parent);
                     }
@@ -224,7 +225,7 @@ impl Cgroups {
                     .ok_or("/proc/self/cgroup names no cgroup v2 membership")?;
                 Ok(Cgroups {
                     version: CgroupVersion::V2,
-                    parents: vec![m.inside(own).join("forkd")],
+                    parents: vec![inside(m, own).join("forkd")],
                 })
             }
             _ => Err(format!(
@@ -473,51 +474,23 @@ fn with_path(e: std::io::Error, path: &Path) -> std::io::Error {
     std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
 }
 
-/// One line of a mount table, the fields forkd needs.
-struct Mount<'a> {
-    /// The directory of the mounted filesystem that is mounted (a cgroup namespace's
-    /// root, or `/`).
-    root: &'a str,
-    mount_point: &'a str,
-    fstype: &'a str,
-    /// Superblock options: a v1 hierarchy's controllers are among them.
-    options: &'a str,
-}
-
-impl Mount<'_> {
-    /// Where the cgroup `own` (a path from /proc/self/cgroup) is under this mount.
-    fn inside(&self, own: &str) -> PathBuf {
-        let relative = own
-            .strip_prefix(self.root)
-            .unwrap_or(own)
-            .trim_start_matches('/');
-        let base = PathBuf::from(unescape_mount_path(self.mount_point));
-        if relative.is_empty() {
-            base
-        } else {
-            base.join(relative)
-        }
+/// Where the cgroup `own` (a path from /proc/self/cgroup) is under the mount `m`.
+fn inside(m: &Mount<'_>, own: &str) -> PathBuf {
+    let relative = own
+        .strip_prefix(m.root)
+        .unwrap_or(own)
+        .trim_start_matches('/');
+    if relative.is_empty() {
+        m.mount_point.clone()
+    } else {
+        m.mount_point.join(relative)
     }
 }
 
 /// The cgroup mounts of a `/proc/self/mountinfo` text.
 fn parse_mounts(mountinfo: &str) -> Vec<Mount<'_>> {
-    mountinfo
-        .lines()
-        .filter_map(|line| {
-            let (before, after) = line.split_once(" - ")?;
-            let fields: Vec<&str> = before.split(' ').collect();
-            let mut after = after.split(' ');
-            let fstype = after.next()?;
-            let _source = after.next()?;
-            let options = after.next().unwrap_or("");
-            Some(Mount {
-                root: fields.get(3)?,
-                mount_point: fields.get(4)?,
-                fstype,
-                options,
-            })
-        })
+    crate::mountinfo::parse(mountinfo)
+        .into_iter()
         .filter(|m| m.fstype == "cgroup" || m.fstype == "cgroup2")
         .collect()
 }
@@ -532,26 +505,6 @@ fn membership_path(membership: &str, matches: impl Fn(&str) -> bool) -> Option<&
         let path = parts.next()?;
         matches(controllers).then_some(path)
     })
-}
-
-/// Mount tables escape space, tab, newline and backslash as octal.
-fn unescape_mount_path(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
-            let digits = std::str::from_utf8(&bytes[i + 1..i + 4]).unwrap_or("");
-            if let Ok(v) = u8::from_str_radix(digits, 8) {
-                out.push(v);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 #[cfg(test)]

@@ -81,13 +81,6 @@ fn controllers_split_between_versions_are_refused_by_name() {
 }
 
 #[test]
-fn escaped_mount_points_are_read_back() {
-    assert_eq!(unescape_mount_path(r"/mnt/a\040b"), "/mnt/a b");
-    assert_eq!(unescape_mount_path(r"/plain"), "/plain");
-    assert_eq!(unescape_mount_path(r"/odd\04"), r"/odd\04");
-}
-
-#[test]
 fn limits_no_cgroup_would_take_are_refused() {
     let ok = ResourceLimits::for_vm(1, 512);
     assert_eq!(ok.memory_bytes, (512 << 20) + MEMORY_OVERHEAD);
