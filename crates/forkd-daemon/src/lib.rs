@@ -7,9 +7,12 @@
 //! - [`admission`]: what a fork's children really cost, checked against the host's memory.
 //! - [`owner`]: the lock that makes a daemon the one owner of its data directory.
 //! - [`state`]: the SQLite database (sandboxes, operations).
-//! - [`registry`]: the live sandboxes, the capacity limit, re-adoption after a restart.
+//! - [`registry`]: the live sandboxes, the capacity limit, operations in memory,
+//!   takeover after a restart (one file each under `registry/`).
 //! - [`pool`]: warm pools, children prepared ahead of forks.
 //! - [`branch`]: BRANCH of a running sandbox, as an operation.
+//! - [`service`]: the use cases (fork, branch, delete, egress, timeout), one function
+//!   each, which the REST and E2B front doors call.
 //! - [`api`]: routes, errors, the OpenAPI document.
 //! - [`server`]: listeners, authentication, the audit and metrics middleware.
 //! - [`metrics`], [`audit`]: Prometheus metrics and the hash-chained audit log;
@@ -33,6 +36,7 @@ pub mod pool;
 pub mod registry;
 pub mod resolver;
 pub mod server;
+pub mod service;
 pub mod state;
 
 pub use config::DaemonConfig;

@@ -15,7 +15,7 @@
 //! `postmigrate`, which also takes back its disks.
 
 use super::version::QemuVersion;
-use super::{QemuVm, Start};
+use crate::vm::{QemuVm, Start};
 use forkd_hypervisor::{Accel, BranchMode, BranchPlan, BranchStats, HypervisorError, Vm};
 use serde_json::json;
 use std::os::fd::AsFd;

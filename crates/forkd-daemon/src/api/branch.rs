@@ -8,7 +8,6 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use forkd_core::snapshot::Tag;
 use forkd_hypervisor::BranchMode;
 use serde::Deserialize;
 
@@ -37,22 +36,6 @@ fn yes() -> bool {
     true
 }
 
-/// Runs an accepted branch in a task of its own: a client that hangs up must not cut
-/// it short.
-pub(crate) fn spawn_branch(
-    app: &App,
-    accepted: crate::branch::Accepted,
-) -> tokio::task::JoinHandle<Result<BranchOutcome, crate::registry::RegistryError>> {
-    let app = app.clone();
-    tokio::spawn(async move {
-        let r = app.registry.run_branch(accepted).await;
-        if let Ok(o) = &r {
-            app.metrics.branched(o);
-        }
-        r
-    })
-}
-
 /// Branches a running sandbox: its memory, devices, disk and code contexts are captured
 /// at one instant into a new snapshot (a diff on the snapshot the sandbox builds on),
 /// and the sandbox runs on. Children of the snapshot start with everything the sandbox
@@ -68,18 +51,10 @@ pub async fn branch(
     PathParams(id): PathParams<String>,
     JsonBody(b): JsonBody<BranchBody>,
 ) -> Result<Response, ApiError> {
-    let tag = match &b.tag {
-        Some(t) => Tag::parse(t)?,
-        None => Tag::parse(&format!("br-{}", forkd_core::ids::random_hex(4)))?,
-    };
-    let accepted = app.registry.accept_branch(&id, tag, b.mode)?;
-    let op = accepted.op.clone();
-    let task = spawn_branch(&app, accepted);
+    let branch = crate::service::branch::start(&app, &id, b.tag.as_deref(), b.mode)?;
     if !b.wait {
-        return Ok((StatusCode::ACCEPTED, Json(op)).into_response());
+        return Ok((StatusCode::ACCEPTED, Json(branch.op)).into_response());
     }
-    let outcome = task
-        .await
-        .map_err(|e| ApiError::internal(format!("the branch task failed: {e}")))??;
+    let outcome = branch.outcome().await?;
     Ok((StatusCode::CREATED, Json(outcome)).into_response())
 }

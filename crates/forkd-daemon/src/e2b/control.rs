@@ -3,9 +3,10 @@
 //! forkd labels; its timeout is forkd's.
 
 use super::{Shared, ENVD_VERSION};
-use crate::api::sandboxes::MAX_TIMEOUT_S;
 use crate::api::ApiError;
-use crate::registry::{CreateSpec, Listed};
+use crate::registry::Listed;
+use crate::service;
+use crate::service::fork::{ForkRequest, MAX_TIMEOUT_S};
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -98,14 +99,14 @@ struct NewSandbox {
     network: Option<super::network::NetworkConfig>,
 }
 
-fn timeout_at(t: Option<u64>) -> Result<i64, E2bError> {
+fn timeout_s(t: Option<u64>) -> Result<u64, E2bError> {
     let t = t.unwrap_or(DEFAULT_TIMEOUT_S);
     if !(1..=MAX_TIMEOUT_S).contains(&t) {
         return Err(bad(format!(
             "timeout = {t} is outside 1..={MAX_TIMEOUT_S} seconds"
         )));
     }
-    Ok(crate::unix_now() + t as i64)
+    Ok(t)
 }
 
 fn body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, E2bError> {
@@ -171,9 +172,6 @@ async fn create(State(e2b): State<Shared>, bytes: axum::body::Bytes) -> Result<R
         ));
     }
     let snap = snapshot_of(&e2b, &req.template_id)?;
-    let labels = req.metadata.unwrap_or_default();
-    let env = req.env_vars.unwrap_or_default();
-    crate::api::sandboxes::check_labels_and_env(&labels, &env)?;
     let network = req.network.unwrap_or_default();
     let egress = if snap.manifest.machine.nic {
         super::network::policy(req.allow_internet_access, &network).map_err(bad)?
@@ -186,16 +184,20 @@ async fn create(State(e2b): State<Shared>, bytes: axum::body::Bytes) -> Result<R
             req.template_id
         )));
     };
-    let spec = CreateSpec {
-        labels,
-        env,
-        egress,
-        timeout_at: Some(timeout_at(req.timeout)?),
-        ..CreateSpec::new(1)
-    };
-    let mut outcome =
-        crate::api::sandboxes::finish_fork(crate::api::sandboxes::spawn_fork(&e2b.app, snap, spec))
-            .await?;
+    let timeout_s = timeout_s(req.timeout)?;
+    let fork = service::fork::start(
+        &e2b.app,
+        snap.tag.as_str(),
+        ForkRequest {
+            count: 1,
+            labels: req.metadata.unwrap_or_default(),
+            env: req.env_vars.unwrap_or_default(),
+            timeout_s: Some(timeout_s),
+            egress: snap.manifest.machine.nic.then_some(egress),
+            ..ForkRequest::default()
+        },
+    )?;
+    let mut outcome = fork.outcome().await?;
     let Some(child) = outcome.entries.pop() else {
         return Err(E2bError(ApiError::internal("the fork made no sandbox")));
     };
@@ -215,13 +217,10 @@ async fn connect(
     bytes: axum::body::Bytes,
 ) -> Result<Response, E2bError> {
     let req: TimeoutBody = body(&bytes)?;
-    let e = e2b.app.registry.describe(&id)?;
     if let Some(t) = req.timeout {
-        let at = timeout_at(Some(t))?;
-        if e.row.timeout_at.is_some_and(|cur| cur < at) {
-            e2b.app.registry.set_timeout(&id, Some(at))?;
-        }
+        service::sandbox::keep_alive(&e2b.app, &id, timeout_s(Some(t))?)?;
     }
+    let e = e2b.app.registry.describe(&id)?;
     Ok(Json(created(&e2b, &id, &e.row.snapshot)).into_response())
 }
 
@@ -234,7 +233,7 @@ async fn detail(State(e2b): State<Shared>, Path(id): Path<String>) -> Result<Res
 }
 
 async fn kill(State(e2b): State<Shared>, Path(id): Path<String>) -> Result<StatusCode, E2bError> {
-    e2b.app.registry.delete(&id).await?;
+    service::sandbox::delete(&e2b.app, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -245,9 +244,7 @@ async fn set_timeout(
 ) -> Result<StatusCode, E2bError> {
     let req: TimeoutBody = body(&bytes)?;
     let t = req.timeout.ok_or_else(|| bad("give timeout, in seconds"))?;
-    e2b.app
-        .registry
-        .set_timeout(&id, Some(timeout_at(Some(t))?))?;
+    service::sandbox::set_timeout(&e2b.app, &id, Some(timeout_s(Some(t))?))?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -260,7 +257,7 @@ async fn set_network(
 ) -> Result<StatusCode, E2bError> {
     let req: super::network::NetworkConfig = body(&bytes)?;
     let policy = super::network::policy(None, &req).map_err(bad)?;
-    e2b.app.registry.set_egress(&id, policy).await?;
+    service::sandbox::set_egress(&e2b.app, &id, policy).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -409,31 +406,25 @@ async fn fork(
     if !(1..=MAX_FORK).contains(&count) {
         return Err(bad(format!("count = {count} is outside 1..={MAX_FORK}")));
     }
-    let at = timeout_at(req.timeout)?;
+    let timeout_s = timeout_s(req.timeout)?;
     let source = e2b.app.registry.describe(&id)?;
-    let tag = Tag::parse(&format!("br-{}", forkd_core::ids::random_hex(4)))?;
-    let accepted = e2b.app.registry.accept_branch(&id, tag.clone(), None)?;
-    crate::api::branch::spawn_branch(&e2b.app, accepted)
-        .await
-        .map_err(|e| E2bError(ApiError::internal(format!("the branch task failed: {e}"))))??;
-    let snap = e2b.app.registry.store().open(&tag)?;
-    let spec = CreateSpec {
-        labels: source.row.labels.clone(),
-        // Children of the branch keep the source's policy.
-        egress: source
-            .row
-            .config
-            .network
-            .as_ref()
-            .map(|n| n.policy.clone())
-            .unwrap_or_default(),
-        timeout_at: Some(at),
-        partial: true,
-        ..CreateSpec::new(count as usize)
-    };
-    let outcome =
-        crate::api::sandboxes::finish_fork(crate::api::sandboxes::spawn_fork(&e2b.app, snap, spec))
-            .await?;
+    let branch = service::branch::start(&e2b.app, &id, None, None)?;
+    let tag = branch.tag.clone();
+    branch.outcome().await?;
+    let fork = service::fork::start(
+        &e2b.app,
+        tag.as_str(),
+        ForkRequest {
+            count,
+            labels: source.row.labels.clone(),
+            timeout_s: Some(timeout_s),
+            partial: true,
+            // Children of the branch keep the source's policy.
+            egress: source.row.config.network.as_ref().map(|n| n.policy.clone()),
+            ..ForkRequest::default()
+        },
+    )?;
+    let outcome = fork.outcome().await?;
     let mut items: Vec<Value> = outcome
         .entries
         .iter()

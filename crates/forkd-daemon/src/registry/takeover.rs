@@ -1,0 +1,223 @@
+//! After a restart: taking over the VMs a previous daemon started, retrying those that
+//! do not answer yet, and reaping sandboxes whose VM died or whose deadline passed.
+
+use super::*;
+use crate::state::SandboxRow;
+use forkd_core::failpoint;
+use forkd_core::lifecycle::SandboxState;
+use forkd_core::{Sandbox, SandboxError};
+use std::sync::Arc;
+use std::time::Instant;
+
+impl Registry {
+    /// Takes over every sandbox of the database whose VM still runs; removes the ones
+    /// that were never handed out (`starting`), those a stop was interrupted on
+    /// (`stopping`), and those whose VM died while the daemon was away. A VM that runs
+    /// but does not answer is kept (unresponsive) and tried again later: it is killed
+    /// only on proof that it is gone. Returns (adopted, removed).
+    pub async fn adopt_all(&self) -> Result<(Vec<String>, Vec<String>), RegistryError> {
+        let rows = self.state.sandboxes()?;
+        let opts = attach_options(self.agent_timeout);
+        let (mut adopted, mut gone) = (Vec::new(), Vec::new());
+        let (keep, drop): (Vec<SandboxRow>, Vec<SandboxRow>) = rows.into_iter().partition(|r| {
+            matches!(r.state, SandboxState::Running | SandboxState::Unresponsive)
+                && forkd_host::process::is_running(r.pid, r.start_time)
+        });
+        for row in drop {
+            tracing::info!(id = %row.id, state = %row.state, "removing a sandbox the last daemon left");
+            self.remove_row(&row).await?;
+            gone.push(row.id);
+        }
+        let attached = futures::future::join_all(
+            keep.iter()
+                .map(|r| Sandbox::attach(self.hv.as_ref(), &self.home, &r.id, &opts)),
+        )
+        .await;
+        for (row, res) in keep.into_iter().zip(attached) {
+            match res {
+                Ok(sb) => {
+                    let id = row.id.clone();
+                    self.adopted(row, sb)?;
+                    failpoint::hit("adopt.after_first");
+                    adopted.push(id);
+                }
+                // Proof that it is gone: its process no longer runs.
+                Err(_) if !forkd_host::process::is_running(row.pid, row.start_time) => {
+                    self.remove_row(&row).await?;
+                    gone.push(row.id);
+                }
+                Err(e) => self.unattached(row, &e)?,
+            }
+        }
+        Ok((adopted, gone))
+    }
+
+    pub(super) fn adopted(&self, mut row: SandboxRow, sb: Sandbox) -> Result<(), RegistryError> {
+        if row.state != SandboxState::Running {
+            self.state
+                .set_state(&row.id, SandboxState::Running, None, None)?;
+            row.state = SandboxState::Running;
+            row.error = None;
+        }
+        let mut slots = self.slots();
+        slots.unattached.remove(&row.id);
+        let entry = Entry {
+            row,
+            sandbox: Arc::new(sb),
+        };
+        self.start_resolver(&mut slots, &entry);
+        slots.live.insert(entry.row.id.clone(), entry);
+        Ok(())
+    }
+
+    pub(super) fn unattached(
+        &self,
+        mut row: SandboxRow,
+        e: &SandboxError,
+    ) -> Result<(), RegistryError> {
+        tracing::warn!(id = %row.id, "running but not taken over (kept, retried): {e}");
+        let error = format!("not reachable since the daemon restarted: {e}");
+        self.state
+            .set_state(&row.id, SandboxState::Unresponsive, Some(&error), None)?;
+        row.state = SandboxState::Unresponsive;
+        row.error = Some(error);
+        self.slots().unattached.insert(
+            row.id.clone(),
+            Unattached {
+                row,
+                next_try: Instant::now() + REATTACH_EVERY,
+            },
+        );
+        Ok(())
+    }
+
+    /// Removes directories of the sandbox tree that no row owns, no live record names
+    /// (a `forkd run` of another process) and no process uses: what a daemon killed
+    /// before it wrote a row, or a build killed with it, left behind.
+    pub fn prune_unowned(&self) -> Vec<String> {
+        let owned: std::collections::HashSet<String> =
+            self.list().into_iter().map(|l| l.row.id).collect();
+        let dir = forkd_core::sandbox::sandboxes_dir(&self.home);
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return Vec::new();
+        };
+        let mut pruned = Vec::new();
+        for e in entries.filter_map(Result::ok) {
+            let Some(id) = e.file_name().to_str().map(str::to_owned) else {
+                continue;
+            };
+            if owned.contains(&id) {
+                continue;
+            }
+            if forkd_core::catalog::Record::read(&self.home, &id).is_ok_and(|r| r.alive()) {
+                continue;
+            }
+            let path = e.path();
+            if !forkd_host::process::find_inside(&path).is_empty() {
+                continue;
+            }
+            if forkd_core::sandbox::remove_dir(&path).is_ok() {
+                remove_cgroup(&id);
+                pruned.push(id);
+            }
+        }
+        pruned
+    }
+
+    /// Stops sandboxes whose deadline has passed, forgets those whose VM is gone or
+    /// broken, persists each sandbox's state as its watchdog sees it (running or
+    /// unresponsive), and tries again to take over unattached ones. Returns the ids
+    /// removed.
+    pub async fn reap(&self, now: i64) -> Vec<String> {
+        self.reap_pools().await;
+        let expired: Vec<String> = match self.state.expired(now) {
+            Ok(ids) => ids,
+            Err(e) => {
+                tracing::warn!("reading deadlines: {e}");
+                Vec::new()
+            }
+        };
+        let mut removed = Vec::new();
+        for l in self.list() {
+            let id = l.row.id.clone();
+            let result = match &l.sandbox {
+                Some(sb) => {
+                    let entry = Entry {
+                        row: l.row.clone(),
+                        sandbox: sb.clone(),
+                    };
+                    if expired.contains(&id) || sb.vm().exited() || sb.failure().is_some() {
+                        if let Some(f) = sb.failure() {
+                            tracing::info!(%id, "sandbox failed: {f}");
+                        }
+                        self.remove(&entry).await.map(|()| true)
+                    } else {
+                        self.sync_health(&entry).map(|()| false)
+                    }
+                }
+                None if l.row.state == SandboxState::Starting => Ok(false),
+                None => self.retry_unattached(&l.row, expired.contains(&id)).await,
+            };
+            match result {
+                Ok(true) => removed.push(id),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(%id, "{e}"),
+            }
+        }
+        removed
+    }
+
+    /// Persists what the watchdog sees: `unresponsive` while the agent is silent,
+    /// `running` once it answers again.
+    pub(super) fn sync_health(&self, e: &Entry) -> Result<(), RegistryError> {
+        let seen = if e.sandbox.is_unresponsive() {
+            SandboxState::Unresponsive
+        } else {
+            SandboxState::Running
+        };
+        if seen == e.row.state || !e.row.state.can_become(seen) {
+            return Ok(());
+        }
+        let error = (seen == SandboxState::Unresponsive)
+            .then(|| "the guest agent does not answer its pings; the sandbox is kept".to_string());
+        tracing::info!(id = %e.row.id, "sandbox is {seen}");
+        self.transition(&e.row.id, seen, error)
+    }
+
+    /// An unattached sandbox: removed when its VM is gone or its deadline passed, taken
+    /// over when it answers. Returns whether it was removed.
+    pub(super) async fn retry_unattached(
+        &self,
+        row: &SandboxRow,
+        expired: bool,
+    ) -> Result<bool, RegistryError> {
+        let alive = forkd_host::process::is_running(row.pid, row.start_time);
+        if expired || !alive {
+            self.remove_row(row).await?;
+            return Ok(true);
+        }
+        let due = self
+            .slots()
+            .unattached
+            .get(&row.id)
+            .is_some_and(|u| u.next_try <= Instant::now());
+        if !due {
+            return Ok(false);
+        }
+        if let Some(u) = self.slots().unattached.get_mut(&row.id) {
+            u.next_try = Instant::now() + REATTACH_EVERY;
+        }
+        if let Ok(sb) = Sandbox::attach(
+            self.hv.as_ref(),
+            &self.home,
+            &row.id,
+            &attach_options(self.agent_timeout),
+        )
+        .await
+        {
+            tracing::info!(id = %row.id, "taken over");
+            self.adopted(row.clone(), sb)?;
+        }
+        Ok(false)
+    }
+}

@@ -1,0 +1,54 @@
+//! Branching a running sandbox into a new snapshot, as an operation of its own.
+
+use super::ApiError;
+use crate::api::App;
+use crate::branch::BranchOutcome;
+use crate::state::OperationRow;
+use forkd_core::snapshot::Tag;
+use forkd_hypervisor::BranchMode;
+
+/// A branch under way, in a task of its own: a client that hangs up must not cut it
+/// short.
+pub struct Branch {
+    /// Its operation.
+    pub op: OperationRow,
+    /// The snapshot it writes.
+    pub tag: Tag,
+    task: tokio::task::JoinHandle<Result<BranchOutcome, crate::registry::RegistryError>>,
+}
+
+/// Checks that the sandbox `id` can be branched into `tag` (default: `br-` and 8 random
+/// hex digits) in `mode` (default: the best the hypervisor captures faithfully) and
+/// starts the branch.
+pub fn start(
+    app: &App,
+    id: &str,
+    tag: Option<&str>,
+    mode: Option<BranchMode>,
+) -> Result<Branch, ApiError> {
+    let tag = match tag {
+        Some(t) => Tag::parse(t)?,
+        None => Tag::parse(&format!("br-{}", forkd_core::ids::random_hex(4)))?,
+    };
+    let accepted = app.registry.accept_branch(id, tag.clone(), mode)?;
+    let op = accepted.op.clone();
+    let app = app.clone();
+    let task = tokio::spawn(async move {
+        let r = app.registry.run_branch(accepted).await;
+        if let Ok(o) = &r {
+            app.metrics.branched(o);
+        }
+        r
+    });
+    Ok(Branch { op, tag, task })
+}
+
+impl Branch {
+    /// Waits for the snapshot to be written.
+    pub async fn outcome(self) -> Result<BranchOutcome, ApiError> {
+        Ok(self
+            .task
+            .await
+            .map_err(|e| ApiError::internal(format!("the branch task failed: {e}")))??)
+    }
+}

@@ -1,0 +1,238 @@
+//! Forking children of a snapshot: the checks of a request, admission, and the fork run
+//! in a task of its own.
+
+use super::ApiError;
+use crate::api::App;
+use crate::registry::{CreateOutcome, CreateSpec, RegistryError};
+use crate::state::OperationRow;
+use forkd_core::snapshot::Tag;
+use forkd_host::cgroup::LimitOverrides;
+use forkd_host::network::policy::EgressPolicy;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// Most labels on one sandbox, and the longest key or value.
+const MAX_LABELS: usize = 32;
+const MAX_LABEL_LEN: usize = 256;
+/// Most bytes a sandbox's `env` may take as JSON: it travels in the resume hook, one
+/// agent request.
+const MAX_ENV_BYTES: usize = 64 << 10;
+
+/// Longest timeout accepted: 30 days.
+pub const MAX_TIMEOUT_S: u64 = 30 * 24 * 3600;
+
+/// A fork as a front door asks for it.
+#[derive(Debug, Default)]
+pub struct ForkRequest {
+    /// How many children.
+    pub count: u32,
+    /// Labels to find them by.
+    pub labels: BTreeMap<String, String>,
+    /// Variables for their commands and contexts.
+    pub env: BTreeMap<String, String>,
+    /// Seconds after which the daemon stops each child; none: it runs until deleted.
+    pub timeout_s: Option<u64>,
+    /// Keep the children that start when others fail.
+    pub partial: bool,
+    /// vCPUs and RAM asked for: a restored VM has its snapshot's, so only those pass.
+    pub vcpus: Option<u32>,
+    /// See `vcpus`.
+    pub memory_mib: Option<u32>,
+    /// Limits of each child's VM beyond the defaults.
+    pub limits: Option<Limits>,
+    /// What the children may reach; none: the snapshot's own policy.
+    pub egress: Option<EgressPolicy>,
+}
+
+/// Limits a fork asks for, unchecked.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Limits {
+    /// Memory its VM may use in MiB, guest RAM included.
+    pub memory_mib: Option<u64>,
+    /// CPU quota in cores; 0 for none.
+    pub cpu_cores: Option<f64>,
+    /// Share of CPU under contention.
+    pub cpu_weight: Option<u32>,
+    /// Processes and threads its VM may have.
+    pub pids: Option<u32>,
+}
+
+/// A fork under way, in a task of its own: a client that hangs up mid-fork must not
+/// cancel it half way, leaving children that run with no record.
+pub struct Fork {
+    /// Its operation's id.
+    pub op_id: String,
+    task: tokio::task::JoinHandle<Result<CreateOutcome, RegistryError>>,
+}
+
+/// Checks `req`, then against the snapshot tagged `snapshot`, admits it (refused now
+/// rather than in an operation nobody may look at) and starts it.
+pub fn start(app: &App, snapshot: &str, req: ForkRequest) -> Result<Fork, ApiError> {
+    let max = forkd_core::fork::MAX_CHILDREN as u32;
+    if req.count == 0 || req.count > max {
+        return Err(ApiError::bad_request(format!(
+            "n = {} is outside 1..={max}",
+            req.count
+        )));
+    }
+    check_labels_and_env(&req.labels, &req.env)?;
+    let timeout_at = deadline(req.timeout_s)?;
+    let snap = app.registry.store().open(&Tag::parse(snapshot)?)?;
+    let tag = &snap.tag;
+    let m = &snap.manifest.machine;
+    // A restored VM has exactly its snapshot's vCPUs and RAM (the device state and the
+    // memory image fix both): other numbers cannot be honoured.
+    for (what, asked, has) in [
+        ("vcpus", req.vcpus, m.vcpus),
+        ("memory_mib", req.memory_mib, m.memory_mib),
+    ] {
+        if let Some(a) = asked.filter(|a| *a != has) {
+            return Err(ApiError::bad_request(format!(
+                "{what} = {a}: children of snapshot {tag} have {what} = {has} (the snapshot fixes it)"
+            )));
+        }
+    }
+    let limits = limit_overrides(req.limits.as_ref(), m.vcpus, m.memory_mib)?;
+    let egress = match req.egress {
+        None => snap.manifest.egress.clone().unwrap_or_default(),
+        Some(_) if !m.nic => {
+            return Err(ApiError::bad_request(format!(
+                "network: children of snapshot {tag} have no NIC (its template was built with network = \"none\", or on a host without networking)"
+            )))
+        }
+        Some(p) => p,
+    };
+    let spec = CreateSpec {
+        labels: req.labels,
+        limits,
+        egress,
+        env: req.env,
+        timeout_at,
+        partial: req.partial,
+        ..CreateSpec::new(req.count as usize)
+    };
+    app.registry.admit(snap.tag.as_str(), spec.count)?;
+    let op_id = spec.op_id.clone();
+    let app = app.clone();
+    let t = Instant::now();
+    let task = tokio::spawn(async move {
+        let r = app.registry.create(&snap, spec).await;
+        if let Ok(o) = &r {
+            app.metrics.forks.inc_by(o.entries.len() as u64);
+            app.metrics.fork_seconds.observe(t.elapsed().as_secs_f64());
+        }
+        r
+    });
+    Ok(Fork { op_id, task })
+}
+
+impl Fork {
+    /// Waits for the fork to end. A partial fork in which no child started fails with
+    /// its first failure.
+    pub async fn outcome(self) -> Result<CreateOutcome, ApiError> {
+        let mut outcome = self
+            .task
+            .await
+            .map_err(|e| ApiError::internal(format!("the fork task failed: {e}")))??;
+        if outcome.entries.is_empty() && !outcome.failures.is_empty() {
+            return Err(outcome.failures.swap_remove(0).into());
+        }
+        Ok(outcome)
+    }
+
+    /// The fork's operation row, once the fork has written it (at its start): what a
+    /// front door answers when the client polls instead of waiting.
+    pub async fn operation(self, app: &App) -> Result<OperationRow, ApiError> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some(op) = app.registry.state().operation(&self.op_id)? {
+                return Ok(op);
+            }
+            if self.task.is_finished() || Instant::now() > deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.outcome().await?;
+        Err(ApiError::internal(
+            "the fork ended before its operation was recorded",
+        ))
+    }
+}
+
+/// The limits a fork asks for, checked.
+fn limit_overrides(
+    asked: Option<&Limits>,
+    vcpus: u32,
+    memory_mib: u32,
+) -> Result<LimitOverrides, ApiError> {
+    let Some(asked) = asked else {
+        return Ok(LimitOverrides::default());
+    };
+    let cpu_millicores = match asked.cpu_cores {
+        None => None,
+        Some(c) if c.is_finite() && (0.0..=1024.0).contains(&c) => Some((c * 1000.0).ceil() as u32),
+        Some(c) => {
+            return Err(ApiError::bad_request(format!(
+                "limits.cpu_cores = {c} is outside 0..=1024"
+            )))
+        }
+    };
+    if asked.memory_mib.is_some_and(|m| m > 1 << 20) {
+        return Err(ApiError::bad_request(
+            "limits.memory_mib is more than 1048576".to_string(),
+        ));
+    }
+    if asked.pids.is_some_and(|p| p > 65_536) {
+        return Err(ApiError::bad_request(
+            "limits.pids is more than 65536".to_string(),
+        ));
+    }
+    let chosen = LimitOverrides {
+        memory_bytes: asked.memory_mib.map(|m| m << 20),
+        cpu_millicores,
+        cpu_weight: asked.cpu_weight,
+        pids: asked.pids,
+    };
+    chosen
+        .resolve(vcpus, memory_mib)
+        .check(memory_mib)
+        .map_err(|e| ApiError::bad_request(format!("limits: {e}")))?;
+    Ok(chosen)
+}
+
+/// The Unix time `timeout_s` from now, checked against [`MAX_TIMEOUT_S`].
+pub fn deadline(timeout_s: Option<u64>) -> Result<Option<i64>, ApiError> {
+    match timeout_s {
+        None => Ok(None),
+        Some(t) if (1..=MAX_TIMEOUT_S).contains(&t) => Ok(Some(crate::unix_now() + t as i64)),
+        Some(t) => Err(ApiError::bad_request(format!(
+            "timeout_s = {t} is outside 1..={MAX_TIMEOUT_S}"
+        ))),
+    }
+}
+
+/// Refuses labels and an environment a sandbox cannot take.
+fn check_labels_and_env(
+    labels: &BTreeMap<String, String>,
+    env: &BTreeMap<String, String>,
+) -> Result<(), ApiError> {
+    if labels.len() > MAX_LABELS
+        || labels
+            .iter()
+            .any(|(k, v)| k.is_empty() || k.len() > MAX_LABEL_LEN || v.len() > MAX_LABEL_LEN)
+    {
+        return Err(ApiError::bad_request(format!(
+            "labels: at most {MAX_LABELS}, keys of 1 to {MAX_LABEL_LEN} bytes, values of at most {MAX_LABEL_LEN}"
+        )));
+    }
+    if let Some(problem) = forkd_proto::exec::env_problem(env) {
+        return Err(ApiError::bad_request(problem));
+    }
+    if serde_json::to_vec(env).map_or(0, |v| v.len()) > MAX_ENV_BYTES {
+        return Err(ApiError::bad_request(format!(
+            "env takes more than {MAX_ENV_BYTES} bytes as JSON"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,40 @@
+//! What is done to one running sandbox as a whole: removing it, changing its deadline
+//! and its egress policy.
+
+use super::ApiError;
+use crate::api::App;
+use crate::registry::Entry;
+use forkd_host::network::policy::EgressPolicy;
+
+/// Stops the sandbox `id` and removes its files and its record.
+pub async fn delete(app: &App, id: &str) -> Result<(), ApiError> {
+    Ok(app.registry.delete(id).await?)
+}
+
+/// Sets (or with none, clears) the time `timeout_s` from now after which the daemon
+/// stops the sandbox.
+pub fn set_timeout(app: &App, id: &str, timeout_s: Option<u64>) -> Result<Entry, ApiError> {
+    let at = super::fork::deadline(timeout_s)?;
+    Ok(app.registry.set_timeout(id, at)?)
+}
+
+/// Makes the sandbox live at least `timeout_s` more: a deadline sooner than that moves,
+/// a later one (or none) stays.
+pub fn keep_alive(app: &App, id: &str, timeout_s: u64) -> Result<(), ApiError> {
+    let e = app.registry.describe(id)?;
+    let Some(at) = super::fork::deadline(Some(timeout_s))? else {
+        return Ok(());
+    };
+    if e.row.timeout_at.is_some_and(|cur| cur < at) {
+        app.registry.set_timeout(id, Some(at))?;
+    }
+    Ok(())
+}
+
+/// Replaces the running sandbox's egress policy (`off` takes its link down).
+pub async fn set_egress(app: &App, id: &str, policy: EgressPolicy) -> Result<Entry, ApiError> {
+    policy
+        .check()
+        .map_err(|e| ApiError::bad_request(format!("network: {e}")))?;
+    Ok(app.registry.set_egress(id, policy).await?)
+}
