@@ -14,13 +14,13 @@
 
 use crate::error::SandboxError;
 use crate::sandbox::{new_sandbox_dir, Sandbox};
-use crate::snapshot::manifest::{parts, BranchInfo, BuildTimes, Manifest, Part};
-use crate::snapshot::memory_diff::{self, DiffStats};
-use crate::snapshot::{Snapshot, Store, Tag, MANIFEST};
 use forkd_hypervisor::{
     BranchMode, BranchPlan, BranchStats, DiskFormat, DiskLayer, Hypervisor, MemoryBackend,
 };
 use forkd_image::Home;
+use forkd_storage::snapshot::manifest::{parts, BranchInfo, BuildTimes, Manifest, Part};
+use forkd_storage::snapshot::memory_diff::{self, DiffStats};
+use forkd_storage::snapshot::{Snapshot, Store, Tag, MANIFEST};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -73,7 +73,7 @@ pub async fn branch(
             detail,
         })?;
     let machine = &base.manifest.machine;
-    crate::space::ensure_room(
+    forkd_host::space::ensure_room(
         store.root(),
         (u64::from(machine.memory_mib) << 20) * 2 + (64 << 20),
         &format!("branching {} into snapshot {tag}", source.id()),
@@ -122,7 +122,7 @@ pub async fn branch(
         receiver,
         state: staging.part(parts::STATE),
         next_layer,
-        at_instant: Some(|| crate::failpoint::hit("branch.at_instant")),
+        at_instant: Some(|| forkd_host::failpoint::hit("branch.at_instant")),
     };
     progress(&format!("capturing {} ({mode})", source.id()));
     let stats = source.branch_vm(mode, &plan).await?;
@@ -167,12 +167,12 @@ pub async fn branch(
             sha256: memory_sha,
         },
     );
-    let parent_digest = crate::snapshot::sha256_file(&base.dir.join(MANIFEST))?.0;
+    let parent_digest = forkd_storage::snapshot::sha256_file(&base.dir.join(MANIFEST))?.0;
     let mut versions = base.manifest.versions.clone();
     versions.hypervisor = hv.name().to_owned();
     versions.hypervisor_version = crate::template::hypervisor_version(hv);
     let manifest = Manifest {
-        format: crate::snapshot::manifest::FORMAT,
+        format: forkd_storage::snapshot::manifest::FORMAT,
         tag: tag.to_string(),
         template: base.manifest.template.clone(),
         created_at: forkd_image::timestamp::rfc3339_utc(std::time::SystemTime::now()),

@@ -3,9 +3,9 @@
 //! exactly as the link did, and its ancestors can then be removed.
 
 use crate::error::SandboxError;
-use crate::snapshot::manifest::parts;
-use crate::snapshot::{memory_diff, Snapshot, Store, Tag};
 use forkd_hypervisor::Hypervisor;
+use forkd_storage::snapshot::manifest::parts;
+use forkd_storage::snapshot::{memory_diff, Snapshot, Store, Tag};
 
 /// Writes `tag`, a standalone copy of the snapshot `head` (a chain link).
 pub async fn compact(
@@ -16,13 +16,13 @@ pub async fn compact(
 ) -> Result<Snapshot, SandboxError> {
     if head.manifest.parent.is_none() {
         return Err(SandboxError::Snapshot(
-            crate::snapshot::SnapshotError::Damaged {
+            forkd_storage::snapshot::SnapshotError::Damaged {
                 tag: head.tag.to_string(),
                 detail: "it is standalone already (it has no parent)".into(),
             },
         ));
     }
-    crate::space::ensure_room(
+    forkd_host::space::ensure_room(
         store.root(),
         (u64::from(head.manifest.machine.memory_mib) << 20) * 2,
         &format!("compacting snapshot {} into {tag}", head.tag),

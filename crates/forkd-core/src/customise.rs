@@ -31,7 +31,7 @@ pub fn remove_leftovers(home: &Home) {
         let name = e.file_name().to_string_lossy().into_owned();
         if name.starts_with(custom_rootfs::SCRATCH_PREFIX)
             || name.starts_with("docker-archive-")
-            || name.starts_with(crate::oci::upload::SCRATCH_PREFIX)
+            || name.starts_with(forkd_storage::oci::upload::SCRATCH_PREFIX)
         {
             let _ = std::fs::remove_dir_all(e.path());
         }
@@ -102,7 +102,7 @@ pub async fn ensure(
         detail: e.to_string(),
     };
     let scratch = custom_rootfs::scratch(home, &inputs).map_err(image_err)?;
-    crate::space::ensure_room(
+    forkd_host::space::ensure_room(
         scratch.path(),
         2 * assets.rootfs.size,
         &format!("making root filesystem {name}"),

@@ -86,7 +86,7 @@ pub enum SandboxError {
     },
     /// {0}
     #[error(transparent)]
-    Snapshot(#[from] crate::snapshot::SnapshotError),
+    Snapshot(#[from] forkd_storage::snapshot::SnapshotError),
     /// no sandbox {id} (see `forkd ls`)
     #[error("no sandbox {id} (see `forkd ls`)")]
     NotFound {
@@ -115,4 +115,24 @@ pub enum SandboxError {
         /// The I/O error.
         source: std::io::Error,
     },
+}
+
+impl From<forkd_host::space::SpaceError> for SandboxError {
+    fn from(e: forkd_host::space::SpaceError) -> Self {
+        use forkd_host::space::SpaceError;
+        match e {
+            SpaceError::NoSpace {
+                what,
+                path,
+                needed_mib,
+                available_mib,
+            } => SandboxError::NoSpace {
+                what,
+                path,
+                needed_mib,
+                available_mib,
+            },
+            SpaceError::Io { context, source } => SandboxError::Io { context, source },
+        }
+    }
 }

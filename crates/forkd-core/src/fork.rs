@@ -7,14 +7,14 @@
 use crate::agent::AgentClient;
 use crate::error::SandboxError;
 use crate::sandbox::{new_sandbox_dir, Launch, Sandbox, SandboxOptions};
-use crate::snapshot::manifest::parts;
-use crate::snapshot::Snapshot;
 use forkd_host::network::policy::EgressPolicy;
 use forkd_host::network::NetworkConfig;
 use forkd_hypervisor::{
     accel, Accel, AccelChoice, DiskFormat, DiskLayer, Hypervisor, MemoryBackend, Vm, VmConfig,
 };
 use forkd_image::Home;
+use forkd_storage::snapshot::manifest::parts;
+use forkd_storage::snapshot::Snapshot;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -267,8 +267,8 @@ fn plan_fork(
             })?;
     }
     let fresh = opts.count - prepared.len();
-    let per_child = crate::space::PER_CHILD + forkd_proto::limits::get().console_cap;
-    crate::space::ensure_room(
+    let per_child = forkd_host::space::PER_CHILD + forkd_proto::limits::get().console_cap;
+    forkd_host::space::ensure_room(
         &crate::sandbox::sandboxes_dir(home),
         per_child.saturating_mul(fresh as u64),
         &format!("forking {} children of {}", opts.count, snap.tag),

@@ -11,15 +11,10 @@ pub mod catalog;
 pub mod compact;
 pub mod customise;
 pub mod error;
-pub mod failpoint;
 pub mod fork;
-pub mod ids;
 pub mod lifecycle;
-pub mod oci;
 pub mod output_tail;
 pub mod sandbox;
-pub mod snapshot;
-pub mod space;
 pub mod template;
 
 pub use agent::AgentClient;

@@ -201,7 +201,7 @@ impl Sandbox {
                 (vm, Some(agent))
             }
         };
-        crate::failpoint::hit(match snapshot {
+        forkd_host::failpoint::hit(match snapshot {
             None => "build.after_boot",
             Some(_) => "fork.after_vm_start",
         });
@@ -682,7 +682,7 @@ pub(crate) async fn ready_agent(
             .unwrap_or(0);
         let req = forkd_proto::context::ResumeRequest {
             wall_clock_ns,
-            entropy_hex: crate::ids::random_hex(64),
+            entropy_hex: forkd_host::ids::random_hex(64),
             hostname: id.to_owned(),
             env: env.clone(),
             settle,
@@ -703,7 +703,7 @@ pub(crate) async fn ready_agent(
 /// A fresh sandbox id and its runtime directory, created and guarded: if the guard is
 /// dropped before the sandbox is launched, the directory goes with it.
 pub(crate) fn new_sandbox_dir(home: &Home) -> Result<(String, PathBuf, DirGuard), SandboxError> {
-    let id = crate::ids::sandbox_id();
+    let id = forkd_host::ids::sandbox_id();
     let dir = sandboxes_dir(home).join(&id);
     std::fs::create_dir_all(&dir).map_err(|source| SandboxError::Io {
         context: format!("creating {}", dir.display()),

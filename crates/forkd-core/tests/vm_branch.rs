@@ -8,11 +8,11 @@ mod common;
 use common::{build_template, fork, fork_options, home, hv, sh, TestStore};
 use forkd_core::branch::{self, Branched};
 use forkd_core::compact::compact;
-use forkd_core::snapshot::manifest::parts;
-use forkd_core::snapshot::{chain, Snapshot, Tag};
 use forkd_core::template::Recipe;
 use forkd_core::Sandbox;
 use forkd_hypervisor::BranchMode;
+use forkd_storage::snapshot::manifest::parts;
+use forkd_storage::snapshot::{chain, Snapshot, Tag};
 
 use common::run_code as run;
 

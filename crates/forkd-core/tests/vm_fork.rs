@@ -5,10 +5,10 @@
 mod common;
 
 use common::{build_template, fork, fork_options, home, sh, TestStore};
-use forkd_core::snapshot::manifest::parts;
-use forkd_core::snapshot::Tag;
 use forkd_core::template::Recipe;
 use forkd_core::SandboxError;
+use forkd_storage::snapshot::manifest::parts;
+use forkd_storage::snapshot::Tag;
 use std::os::unix::fs::PermissionsExt;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -146,7 +146,7 @@ async fn damaged_snapshots_and_bad_tags_are_refused_before_any_child_starts() {
     // A manifest whose digest was edited: refused at open, and verification finds the
     // part no longer matches what the manifest claims.
     let snap2 = build_template(&ts.store, &recipe, "minimal-edited").await;
-    let mpath = snap2.dir.join(forkd_core::snapshot::MANIFEST);
+    let mpath = snap2.dir.join(forkd_storage::snapshot::MANIFEST);
     let text = std::fs::read_to_string(&mpath).unwrap();
     let digest = &snap2.manifest.parts[parts::DISK].sha256;
     std::fs::set_permissions(&mpath, std::fs::Permissions::from_mode(0o644)).unwrap();
@@ -165,7 +165,7 @@ async fn damaged_snapshots_and_bad_tags_are_refused_before_any_child_starts() {
     f.set_len(4096).unwrap();
     let err = ts.store.open(&snap2.tag).unwrap_err();
     assert!(
-        matches!(err, forkd_core::snapshot::SnapshotError::Damaged { .. }),
+        matches!(err, forkd_storage::snapshot::SnapshotError::Damaged { .. }),
         "{err}"
     );
     assert!(

@@ -105,7 +105,7 @@ run = "head -c {bytes} /dev/zero | tr '\\0' b; echo; echo the-end-of-it; exit 3"
     )
     .unwrap();
     let assets = common::assets(RootfsImage::Minimal).await;
-    let tag = forkd_core::snapshot::Tag::parse("loud").unwrap();
+    let tag = forkd_storage::snapshot::Tag::parse("loud").unwrap();
     let opts = BuildOptions {
         boot_timeout: Duration::from_secs(300),
         ..Default::default()

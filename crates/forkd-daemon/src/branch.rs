@@ -6,9 +6,9 @@
 use crate::registry::{Registry, RegistryError};
 use crate::state::{OperationEnd, OperationRow};
 use forkd_core::lifecycle::SandboxState;
-use forkd_core::snapshot::{Snapshot, SnapshotError, Tag};
 use forkd_core::SandboxError;
 use forkd_hypervisor::BranchMode;
+use forkd_storage::snapshot::{Snapshot, SnapshotError, Tag};
 use serde::Serialize;
 use std::sync::Arc;
 

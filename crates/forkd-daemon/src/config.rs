@@ -45,7 +45,7 @@ pub struct DaemonConfig {
     /// Also serve E2B's API (for E2B's SDKs) on a listener of its own.
     pub e2b: Option<crate::e2b::E2bConfig>,
     /// How push and pull reach registries (plain HTTP ones, the auth file).
-    pub registries: forkd_core::oci::registry::RegistryOptions,
+    pub registries: forkd_storage::oci::registry::RegistryOptions,
     /// The DNS server sandboxes' resolvers forward allowed names to (default: the
     /// host's first nameserver); none: sandboxes get no resolver.
     pub dns_upstream: Option<SocketAddr>,

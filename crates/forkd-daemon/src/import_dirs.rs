@@ -12,7 +12,7 @@
 //! changes nothing. The opened image then goes the way of an uploaded one
 //! ([`Opened::reader`]).
 
-use forkd_core::oci::image::ImageSource;
+use forkd_storage::oci::image::ImageSource;
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};

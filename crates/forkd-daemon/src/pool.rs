@@ -15,7 +15,7 @@
 use crate::registry::{Registry, RegistryError};
 use crate::state::PoolMemberRow;
 use forkd_core::fork::{ForkOptions, PreparedChild};
-use forkd_core::snapshot::Snapshot;
+use forkd_storage::snapshot::Snapshot;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 

@@ -13,7 +13,7 @@ use axum::http::{header, Method};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
-use forkd_core::snapshot::Store;
+use forkd_storage::snapshot::Store;
 use futures::FutureExt as _;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use std::future::Future;
@@ -87,7 +87,7 @@ pub async fn run(
     let state = Arc::new(State::open(&config.database())?);
     let interrupted = state.interrupt_running_operations(&crate::now_rfc3339())?;
     let store = Store::of_home(&config.home);
-    forkd_core::oci::layout::Layout::remove_leftovers(&store);
+    forkd_storage::oci::layout::Layout::remove_leftovers(&store);
     forkd_core::customise::remove_leftovers(&config.home);
     // Cgroups of VMs that exited while no daemon watched them.
     if let Ok(Some(cgroups)) = forkd_host::cgroup::for_vms() {
@@ -99,7 +99,7 @@ pub async fn run(
         // What a build or branch interrupted by the stop had written is of no use to
         // anyone. (An interrupted fork's children are the registry's: see adopt_all.)
         if kind == "build_snapshot" || kind == "branch" {
-            if let Ok(tag) = forkd_core::snapshot::Tag::parse(target) {
+            if let Ok(tag) = forkd_storage::snapshot::Tag::parse(target) {
                 store.remove_staging_of(&tag);
             }
         }

@@ -5,9 +5,9 @@
 //! and checks that nothing was written outside the place the decoder was given.
 
 use arbitrary::{Arbitrary, Unstructured};
-use forkd_core::oci::{blob, docker_archive, layout::Layout};
-use forkd_core::snapshot::Store;
 use forkd_image::oci_rootfs::{apply_layer, Compression, Layer};
+use forkd_storage::oci::{blob, docker_archive, layout::Layout};
+use forkd_storage::snapshot::Store;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -48,7 +48,7 @@ fn scratch() -> tempfile::TempDir {
     }
 }
 
-/// `forkd_core::oci::docker_archive::to_layout`: the first byte picks the tag asked for
+/// `forkd_storage::oci::docker_archive::to_layout`: the first byte picks the tag asked for
 /// (none, short or long form), the rest is the archive.
 pub fn docker_archive(data: &[u8]) {
     let Some((&which, archive)) = data.split_first() else {
@@ -96,7 +96,7 @@ pub fn oci_layout(data: &[u8]) {
             for link in &chain {
                 for (name, part) in &link.parts {
                     assert!(
-                        forkd_core::oci::hex_of(&format!("sha256:{}", part.hex)).is_some(),
+                        forkd_storage::oci::hex_of(&format!("sha256:{}", part.hex)).is_some(),
                         "part {name} has a bad digest"
                     );
                 }

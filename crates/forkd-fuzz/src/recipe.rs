@@ -44,7 +44,7 @@ pub fn check(r: &Recipe) {
     );
     if let Some(cpu) = &r.cpu {
         assert!(
-            forkd_core::template::is_cpu_model_name(cpu),
+            forkd_hypervisor::accel::is_cpu_model_name(cpu),
             "cpu = {cpu:?} reaches QEMU's command line"
         );
     }

@@ -174,13 +174,13 @@ fn image_layout_tar() -> Vec<u8> {
 
 /// A snapshot archive (`forkd pack`) of one snapshot whose six parts are a few bytes.
 fn snapshot_archive() -> Vec<u8> {
-    use forkd_core::snapshot::manifest::{parts, BuildTimes, Machine, Manifest, Part, Versions};
+    use forkd_storage::snapshot::manifest::{parts, BuildTimes, Machine, Manifest, Part, Versions};
     let contents: Vec<(&str, Vec<u8>)> = parts::ALL
         .iter()
         .map(|p| (*p, format!("the {p} part").into_bytes()))
         .collect();
     let manifest = Manifest {
-        format: forkd_core::snapshot::manifest::FORMAT,
+        format: forkd_storage::snapshot::manifest::FORMAT,
         tag: "seed".into(),
         template: "minimal".into(),
         created_at: "2026-01-01T00:00:00Z".into(),
@@ -227,26 +227,26 @@ fn snapshot_archive() -> Vec<u8> {
     for (p, c) in &contents {
         let blob = zstd::encode_all(&c[..], 1).expect("zstd");
         layers.push(serde_json::json!({
-            "mediaType": forkd_core::oci::PART_MEDIA_TYPE,
+            "mediaType": forkd_storage::oci::PART_MEDIA_TYPE,
             "digest": format!("sha256:{}", hex(&blob)), "size": blob.len(),
-            "annotations": {forkd_core::oci::TITLE: p, forkd_core::oci::STORED_ANNOTATION: c.len().to_string()},
+            "annotations": {forkd_storage::oci::TITLE: p, forkd_storage::oci::STORED_ANNOTATION: c.len().to_string()},
         }));
         blobs.push(blob);
     }
     let oci = serde_json::json!({
         "schemaVersion": 2,
-        "mediaType": forkd_core::oci::MANIFEST_MEDIA_TYPE,
-        "artifactType": forkd_core::oci::ARTIFACT_TYPE,
-        "config": {"mediaType": forkd_core::oci::CONFIG_MEDIA_TYPE,
+        "mediaType": forkd_storage::oci::MANIFEST_MEDIA_TYPE,
+        "artifactType": forkd_storage::oci::ARTIFACT_TYPE,
+        "config": {"mediaType": forkd_storage::oci::CONFIG_MEDIA_TYPE,
                    "digest": format!("sha256:{}", hex(&config)), "size": config.len()},
         "layers": layers,
-        "annotations": {forkd_core::oci::TAG_ANNOTATION: "seed"},
+        "annotations": {forkd_storage::oci::TAG_ANNOTATION: "seed"},
     })
     .to_string()
     .into_bytes();
     let index = serde_json::json!({
         "schemaVersion": 2,
-        "manifests": [{"mediaType": forkd_core::oci::MANIFEST_MEDIA_TYPE,
+        "manifests": [{"mediaType": forkd_storage::oci::MANIFEST_MEDIA_TYPE,
                        "digest": format!("sha256:{}", hex(&oci)), "size": oci.len()}],
     })
     .to_string();

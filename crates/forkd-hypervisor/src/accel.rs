@@ -163,6 +163,15 @@ pub fn resolve(choice: AccelChoice) -> Result<Accel, HypervisorError> {
     }
 }
 
+/// Whether `s` can be a CPU model name (`Westmere-v1`, `host`, as QEMU names them): letters, digits,
+/// `.`, `_` and `-`, so that nothing else reaches `-cpu`.
+pub fn is_cpu_model_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,8 +5,8 @@
 use crate::image::human_size;
 use crate::remote::fail;
 use anyhow::{bail, Context, Result};
-use forkd_core::snapshot::Tag;
 use forkd_daemon::client::Client;
+use forkd_storage::snapshot::Tag;
 use futures::StreamExt;
 use http_body_util::BodyExt;
 use hyper::body::Bytes;

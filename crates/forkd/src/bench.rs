@@ -202,7 +202,7 @@ struct ForkReport {
     median_cold_boot_ms: f64,
     template_build_ms: f64,
     /// The build's own breakdown (boot, warm-up, freeze).
-    template_build: forkd_core::snapshot::manifest::BuildTimes,
+    template_build: forkd_storage::snapshot::manifest::BuildTimes,
     median_fork_one_ms: f64,
     fork_one_runs_ms: Vec<f64>,
     count: u32,
@@ -227,7 +227,7 @@ struct ChildMemory {
 }
 
 async fn fork(home: &Home, args: ForkArgs) -> Result<()> {
-    use forkd_core::snapshot::{manifest::parts, Store, Tag};
+    use forkd_storage::snapshot::{manifest::parts, Store, Tag};
     use std::os::unix::fs::MetadataExt;
 
     let say = |m: &str| {
@@ -249,7 +249,7 @@ async fn fork(home: &Home, args: ForkArgs) -> Result<()> {
     let tag = Tag::parse(&format!(
         "bench-{}-{}",
         recipe.name,
-        forkd_core::ids::random_hex(4)
+        forkd_host::ids::random_hex(4)
     ))?;
     say(&format!("building template {} as {tag}", recipe.name));
     let build_opts = forkd_core::template::BuildOptions {
@@ -313,7 +313,7 @@ type ForkFigures = (Vec<f64>, f64, Vec<f64>, Vec<ChildMemory>);
 /// Single forks (each destroyed before the next), then N at once with their memory.
 async fn fork_measurements(
     home: &Home,
-    snap: &forkd_core::snapshot::Snapshot,
+    snap: &forkd_storage::snapshot::Snapshot,
     args: &ForkArgs,
     say: &dyn Fn(&str),
 ) -> Result<ForkFigures> {

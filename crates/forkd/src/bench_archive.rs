@@ -12,8 +12,8 @@
 use crate::bench::{median, ms};
 use crate::bench_scale::{delete_all, fork_and_exec, BenchDaemon, Mode};
 use anyhow::{Context, Result};
-use forkd_core::snapshot::Tag;
 use forkd_image::Home;
+use forkd_storage::snapshot::Tag;
 use hyper::Method;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -182,7 +182,7 @@ pub async fn run(home: &Home, args: ArchiveArgs) -> Result<()> {
             let reference = format!(
                 "{addr}/forkd-bench/{}:{}",
                 orig,
-                forkd_core::ids::random_hex(3)
+                forkd_host::ids::random_hex(3)
             );
             say(&format!("push to {reference}"));
             let push = || async {

@@ -178,7 +178,7 @@ async fn branch_once(c: &Client, tag: &str, mib: u32, dirty: u32, mode: &str) ->
     if !v["error"].is_null() {
         bail!("dirtying the source's memory: {}", v["error"]);
     }
-    let branch_tag = format!("bench-br-{}", forkd_core::ids::random_hex(3));
+    let branch_tag = format!("bench-br-{}", forkd_host::ids::random_hex(3));
     let t = Instant::now();
     let b: Value = c
         .json(
@@ -232,7 +232,7 @@ async fn chain_depths(
         if !v["error"].is_null() {
             bail!("writing in the link's source: {}", v["error"]);
         }
-        let link = format!("bench-chain-{depth}-{}", forkd_core::ids::random_hex(2));
+        let link = format!("bench-chain-{depth}-{}", forkd_host::ids::random_hex(2));
         c.json::<Value>(
             Method::POST,
             &format!("/v1/sandboxes/{}/branch", ids[0]),

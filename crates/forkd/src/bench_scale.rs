@@ -451,7 +451,7 @@ impl BenchDaemon {
         let parent = home.root().join("bench");
         std::fs::create_dir_all(&parent)
             .with_context(|| format!("creating {}", parent.display()))?;
-        let dir = parent.join(format!("scale-{}", forkd_core::ids::random_hex(6)));
+        let dir = parent.join(format!("scale-{}", forkd_host::ids::random_hex(6)));
         std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
         std::os::unix::fs::symlink(home.images_dir(), dir.join("images"))?;
         let socket = dir.join("forkd.sock");

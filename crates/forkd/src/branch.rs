@@ -38,7 +38,7 @@ pub struct BranchArgs {
 
 pub async fn branch(client: &Client, args: BranchArgs) -> Result<()> {
     if let Some(t) = &args.tag {
-        forkd_core::snapshot::Tag::parse(t)?;
+        forkd_storage::snapshot::Tag::parse(t)?;
     }
     let mut body = json!({ "wait": !args.no_wait });
     if let Some(mode) = args.mode {

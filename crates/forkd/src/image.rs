@@ -101,13 +101,13 @@ pub async fn run(home: &Home, cmd: ImageCommand) -> Result<()> {
             insecure,
             json,
         } => {
-            let mut opts = forkd_core::oci::registry::RegistryOptions::default();
+            let mut opts = forkd_storage::oci::registry::RegistryOptions::default();
             if insecure {
-                if let Ok(r) = forkd_core::oci::registry::parse_reference(&reference) {
+                if let Ok(r) = forkd_storage::oci::registry::parse_reference(&reference) {
                     opts.insecure.push(r.resolve_registry().to_owned());
                 }
             }
-            let pulled = forkd_core::oci::image::pull_image(home, &reference, &opts, &|m| {
+            let pulled = forkd_storage::oci::image::pull_image(home, &reference, &opts, &|m| {
                 eprintln!("[forkd] {m}")
             })
             .await?;

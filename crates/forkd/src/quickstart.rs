@@ -54,7 +54,7 @@ pub async fn run(home: &Home, args: QuickstartArgs) -> Result<()> {
     );
 
     let t = Instant::now();
-    let tag = forkd_core::snapshot::Tag::parse(&args.tag)?;
+    let tag = forkd_storage::snapshot::Tag::parse(&args.tag)?;
     let (status, body) = client
         .call(Method::GET, &format!("/v1/snapshots/{tag}"), None)
         .await?;

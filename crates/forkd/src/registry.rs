@@ -4,8 +4,8 @@
 
 use crate::image::human_size;
 use anyhow::{bail, Context, Result};
-use forkd_core::snapshot::Tag;
 use forkd_daemon::client::Client;
+use forkd_storage::snapshot::Tag;
 use hyper::Method;
 use serde_json::{json, Value};
 use std::io::BufRead;
@@ -140,11 +140,11 @@ pub fn login(args: LoginArgs) -> Result<()> {
     if password.is_empty() {
         bail!("no password on standard input");
     }
-    let path = forkd_core::oci::auth::auth_file(None).unwrap_or_else(|| {
+    let path = forkd_storage::oci::auth::auth_file(None).unwrap_or_else(|| {
         let home = std::env::var_os("HOME").unwrap_or_default();
         std::path::PathBuf::from(home).join(".docker/config.json")
     });
-    forkd_core::oci::auth::store(&path, &args.registry, &args.username, password)?;
+    forkd_storage::oci::auth::store(&path, &args.registry, &args.username, password)?;
     println!(
         "stored the credentials for {} in {} (they are checked on the next push or pull)",
         args.registry,

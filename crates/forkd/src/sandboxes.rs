@@ -281,7 +281,7 @@ pub(crate) fn path_id(id: &str) -> Result<&str> {
 /// the exit code: 1 when a partial fork lost children.
 pub async fn fork_cmd(client: &Client, args: ForkArgs) -> Result<i32> {
     let t0 = Instant::now();
-    forkd_core::snapshot::Tag::parse(&args.tag)?;
+    forkd_storage::snapshot::Tag::parse(&args.tag)?;
     let labels: serde_json::Map<String, Value> = args
         .labels
         .into_iter()

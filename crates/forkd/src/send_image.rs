@@ -6,8 +6,8 @@
 
 use crate::archive::send_tar;
 use anyhow::{Context, Result};
-use forkd_core::oci::image::ImageSource;
 use forkd_daemon::client::Client;
+use forkd_storage::oci::image::ImageSource;
 use std::path::{Path, PathBuf};
 
 /// The recipe `text` with its local image sent and `from` naming the upload; `None`

@@ -4,9 +4,9 @@
 use crate::image::human_size;
 use crate::remote::print_json;
 use anyhow::{Context, Result};
-use forkd_core::snapshot::Tag;
 use forkd_core::template::{self, Recipe};
 use forkd_daemon::client::{ApiFailure, Client};
+use forkd_storage::snapshot::Tag;
 use hyper::{Method, StatusCode};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -258,7 +258,7 @@ pub async fn snapshot(client: &Client, cmd: SnapshotCommand) -> Result<()> {
             Ok(())
         }
         SnapshotCommand::Compact { tag, new_tag } => {
-            forkd_core::snapshot::Tag::parse(&new_tag)?;
+            forkd_storage::snapshot::Tag::parse(&new_tag)?;
             let path = format!("/v1/snapshots/{}/compact", path_tag(&tag)?);
             let body = serde_json::json!({ "tag": new_tag });
             let v: Value = client.json(Method::POST, &path, Some(&body)).await?;

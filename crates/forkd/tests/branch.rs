@@ -271,7 +271,7 @@ fn branch_through_the_daemon() {
 
     // A daemon killed at the branch instant (the source stopped, its memory half sent).
     d.kill9();
-    d.respawn_with_env(&[(forkd_core::failpoint::ENV, "branch.at_instant")]);
+    d.respawn_with_env(&[(forkd_host::failpoint::ENV, "branch.at_instant")]);
     let op = rt.block_on(async {
         let (s, op) = branch(
             &c,

@@ -139,12 +139,12 @@ impl Home {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_forkd"));
         cmd.arg("daemon")
             .env("FORKD_HOME", self.path())
-            .env_remove(forkd_core::failpoint::ENV)
+            .env_remove(forkd_host::failpoint::ENV)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log);
         if let Some(fp) = failpoint {
-            cmd.env(forkd_core::failpoint::ENV, fp);
+            cmd.env(forkd_host::failpoint::ENV, fp);
         }
         self.daemon = Some(cmd.spawn().unwrap());
     }
@@ -434,7 +434,7 @@ fn a_second_daemon_on_the_same_data_directory_refuses_to_start_and_harms_nothing
         .arg("--socket")
         .arg(&other)
         .env("FORKD_HOME", h.path())
-        .env_remove(forkd_core::failpoint::ENV)
+        .env_remove(forkd_host::failpoint::ENV)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

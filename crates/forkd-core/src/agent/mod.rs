@@ -60,7 +60,7 @@ async fn greet(socket: &Path, timeout: Duration) -> Result<(UnixStream, u32, Vec
             path: socket.display().to_string(),
             source,
         })?;
-    let nonce = crate::ids::random_hex(handshake::NONCE_LEN / 2);
+    let nonce = forkd_host::ids::random_hex(handshake::NONCE_LEN / 2);
     // The greeting is sent once: a guest that already answered it is speaking HTTP/2,
     // and a second greeting would be garbage to it. If no answer comes, the caller
     // reconnects, which gives the guest a clean EOF and a new nonce.

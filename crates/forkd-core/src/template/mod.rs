@@ -13,21 +13,20 @@ use crate::agent::ExecOutput;
 use crate::error::SandboxError;
 use crate::output_tail::OutputTail;
 use crate::sandbox::{kernel_cmdline, new_sandbox_dir, Launch, Sandbox, SandboxOptions};
-use crate::snapshot::manifest::{parts, BuildTimes, Machine, Manifest, Versions, FORMAT};
-use crate::snapshot::{Snapshot, Store, Tag};
 use forkd_hypervisor::{
     accel, AccelChoice, DiskFormat, DiskLayer, Hypervisor, MemoryBackend, VmConfig,
 };
 use forkd_image::{GuestAssets, Home};
 use forkd_proto::context::{CreateContextRequest, RunCodeRequest};
 use forkd_proto::exec::{Command, ExecRequest};
+use forkd_storage::snapshot::manifest::{parts, BuildTimes, Machine, Manifest, Versions, FORMAT};
+use forkd_storage::snapshot::{Snapshot, Store, Tag};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 mod recipe;
 pub use recipe::{
-    is_cpu_model_name, Base, ContextRecipe, FileRecipe, NetworkChoice, Recipe, RecipeFiles,
-    WarmupStep, BUILTIN,
+    Base, ContextRecipe, FileRecipe, NetworkChoice, Recipe, RecipeFiles, WarmupStep, BUILTIN,
 };
 
 /// How to build.
@@ -66,7 +65,7 @@ pub async fn build(
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<Snapshot, SandboxError> {
     let t0 = Instant::now();
-    crate::space::ensure_room(
+    forkd_host::space::ensure_room(
         store.root(),
         build_needs(recipe, assets, store.root()),
         &format!("building snapshot {tag}"),
@@ -151,7 +150,7 @@ pub async fn build(
     let freeze = t_freeze.elapsed();
     parent.destroy().await?;
     frozen?;
-    if crate::space::fill_holes_on_tmpfs(&staging.part(parts::MEMORY))? {
+    if forkd_host::space::fill_holes_on_tmpfs(&staging.part(parts::MEMORY))? {
         progress("allocated the memory image on its tmpfs (children's first touches then never need a page of it)");
     }
     let manifest = Manifest {

@@ -2,10 +2,11 @@
 //! shape, its warm-up and code contexts, read and checked before anything is built.
 
 use crate::error::SandboxError;
-use crate::snapshot::Tag;
+use forkd_hypervisor::accel::is_cpu_model_name;
 use forkd_hypervisor::Accel;
 use forkd_image::RootfsImage;
 use forkd_proto::context::Language;
+use forkd_storage::snapshot::Tag;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -142,15 +143,6 @@ impl FileRecipe {
     }
 }
 
-/// Whether `s` can be a QEMU CPU model name (`Westmere-v1`, `host`): letters, digits,
-/// `.`, `_` and `-`, so that nothing else reaches `-cpu`.
-pub fn is_cpu_model_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 64
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
-}
-
 /// The contents of a recipe's `files`, by `src`.
 pub type RecipeFiles = std::collections::BTreeMap<String, Vec<u8>>;
 
@@ -206,7 +198,7 @@ impl Recipe {
                 image.parse::<RootfsImage>().map_err(|e| bad(e.to_string()))?;
             }
             (None, Some(from)) => {
-                crate::oci::image::ImageSource::parse(from).map_err(|e| bad(e.to_string()))?;
+                forkd_storage::oci::image::ImageSource::parse(from).map_err(|e| bad(e.to_string()))?;
             }
             _ => {
                 return Err(bad(
@@ -387,7 +379,7 @@ impl Recipe {
 pub enum Base {
     /// One of forkd's Debian images.
     Builtin(RootfsImage),
-    /// A container image (see [`crate::oci::image`]).
+    /// A container image (see [`forkd_storage::oci::image`]).
     Oci(String),
 }
 

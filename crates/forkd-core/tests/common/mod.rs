@@ -19,7 +19,7 @@ pub fn hv() -> std::sync::Arc<dyn forkd_hypervisor::Hypervisor> {
 /// Forks through [`hv`] with nothing recorded.
 pub async fn fork(
     home: &Home,
-    snap: &forkd_core::snapshot::Snapshot,
+    snap: &forkd_storage::snapshot::Snapshot,
     opts: &forkd_core::fork::ForkOptions,
 ) -> Result<Vec<Sandbox>, forkd_core::SandboxError> {
     forkd_core::fork::fork(
@@ -146,7 +146,7 @@ pub fn exists(p: &Path) -> bool {
 /// A snapshot store of its own for one test binary, on the same filesystem as the guest
 /// assets (so that they are linked, not copied, into its snapshots). Removed on drop.
 pub struct TestStore {
-    pub store: forkd_core::snapshot::Store,
+    pub store: forkd_storage::snapshot::Store,
     _dir: tempfile::TempDir,
 }
 
@@ -159,7 +159,7 @@ impl TestStore {
             .tempdir_in(&tmp)
             .unwrap();
         TestStore {
-            store: forkd_core::snapshot::Store::at(dir.path()),
+            store: forkd_storage::snapshot::Store::at(dir.path()),
             _dir: dir,
         }
     }
@@ -167,12 +167,12 @@ impl TestStore {
 
 /// Builds `recipe` into `store` under `tag`.
 pub async fn build_template(
-    store: &forkd_core::snapshot::Store,
+    store: &forkd_storage::snapshot::Store,
     recipe: &forkd_core::template::Recipe,
     tag: &str,
-) -> forkd_core::snapshot::Snapshot {
+) -> forkd_storage::snapshot::Snapshot {
     let assets = assets(recipe.rootfs_image().expect("a built-in image")).await;
-    let tag = forkd_core::snapshot::Tag::parse(tag).unwrap();
+    let tag = forkd_storage::snapshot::Tag::parse(tag).unwrap();
     let opts = forkd_core::template::BuildOptions {
         boot_timeout: Duration::from_secs(300),
         ..Default::default()

@@ -12,8 +12,8 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
-use forkd_core::oci::{pack, unpack};
-use forkd_core::snapshot::{SnapshotError, Tag};
+use forkd_storage::oci::{pack, unpack};
+use forkd_storage::snapshot::{SnapshotError, Tag};
 use futures::TryStreamExt;
 use std::io::Write;
 

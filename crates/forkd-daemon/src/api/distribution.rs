@@ -8,8 +8,8 @@ use crate::state::{OperationEnd, OperationRow};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use forkd_core::oci::registry;
-use forkd_core::snapshot::{SnapshotError, Tag};
+use forkd_storage::oci::registry;
+use forkd_storage::snapshot::{SnapshotError, Tag};
 use serde::Deserialize;
 
 /// `POST /v1/snapshots/{tag}/push`.
@@ -142,7 +142,7 @@ fn finish(
     app: &App,
     id: &str,
     known: &std::sync::atomic::AtomicU64,
-    r: Result<serde_json::Value, forkd_core::oci::ArchiveError>,
+    r: Result<serde_json::Value, forkd_storage::oci::ArchiveError>,
 ) {
     let done = app.registry.progress(id).unwrap_or(0);
     let (status, error, result) = match &r {

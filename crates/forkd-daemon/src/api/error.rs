@@ -3,8 +3,8 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use forkd_core::snapshot::SnapshotError;
 use forkd_core::SandboxError;
+use forkd_storage::snapshot::SnapshotError;
 use serde::Serialize;
 
 /// An error response.
@@ -155,12 +155,12 @@ impl From<SandboxError> for ApiError {
     }
 }
 
-impl From<forkd_core::oci::ArchiveError> for ApiError {
-    fn from(e: forkd_core::oci::ArchiveError) -> ApiError {
-        use forkd_core::oci::ArchiveError as A;
+impl From<forkd_storage::oci::ArchiveError> for ApiError {
+    fn from(e: forkd_storage::oci::ArchiveError) -> ApiError {
+        use forkd_storage::oci::ArchiveError as A;
         match e {
             A::Snapshot(s) => s.into(),
-            A::Sandbox(s) => s.into(),
+            A::Space(s) => SandboxError::from(s).into(),
             A::Refused(_) => ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "archive_refused",
@@ -168,6 +168,12 @@ impl From<forkd_core::oci::ArchiveError> for ApiError {
             ),
             A::Io { .. } => ApiError::internal(e.to_string()),
         }
+    }
+}
+
+impl From<forkd_host::space::SpaceError> for ApiError {
+    fn from(e: forkd_host::space::SpaceError) -> ApiError {
+        SandboxError::from(e).into()
     }
 }
 

@@ -9,7 +9,7 @@ use super::{ApiError, App, QueryParams};
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::Json;
-use forkd_core::oci::upload;
+use forkd_storage::oci::upload;
 use futures::TryStreamExt;
 
 /// The largest image archive taken.
@@ -38,7 +38,7 @@ pub async fn upload(
                 "the image declares {n} bytes; at most {MAX_IMAGE} are taken"
             )));
         }
-        forkd_core::space::ensure_room(&home.tmp_dir(), n.saturating_mul(2), "receiving an image")?;
+        forkd_host::space::ensure_room(&home.tmp_dir(), n.saturating_mul(2), "receiving an image")?;
     }
     if q.name
         .as_deref()

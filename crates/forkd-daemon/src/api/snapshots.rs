@@ -11,9 +11,9 @@ use crate::state::OperationRow;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use forkd_core::snapshot::{chain, Snapshot, SnapshotError, Tag};
 use forkd_core::template::{self, Recipe};
 use forkd_core::SandboxError;
+use forkd_storage::snapshot::{chain, Snapshot, SnapshotError, Tag};
 use serde::Deserialize;
 
 fn info(app: &App, tag: &str, res: Result<Snapshot, SnapshotError>) -> SnapshotInfo {
@@ -283,7 +283,7 @@ pub async fn build(
     }
     // The build runs on after this answer: say at once when it cannot fit. (It checks
     // again, knowing whether the assets can be hard-linked, before it writes.)
-    forkd_core::space::ensure_room(
+    forkd_host::space::ensure_room(
         app.registry.store().root(),
         (u64::from(recipe.memory_mib) << 20) + (64 << 20),
         &format!("building snapshot {tag}"),
@@ -328,7 +328,7 @@ fn open_host_path(
     let Some(from) = recipe.from.as_deref() else {
         return Ok(None);
     };
-    let source = forkd_core::oci::image::ImageSource::parse(from)?;
+    let source = forkd_storage::oci::image::ImageSource::parse(from)?;
     app.config.import_dirs.open(&source).map_err(|e| match e {
         crate::import_dirs::Refused::Outside { .. } => {
             ApiError::new(StatusCode::FORBIDDEN, "forbidden", e.to_string())
@@ -340,7 +340,7 @@ fn open_host_path(
 /// The image opened under an import directory, kept as an upload is; what a recipe's
 /// `from` names it by.
 async fn import(app: &App, opened: crate::import_dirs::Opened) -> anyhow::Result<String> {
-    use forkd_core::oci::upload;
+    use forkd_storage::oci::upload;
     let home = app.config.home.clone();
     let scratch = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         let (reader, tag) = opened.reader()?;
@@ -414,7 +414,7 @@ async fn build_snapshot(
                 None => from,
             };
             let shown = tag.to_string();
-            let pulled = forkd_core::oci::image::pull_image(
+            let pulled = forkd_storage::oci::image::pull_image(
                 &home,
                 &from,
                 &app.config.registries,

@@ -537,7 +537,7 @@ pub struct SnapshotInfo {
     /// For a branch: the sandbox it was taken from and what the capture cost.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
-    pub branch: Option<forkd_core::snapshot::manifest::BranchInfo>,
+    pub branch: Option<forkd_storage::snapshot::manifest::BranchInfo>,
 }
 
 /// A snapshot's place in its chain.

@@ -12,7 +12,7 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
-use forkd_core::snapshot::Tag;
+use forkd_storage::snapshot::Tag;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -115,7 +115,10 @@ fn body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, E2bError> {
 }
 
 /// The snapshot an E2B template name stands for: an alias, else a snapshot's tag.
-fn snapshot_of(e2b: &Shared, template: &str) -> Result<forkd_core::snapshot::Snapshot, E2bError> {
+fn snapshot_of(
+    e2b: &Shared,
+    template: &str,
+) -> Result<forkd_storage::snapshot::Snapshot, E2bError> {
     let name = e2b
         .config
         .aliases

@@ -360,8 +360,8 @@ mod tests {
     use crate::registry::Registry;
     use crate::state::State as Db;
     use axum::body::Body;
-    use forkd_core::snapshot::Store;
     use forkd_image::Home;
+    use forkd_storage::snapshot::Store;
     use tower::ServiceExt;
 
     const KEY: &str = "e2b-unit-test-key-0123456789abcdef0123";

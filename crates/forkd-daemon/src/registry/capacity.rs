@@ -3,7 +3,7 @@
 
 use super::*;
 use forkd_core::lifecycle::SandboxState;
-use forkd_core::snapshot::Snapshot;
+use forkd_storage::snapshot::Snapshot;
 use std::collections::HashMap;
 use std::time::Instant;
 

@@ -3,12 +3,12 @@
 
 use super::*;
 use crate::state::{OperationRow, SandboxRow, StateError};
-use forkd_core::failpoint;
 use forkd_core::fork::{fork_partial, fork_using, ForkObserver, ForkOptions, Forked};
 use forkd_core::lifecycle::SandboxState;
-use forkd_core::snapshot::Snapshot;
 use forkd_core::{Sandbox, SandboxError};
+use forkd_host::failpoint;
 use forkd_hypervisor::VmConfig;
+use forkd_storage::snapshot::Snapshot;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -198,8 +198,8 @@ fn recording_failed(registry: &Registry, e: StateError) -> SandboxError {
         return SandboxError::NoSpace {
             what: "recording sandboxes in the state database".into(),
             path: root.display().to_string(),
-            needed_mib: forkd_core::space::RESERVE.div_ceil(1 << 20),
-            available_mib: forkd_core::space::available(root).unwrap_or(0) >> 20,
+            needed_mib: forkd_host::space::RESERVE.div_ceil(1 << 20),
+            available_mib: forkd_host::space::available(root).unwrap_or(0) >> 20,
         };
     }
     SandboxError::Io {

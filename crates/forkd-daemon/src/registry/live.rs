@@ -3,9 +3,9 @@
 
 use super::*;
 use crate::state::{SandboxRow, StateError};
-use forkd_core::failpoint;
 use forkd_core::lifecycle::SandboxState;
 use forkd_core::SandboxError;
+use forkd_host::failpoint;
 
 impl Registry {
     /// Starts the resolver of a sandbox just handed out (or taken over), if it has a NIC.

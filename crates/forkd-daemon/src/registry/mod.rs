@@ -10,11 +10,11 @@
 //! agent or control socket is slow.
 
 use crate::state::{SandboxRow, State, StateError};
-use forkd_core::snapshot::Store;
 use forkd_core::{Sandbox, SandboxError, SandboxOptions};
 use forkd_host::network::policy::EgressPolicy;
 use forkd_hypervisor::Hypervisor;
 use forkd_image::Home;
+use forkd_storage::snapshot::Store;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -178,7 +178,7 @@ impl CreateSpec {
 
 /// A fresh operation id.
 pub fn new_operation_id() -> String {
-    format!("op-{}", forkd_core::ids::random_hex(8))
+    format!("op-{}", forkd_host::ids::random_hex(8))
 }
 
 /// What a fork made.

@@ -3,9 +3,9 @@
 
 use super::*;
 use crate::state::SandboxRow;
-use forkd_core::failpoint;
 use forkd_core::lifecycle::SandboxState;
 use forkd_core::{Sandbox, SandboxError};
+use forkd_host::failpoint;
 use std::sync::Arc;
 use std::time::Instant;
 

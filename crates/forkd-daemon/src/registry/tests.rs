@@ -3,11 +3,11 @@
 
 use super::*;
 use forkd_core::lifecycle::SandboxState;
-use forkd_core::snapshot::manifest::{parts, BuildTimes, Machine, Manifest, Versions};
-use forkd_core::snapshot::{Snapshot, Tag};
 use forkd_hypervisor::fake::AgentProcesses;
 use forkd_hypervisor::Accel;
 use forkd_proto::exec::{Command, ExecRequest};
+use forkd_storage::snapshot::manifest::{parts, BuildTimes, Machine, Manifest, Versions};
+use forkd_storage::snapshot::{Snapshot, Tag};
 
 struct World {
     _dir: tempfile::TempDir,
@@ -38,7 +38,7 @@ fn fake_snapshot(home: &Home, tag: &str) -> Snapshot {
         std::fs::write(staging.part(p), p.as_bytes()).unwrap();
     }
     let manifest = Manifest {
-        format: forkd_core::snapshot::manifest::FORMAT,
+        format: forkd_storage::snapshot::manifest::FORMAT,
         tag: tag.to_string(),
         template: "fake".into(),
         created_at: "2026-01-01T00:00:00Z".into(),

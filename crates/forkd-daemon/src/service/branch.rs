@@ -4,8 +4,8 @@ use super::ApiError;
 use crate::api::App;
 use crate::branch::BranchOutcome;
 use crate::state::OperationRow;
-use forkd_core::snapshot::Tag;
 use forkd_hypervisor::BranchMode;
+use forkd_storage::snapshot::Tag;
 
 /// A branch under way, in a task of its own: a client that hangs up must not cut it
 /// short.
@@ -28,7 +28,7 @@ pub fn start(
 ) -> Result<Branch, ApiError> {
     let tag = match tag {
         Some(t) => Tag::parse(t)?,
-        None => Tag::parse(&format!("br-{}", forkd_core::ids::random_hex(4)))?,
+        None => Tag::parse(&format!("br-{}", forkd_host::ids::random_hex(4)))?,
     };
     let accepted = app.registry.accept_branch(id, tag.clone(), mode)?;
     let op = accepted.op.clone();

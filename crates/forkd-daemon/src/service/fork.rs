@@ -5,9 +5,9 @@ use super::ApiError;
 use crate::api::App;
 use crate::registry::{CreateOutcome, CreateSpec, RegistryError};
 use crate::state::OperationRow;
-use forkd_core::snapshot::Tag;
 use forkd_host::cgroup::LimitOverrides;
 use forkd_host::network::policy::EgressPolicy;
+use forkd_storage::snapshot::Tag;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 

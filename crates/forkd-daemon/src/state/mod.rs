@@ -176,7 +176,7 @@ impl OperationRow {
         result: Option<serde_json::Value>,
     ) -> OperationRow {
         OperationRow {
-            id: format!("op-{}", forkd_core::ids::random_hex(8)),
+            id: format!("op-{}", forkd_host::ids::random_hex(8)),
             kind: kind.into(),
             target: target.into(),
             status: "running".into(),

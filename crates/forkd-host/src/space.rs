@@ -3,8 +3,32 @@
 //! how much is needed, instead of failing half way through with whatever write ran out
 //! first, while running sandboxes keep what is left.
 
-use crate::error::SandboxError;
 use std::path::Path;
+
+/// Why there is no room for some work.
+//
+// Each variant's doc comment is its message (displaydoc).
+#[derive(Debug, displaydoc::Display, thiserror::Error)]
+pub enum SpaceError {
+    /// not enough disk space for {what} in {path}: {needed_mib} MiB needed, {available_mib} MiB free; free some space (remove sandboxes or snapshots) or give forkd a bigger FORKD_HOME
+    NoSpace {
+        /// What was asked for.
+        what: String,
+        /// Where it would have been written.
+        path: String,
+        /// What it needs, MiB.
+        needed_mib: u64,
+        /// What is free, MiB.
+        available_mib: u64,
+    },
+    /// {context}: {source}
+    Io {
+        /// What was being done.
+        context: String,
+        /// The error.
+        source: std::io::Error,
+    },
+}
 
 /// What each forked child may write on the host before it answers, besides its serial
 /// console: its qcow2 layer's metadata and first writes, its logs and its record.
@@ -24,15 +48,15 @@ pub fn available(path: &Path) -> std::io::Result<u64> {
     Ok(st.blocks_available().saturating_mul(st.fragment_size()))
 }
 
-/// Fails with [`SandboxError::NoSpace`] unless `needed` bytes (plus [`RESERVE`]) are
+/// Fails with [`SpaceError::NoSpace`] unless `needed` bytes (plus [`RESERVE`]) are
 /// free where `path` lives.
-pub fn ensure_room(path: &Path, needed: u64, what: &str) -> Result<(), SandboxError> {
-    let available = available(path).map_err(|source| SandboxError::Io {
+pub fn ensure_room(path: &Path, needed: u64, what: &str) -> Result<(), SpaceError> {
+    let available = available(path).map_err(|source| SpaceError::Io {
         context: format!("reading the free space of {}", path.display()),
         source,
     })?;
     if available < needed.saturating_add(RESERVE) {
-        return Err(SandboxError::NoSpace {
+        return Err(SpaceError::NoSpace {
             what: what.to_owned(),
             path: path.display().to_string(),
             needed_mib: needed.saturating_add(RESERVE).div_ceil(1 << 20),
@@ -49,8 +73,8 @@ pub fn ensure_room(path: &Path, needed: u64, what: &str) -> Result<(), SandboxEr
 /// child's writes land in its own anonymous memory. On other filesystems a hole reads
 /// as zeros through the page cache without taking disk space, so nothing is done.
 /// Returns whether it allocated.
-pub fn fill_holes_on_tmpfs(file: &Path) -> Result<bool, SandboxError> {
-    let io = |source| SandboxError::Io {
+pub fn fill_holes_on_tmpfs(file: &Path) -> Result<bool, SpaceError> {
+    let io = |source| SpaceError::Io {
         context: format!("allocating {} on its tmpfs", file.display()),
         source,
     };
@@ -71,7 +95,7 @@ pub fn fill_holes_on_tmpfs(file: &Path) -> Result<bool, SandboxError> {
         len,
     ) {
         Ok(()) => Ok(true),
-        Err(nix::errno::Errno::ENOSPC) => Err(SandboxError::NoSpace {
+        Err(nix::errno::Errno::ENOSPC) => Err(SpaceError::NoSpace {
             what: format!("the memory image {}", file.display()),
             path: file.display().to_string(),
             needed_mib: (len as u64).div_ceil(1 << 20),
@@ -95,7 +119,7 @@ mod tests {
         ensure_room(&dir.path().join("not/yet"), 1, "a test").unwrap();
         let e = ensure_room(dir.path(), u64::MAX / 2, "forking 3 children").unwrap_err();
         let msg = e.to_string();
-        assert!(matches!(e, SandboxError::NoSpace { .. }), "{msg}");
+        assert!(matches!(e, SpaceError::NoSpace { .. }), "{msg}");
         assert!(msg.contains("forking 3 children"), "{msg}");
         assert!(
             msg.contains(&format!("{} MiB free", free / (1 << 20))),

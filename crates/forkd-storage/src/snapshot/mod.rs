@@ -312,7 +312,7 @@ impl Store {
         let staging_root = self.root.join(STAGING);
         std::fs::create_dir_all(&staging_root)
             .map_err(io(format!("creating {}", staging_root.display())))?;
-        let dir = staging_root.join(format!("{tag}-{}", crate::ids::random_hex(4)));
+        let dir = staging_root.join(format!("{tag}-{}", forkd_host::ids::random_hex(4)));
         std::fs::create_dir(&dir).map_err(io(format!("creating {}", dir.display())))?;
         Ok(Staging {
             tag: tag.clone(),
@@ -328,7 +328,7 @@ impl Store {
     pub fn scratch_path(&self, name: &str) -> PathBuf {
         let dir = self.root.join(STAGING);
         let _ = std::fs::create_dir_all(&dir);
-        dir.join(format!("{name}-{}", crate::ids::random_hex(4)))
+        dir.join(format!("{name}-{}", forkd_host::ids::random_hex(4)))
     }
 
     /// Removes what unfinished builds of `tag` left in the staging area (a build
@@ -502,7 +502,7 @@ impl Store {
         let doomed = self
             .root
             .join(STAGING)
-            .join(format!("rm-{tag}-{}", crate::ids::random_hex(4)));
+            .join(format!("rm-{tag}-{}", forkd_host::ids::random_hex(4)));
         std::fs::create_dir_all(self.root.join(STAGING))
             .map_err(io("creating the staging directory"))?;
         std::fs::rename(&dir, &doomed).map_err(io(format!("removing {}", dir.display())))?;

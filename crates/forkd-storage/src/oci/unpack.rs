@@ -158,7 +158,7 @@ fn check_machine(m: &Manifest) -> Result<(), ArchiveError> {
         return Err(refused(format!("{} vCPUs", m.machine.vcpus)));
     }
     // A model name, not QEMU options smuggled after a comma.
-    if !crate::template::is_cpu_model_name(&m.machine.cpu) {
+    if !forkd_hypervisor::accel::is_cpu_model_name(&m.machine.cpu) {
         return Err(refused(format!(
             "its CPU model {:?} is not a model name",
             m.machine.cpu
@@ -217,7 +217,7 @@ fn install_one(
         linked_from_parent(name, &a.manifest, Some(&p.manifest)).then(|| p.part(name))
     };
     let needed = space_needed(a, parent, &same_as_parent);
-    crate::space::ensure_room(store.root(), needed, &format!("unpacking snapshot {tag}"))?;
+    forkd_host::space::ensure_room(store.root(), needed, &format!("unpacking snapshot {tag}"))?;
     let mut staging = store.stage(tag)?;
     for (name, b) in &a.parts {
         let want = &a.manifest.parts[name];

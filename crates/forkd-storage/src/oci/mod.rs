@@ -73,9 +73,9 @@ pub enum ArchiveError {
     /// A snapshot error (not found, exists, damaged...).
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
-    /// Not enough disk space, or another sandbox-layer error.
+    /// Not enough disk space.
     #[error(transparent)]
-    Sandbox(#[from] crate::SandboxError),
+    Space(#[from] forkd_host::space::SpaceError),
     /// The archive (or what a registry served) is not a valid forkd snapshot; nothing
     /// was installed.
     #[error("refused: {0}; nothing was installed")]

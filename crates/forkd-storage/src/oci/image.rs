@@ -122,7 +122,7 @@ pub async fn pull_image(
                 .metadata()
                 .map_err(io(format!("reading {}", file.display())))?
                 .len();
-            crate::space::ensure_room(&home.tmp_dir(), size, &format!("reading {source}"))?;
+            forkd_host::space::ensure_room(&home.tmp_dir(), size, &format!("reading {source}"))?;
             let scratch = forkd_image::ScratchDir::new(&home.tmp_dir(), "docker-archive-")
                 .map_err(|e| io("making a scratch directory")(std::io::Error::other(e)))?;
             let (what, tag, dir) = (

@@ -280,7 +280,7 @@ impl Layout {
             else {
                 return Err(refused(format!("unexpected entry {shown:?} (a layout holds oci-layout, index.json and blobs/sha256/<digest>)")));
             };
-            crate::space::ensure_room(store.root(), size, "unpacking a snapshot archive")?;
+            forkd_host::space::ensure_room(store.root(), size, "unpacking a snapshot archive")?;
             let tmp = layout.temp_path(hex);
             let mut sink = super::blob::Hashing::create(&tmp).map_err(io("writing a blob"))?;
             let copied = std::io::copy(&mut entry, &mut sink).map_err(truncated)?;

@@ -214,7 +214,7 @@ pub async fn push(
                     })?;
                 report.uploaded += 1;
                 report.uploaded_bytes += size;
-                crate::failpoint::hit("push.after_blob");
+                forkd_host::failpoint::hit("push.after_blob");
             }
             done += size;
             progress(
@@ -329,7 +329,7 @@ pub async fn pull(
         }
     }
     let total = wanted.iter().map(|(_, _, size)| size).sum::<u64>();
-    crate::space::ensure_room(store.root(), total, &format!("pulling {reference}"))?;
+    forkd_host::space::ensure_room(store.root(), total, &format!("pulling {reference}"))?;
     let mut done = 0;
     for (at, desc, size) in wanted {
         let title = desc

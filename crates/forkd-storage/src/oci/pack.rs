@@ -26,7 +26,7 @@ pub fn pack(store: &Store, tag: &Tag, progress: &dyn Fn(&str)) -> Result<Packed,
     snaps.reverse();
     snaps.push(head);
     let needed = space_needed(&snaps);
-    crate::space::ensure_room(store.root(), needed, &format!("packing snapshot {tag}"))?;
+    forkd_host::space::ensure_room(store.root(), needed, &format!("packing snapshot {tag}"))?;
     let layout = Layout::new(store, &format!("pack-{tag}"))?;
     // Part digest -> its blob: the guest assets a chain shares are compressed once.
     let mut done: BTreeMap<String, OciDescriptor> = BTreeMap::new();
