@@ -78,7 +78,6 @@ impl IntoResponse for ApiError {
 /// A failure while preparing the guest (stage 1 or PID 1 set-up).
 #[derive(Debug, thiserror::Error)]
 pub enum InitError {
-    /// mounting {what} on {target} failed: {source}
     #[error("mounting {what} on {target} failed: {source}")]
     Mount {
         /// What was mounted (a filesystem type or device).
@@ -88,7 +87,6 @@ pub enum InitError {
         /// The kernel's answer.
         source: nix::Error,
     },
-    /// {action} {path} failed: {source}
     #[error("{action} {path} failed: {source}")]
     Io {
         /// What was being done ("creating", "copying"...).
@@ -98,7 +96,6 @@ pub enum InitError {
         /// The error.
         source: std::io::Error,
     },
-    /// {action} failed: {source}
     #[error("{action} failed: {source}")]
     Sys {
         /// The system call and its arguments, in words.
@@ -106,7 +103,6 @@ pub enum InitError {
         /// The kernel's answer.
         source: nix::Error,
     },
-    /// the root device {0} did not appear within 10 s (block devices present: {1})
     #[error(
         "the root device {0} did not appear within 10 s (block devices present: {1}); \
          check forkd.root= on the kernel command line and that the virtio_blk module loaded"

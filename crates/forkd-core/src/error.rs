@@ -7,16 +7,12 @@ use forkd_image::ImageError;
 /// A sandbox could not be created, or failed while in use.
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
-    /// {0}
     #[error(transparent)]
     Image(#[from] ImageError),
-    /// {0}
     #[error(transparent)]
     Hypervisor(#[from] HypervisorError),
-    /// {0}
     #[error(transparent)]
     Agent(#[from] AgentError),
-    /// sandbox {id}: the VM exited ({reason}); last console lines:\n{console}
     #[error("sandbox {id}: the VM exited ({reason}); last console lines:\n{console}")]
     GuestExited {
         /// The sandbox.
@@ -26,7 +22,6 @@ pub enum SandboxError {
         /// The tail of the guest's serial console.
         console: String,
     },
-    /// sandbox {id}: the guest agent did not come up within {secs} s; last console lines:\n{console}
     #[error("sandbox {id}: the guest agent did not come up within {secs} s; last console lines:\n{console}")]
     BootTimeout {
         /// The sandbox.
@@ -47,7 +42,6 @@ pub enum SandboxError {
         /// The agent timeout.
         secs: f64,
     },
-    /// sandbox {id} has been destroyed
     #[error("sandbox {id} has been destroyed")]
     Destroyed {
         /// The sandbox.
@@ -76,7 +70,6 @@ pub enum SandboxError {
         /// Its state.
         state: crate::lifecycle::SandboxState,
     },
-    /// sandbox {id} cannot be branched: {detail}
     #[error("sandbox {id} cannot be branched: {detail}")]
     Unbranchable {
         /// The sandbox.
@@ -84,22 +77,18 @@ pub enum SandboxError {
         /// Why.
         detail: String,
     },
-    /// {0}
     #[error(transparent)]
     Snapshot(#[from] forkd_storage::snapshot::SnapshotError),
-    /// no sandbox {id} (see `forkd ls`)
     #[error("no sandbox {id} (see `forkd ls`)")]
     NotFound {
         /// The id asked for.
         id: String,
     },
-    /// sandbox {id} is gone: its VM is no longer running (its files were removed)
     #[error("sandbox {id} is gone: its VM is no longer running (its files were removed)")]
     Gone {
         /// The sandbox.
         id: String,
     },
-    /// template {name}: {detail}
     #[error("template {name}: {detail}")]
     Template {
         /// The template.
@@ -107,7 +96,6 @@ pub enum SandboxError {
         /// What went wrong.
         detail: String,
     },
-    /// {context}: {source}
     #[error("{context}: {source}")]
     Io {
         /// What was being done.

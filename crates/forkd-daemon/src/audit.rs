@@ -97,7 +97,6 @@ impl Record {
 /// An audit log error.
 #[derive(Debug, thiserror::Error)]
 pub enum AuditError {
-    /// audit log {path}: {source}
     #[error("audit log {path}: {source}")]
     Io {
         /// The log.
@@ -105,7 +104,6 @@ pub enum AuditError {
         /// Why.
         source: std::io::Error,
     },
-    /// audit log line {line}: {detail}
     #[error("audit log line {line}: {detail}")]
     Broken {
         /// 1-based line number.

@@ -72,13 +72,11 @@ pub struct TlsFiles {
 /// The configuration cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    /// refusing to listen on {addr} without a token: anyone who can reach it could run code; pass --token-file (or listen on 127.0.0.1)
     #[error("refusing to listen on {addr} without a token: anyone who can reach it could run code; pass --token-file (or listen on a loopback address)")]
     NoToken {
         /// The address.
         addr: SocketAddr,
     },
-    /// the token in {path} is {len} bytes; at least 32 are required
     #[error("the token in {path} is {len} bytes; at least {MIN_TOKEN_LEN} are required (e.g. `openssl rand -hex 32 > {path}`)")]
     ShortToken {
         /// The token file.
@@ -86,7 +84,6 @@ pub enum ConfigError {
         /// Its length after trimming.
         len: usize,
     },
-    /// cannot read {path}: {source}
     #[error("cannot read {path}: {source}")]
     Read {
         /// The file.
@@ -94,7 +91,6 @@ pub enum ConfigError {
         /// Why.
         source: std::io::Error,
     },
-    /// --max-sandboxes must be at least 1
     #[error("--max-sandboxes must be at least 1")]
     NoCapacity,
     /// The E2B listener needs the token: it is the API key.

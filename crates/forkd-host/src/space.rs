@@ -6,11 +6,9 @@
 use std::path::Path;
 
 /// Why there is no room for some work.
-//
-// Each variant's doc comment is its message (displaydoc).
-#[derive(Debug, displaydoc::Display, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum SpaceError {
-    /// not enough disk space for {what} in {path}: {needed_mib} MiB needed, {available_mib} MiB free; free some space (remove sandboxes or snapshots) or give forkd a bigger FORKD_HOME
+    #[error("not enough disk space for {what} in {path}: {needed_mib} MiB needed, {available_mib} MiB free; free some space (remove sandboxes or snapshots) or give forkd a bigger FORKD_HOME")]
     NoSpace {
         /// What was asked for.
         what: String,
@@ -21,7 +19,7 @@ pub enum SpaceError {
         /// What is free, MiB.
         available_mib: u64,
     },
-    /// {context}: {source}
+    #[error("{context}: {source}")]
     Io {
         /// What was being done.
         context: String,

@@ -2,11 +2,9 @@
 //! its own programs and control protocol in the fields it fills in.
 
 /// Something went wrong starting or driving a VM.
-//
-// Each variant's doc comment is its message (displaydoc), so the two cannot drift apart.
-#[derive(Debug, displaydoc::Display, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum HypervisorError {
-    /// could not start {program}: {source} (install it: {install})
+    #[error("could not start {program}: {source} (install it: {install})")]
     Spawn {
         /// The program that failed to start.
         program: String,
@@ -15,7 +13,7 @@ pub enum HypervisorError {
         /// What provides it (`apt-get install qemu-system-x86`).
         install: &'static str,
     },
-    /// {program} exited during start-up ({status}): {stderr}
+    #[error("{program} exited during start-up ({status}): {stderr}")]
     EarlyExit {
         /// The hypervisor program (`QEMU`).
         program: &'static str,
@@ -24,7 +22,7 @@ pub enum HypervisorError {
         /// The tail of its stderr.
         stderr: String,
     },
-    /// the guest CPU model {model} is not available with {accel} on this host ({missing}); a snapshot forks only where its CPU model is: build the template on this host, or give its recipe a `cpu` this host has
+    #[error("the guest CPU model {model} is not available with {accel} on this host ({missing}); a snapshot forks only where its CPU model is: build the template on this host, or give its recipe a `cpu` this host has")]
     CpuModel {
         /// The model.
         model: String,
@@ -33,14 +31,14 @@ pub enum HypervisorError {
         /// What the hypervisor said is missing.
         missing: String,
     },
-    /// the VM's control socket {socket} did not answer within {secs} s
+    #[error("the VM's control socket {socket} did not answer within {secs} s")]
     ControlTimeout {
         /// The control socket (QEMU's QMP socket).
         socket: String,
         /// How long we waited.
         secs: u64,
     },
-    /// control command {command} failed: {class}: {desc}
+    #[error("control command {command} failed: {class}: {desc}")]
     Control {
         /// The command.
         command: String,
@@ -49,29 +47,29 @@ pub enum HypervisorError {
         /// The hypervisor's description.
         desc: String,
     },
-    /// the VM's control connection was lost ({0}); the VM has probably exited
+    #[error("the VM's control connection was lost ({0}); the VM has probably exited")]
     ControlClosed(String),
-    /// KVM was requested but cannot be used: {0}
+    #[error("KVM was requested but cannot be used: {0}")]
     KvmUnavailable(String),
-    /// VM {id} is not running (its hypervisor process, pid {pid}, is gone)
+    #[error("VM {id} is not running (its hypervisor process, pid {pid}, is gone)")]
     NotRunning {
         /// The VM's id.
         id: String,
         /// The pid it had.
         pid: u32,
     },
-    /// device state migration failed: {0}
+    #[error("device state migration failed: {0}")]
     Migration(String),
-    /// device state migration did not finish within {secs} s
+    #[error("device state migration did not finish within {secs} s")]
     MigrationTimeout {
         /// How long we waited.
         secs: u64,
     },
-    /// sandbox network: {0}
+    #[error("sandbox network: {0}")]
     Network(String),
-    /// invalid VM configuration: {0}
+    #[error("invalid VM configuration: {0}")]
     Config(String),
-    /// {context}: {source}
+    #[error("{context}: {source}")]
     Io {
         /// What was being done.
         context: String,

@@ -7,7 +7,6 @@ use std::path::PathBuf;
 /// An error while finding, building or reading a guest asset.
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
-    /// could not {action} {path}: {source}; check that the path is writable and the disk is not full
     #[error("could not {action} {path}: {source}; check that the path is writable and the disk is not full")]
     Io {
         action: &'static str,
@@ -16,14 +15,12 @@ pub enum ImageError {
         source: io::Error,
     },
 
-    /// {tool} is not installed: apt-get install {package}
     #[error("{tool} is not installed: apt-get install {package}")]
     ToolMissing {
         tool: &'static str,
         package: &'static str,
     },
 
-    /// {tool} failed ({status}): {hint}; its last output was:\n{output}
     #[error("{tool} failed ({status}): {hint}; its last output was:\n{output}")]
     ToolFailed {
         tool: &'static str,
@@ -33,39 +30,30 @@ pub enum ImageError {
         output: String,
     },
 
-    /// apt knows no package {package}: run `apt-get update` (with a Debian source configured), or pass a kernel .deb (--kernel-deb)
     #[error("apt knows no package {package}: run `apt-get update` (with a Debian source configured), or pass a kernel .deb (--kernel-deb)")]
     NoKernelPackage { package: String },
 
-    /// kernel package {path} is not usable: {reason}; pass a Debian linux-image-*-cloud-amd64 .deb
     #[error("kernel package {path} is not usable: {reason}; pass a Debian linux-image-*-cloud-amd64 .deb")]
     KernelDeb { path: PathBuf, reason: String },
 
-    /// kernel {release} has no module {module} and does not have it built in: use a Debian cloud kernel (linux-image-*-cloud-amd64)
     #[error("kernel {release} has no module {module} and does not have it built in: use a Debian cloud kernel (linux-image-*-cloud-amd64)")]
     ModuleMissing { release: String, module: String },
 
-    /// kernel module data in {path} is unusable: {reason}; rebuild the kernel asset (forkd image build --force)
     #[error("kernel module data in {path} is unusable: {reason}; rebuild the kernel asset (forkd image build --force)")]
     ModuleData { path: PathBuf, reason: String },
 
-    /// the guest agent binary forkd-agent was not found (looked at: {tried}); build it with `RUSTFLAGS='-C target-feature=+crt-static' cargo build --release -p forkd-agent --target x86_64-unknown-linux-gnu` or set FORKD_AGENT_BIN to its path
     #[error("the guest agent binary forkd-agent was not found (looked at: {tried}); build it with `RUSTFLAGS='-C target-feature=+crt-static' cargo build --release -p forkd-agent --target x86_64-unknown-linux-gnu` or set FORKD_AGENT_BIN to its path")]
     AgentNotFound { tried: String },
 
-    /// guest agent {path} is dynamically linked, but it runs as /init before any root filesystem with a loader exists; build it with `RUSTFLAGS='-C target-feature=+crt-static' cargo build --release -p forkd-agent --target x86_64-unknown-linux-gnu`
     #[error("guest agent {path} is dynamically linked, but it runs as /init before any root filesystem with a loader exists; build it with `RUSTFLAGS='-C target-feature=+crt-static' cargo build --release -p forkd-agent --target x86_64-unknown-linux-gnu`")]
     AgentDynamic { path: PathBuf },
 
-    /// guest agent {path} is not an x86-64 Linux executable ({reason}); point FORKD_AGENT_BIN at the forkd-agent binary
     #[error("guest agent {path} is not an x86-64 Linux executable ({reason}); point FORKD_AGENT_BIN at the forkd-agent binary")]
     AgentNotElf { path: PathBuf, reason: String },
 
-    /// no Debian mirror for suite {suite} found in the host's apt sources; pass --mirror <URL> or set FORKD_DEBIAN_MIRROR
     #[error("no Debian mirror for suite {suite} found in the host's apt sources; pass --mirror <URL> or set FORKD_DEBIAN_MIRROR")]
     NoMirror { suite: String },
 
-    /// only {free_mib} MiB are free under {path}, a rootfs build needs at least {need_mib} MiB; free some space or set FORKD_HOME to a directory on a larger disk
     #[error("only {free_mib} MiB are free under {path}, a rootfs build needs at least {need_mib} MiB; free some space or set FORKD_HOME to a directory on a larger disk")]
     LowDiskSpace {
         path: PathBuf,
@@ -73,23 +61,18 @@ pub enum ImageError {
         need_mib: u64,
     },
 
-    /// layer {path}: {detail}
     #[error("an image layer ({path}) cannot be applied: {detail}")]
     BadLayer { path: PathBuf, detail: String },
 
-    /// building {what} needs root (debootstrap creates device nodes and files owned by other users); run it as root
     #[error("building {what} needs root (debootstrap creates device nodes and files owned by other users); run it as root")]
     NeedRoot { what: String },
 
-    /// packages cannot be installed: {detail}
     #[error("packages cannot be installed: {detail}")]
     Package { detail: String },
 
-    /// unknown rootfs image {0:?}; use one of: minimal, python
     #[error("unknown rootfs image {0:?}; use one of: minimal, python")]
     UnknownImage(String),
 
-    /// could not lock {path} to serialise builds: {source}; check that the directory is writable
     #[error(
         "could not lock {path} to serialise builds: {source}; check that the directory is writable"
     )]

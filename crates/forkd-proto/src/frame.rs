@@ -49,13 +49,10 @@ pub struct Frame {
 /// A malformed frame stream.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum FrameError {
-    /// frame has unknown tag {0}
     #[error("frame has unknown tag {0}")]
     UnknownTag(u8),
-    /// frame payload of {0} bytes exceeds the limit of 1048576 bytes (1 MiB)
     #[error("frame payload of {0} bytes exceeds the limit of {max} bytes (1 MiB)", max = MAX_PAYLOAD)]
     TooLarge(usize),
-    /// stream ended inside a frame ({0} bytes left over)
     #[error("stream ended inside a frame ({0} bytes left over)")]
     Truncated(usize),
 }

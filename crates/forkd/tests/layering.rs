@@ -101,6 +101,41 @@ fn crates_depend_only_on_what_the_architecture_allows() {
     }
 }
 
+/// Each error message is written once, in its `#[error]` attribute: a doc comment right
+/// above it that repeats it (a format string with `{...}`) is a second copy that drifts.
+#[test]
+fn error_messages_are_written_once() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut copies = Vec::new();
+    let mut stack = vec![root.join("crates")];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            let lines: Vec<&str> = text.lines().collect();
+            for (i, line) in lines.iter().enumerate() {
+                let above = i.checked_sub(1).map(|j| lines[j].trim());
+                if line.trim().starts_with("#[error(")
+                    && above.is_some_and(|a| a.starts_with("///") && a.contains('{'))
+                {
+                    copies.push(format!("{}:{}", path.display(), i + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        copies.is_empty(),
+        "doc comments repeating an #[error] message: {copies:?}"
+    );
+}
+
 #[test]
 fn the_table_is_read_as_written() {
     let doc = "<!-- layering -->\n| crate | may depend on |\n|---|---|\n| forkd-a | |\n| forkd-b | forkd-a, forkd-c |\n<!-- /layering -->";

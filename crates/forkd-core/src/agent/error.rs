@@ -5,7 +5,6 @@ use forkd_proto::ErrorCode;
 /// A call to the guest agent failed.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
-    /// cannot connect to the agent socket {path}: {source}
     #[error("cannot connect to the agent socket {path}: {source}")]
     Connect {
         /// The socket.
@@ -13,16 +12,13 @@ pub enum AgentError {
         /// Why.
         source: std::io::Error,
     },
-    /// the guest agent did not answer the handshake within {secs} s
     #[error("the guest agent did not answer the handshake within {secs} s")]
     HandshakeTimeout {
         /// How long we waited.
         secs: u64,
     },
-    /// the agent channel closed during the handshake (the VM probably exited)
     #[error("the agent channel closed during the handshake (the VM probably exited)")]
     HandshakeClosed,
-    /// the guest agent speaks protocol {guest}, this host speaks {host}: rebuild the guest assets (forkd image build)
     #[error(
         "the guest agent speaks protocol {guest}, this host speaks {host}: rebuild the guest \
          assets (forkd image build --force)"
@@ -33,10 +29,8 @@ pub enum AgentError {
         /// Ours.
         host: u32,
     },
-    /// agent connection failed: {0}
     #[error("agent connection failed: {0}")]
     Http(String),
-    /// the agent answered {status}: {message}
     #[error("{message}")]
     Agent {
         /// HTTP status.
@@ -46,10 +40,8 @@ pub enum AgentError {
         /// The agent's message.
         message: String,
     },
-    /// malformed answer from the agent: {0}
     #[error("malformed answer from the agent: {0}")]
     Malformed(String),
-    /// {what} from the agent is larger than {limit} bytes
     #[error(
         "{what} from the agent is larger than {limit} bytes; refused unread (set {setting} to \
          raise the limit if this is expected)"
@@ -62,13 +54,11 @@ pub enum AgentError {
         /// The setting that raises the limit.
         setting: &'static str,
     },
-    /// the agent did not answer within {secs} s
     #[error("the agent did not answer within {secs} s")]
     Timeout {
         /// How long we waited.
         secs: u64,
     },
-    /// {context}: {source}
     #[error("{context}: {source}")]
     Io {
         /// What was being done.

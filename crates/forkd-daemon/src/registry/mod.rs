@@ -28,7 +28,6 @@ mod takeover;
 /// Why the registry refused or failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
-    /// at capacity: {live} sandboxes run and {asked} more were asked for; the limit is {max}
     #[error("at capacity: {live} sandboxes run or are starting and {asked} more were asked for; the limit is {max}")]
     AtCapacity {
         /// Running or being created.
@@ -38,16 +37,12 @@ pub enum RegistryError {
         /// The limit.
         max: usize,
     },
-    /// {0}
     #[error(transparent)]
     Memory(#[from] crate::admission::InsufficientMemory),
-    /// {0}
     #[error(transparent)]
     Sandbox(#[from] SandboxError),
-    /// {0}
     #[error(transparent)]
     State(#[from] StateError),
-    /// {0}
     #[error("{0}")]
     Conflict(String),
 }

@@ -90,7 +90,6 @@ fn read_audit_head(conn: &Connection) -> Result<Option<crate::audit::Anchor>, St
 /// A state database error.
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
-    /// the state database {path}: {source}
     #[error("the state database {path}: {source}")]
     Open {
         /// The database file.
@@ -98,7 +97,6 @@ pub enum StateError {
         /// Why.
         source: rusqlite::Error,
     },
-    /// the state database was written by a newer forkd (schema {found}, this one knows {known})
     #[error("the state database was written by a newer forkd (schema {found}, this one knows up to {known}); run that version or move the database aside")]
     TooNew {
         /// The database's schema version.
@@ -106,10 +104,8 @@ pub enum StateError {
         /// What this build knows.
         known: usize,
     },
-    /// state database: {0}
     #[error("state database: {0}")]
     Sql(#[from] rusqlite::Error),
-    /// state database: a stored row is not valid: {0}
     #[error("state database: a stored row is not valid: {0}")]
     Row(#[from] serde_json::Error),
     /// A child to be recorded running was not starting (or not recorded at all).

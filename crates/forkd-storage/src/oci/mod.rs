@@ -70,10 +70,8 @@ pub const MAX_DOCUMENT: u64 = 1 << 20;
 /// What can go wrong packing, unpacking, pushing or pulling.
 #[derive(Debug, thiserror::Error)]
 pub enum ArchiveError {
-    /// A snapshot error (not found, exists, damaged...).
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
-    /// Not enough disk space.
     #[error(transparent)]
     Space(#[from] forkd_host::space::SpaceError),
     /// The archive (or what a registry served) is not a valid forkd snapshot; nothing

@@ -31,7 +31,6 @@ const STAGING: &str = ".staging";
 /// What can go wrong with snapshots.
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
-    /// invalid snapshot tag {tag:?}: {reason}
     #[error("invalid snapshot tag {tag:?}: {reason}")]
     InvalidTag {
         /// (The start of) the tag.
@@ -39,13 +38,11 @@ pub enum SnapshotError {
         /// What is wrong with it.
         reason: String,
     },
-    /// no snapshot {tag} (see `forkd snapshots`)
     #[error("no snapshot {tag} (see `forkd snapshots`)")]
     NotFound {
         /// The tag.
         tag: String,
     },
-    /// snapshot {tag} already exists (remove it with `forkd rmi {tag}`, or use another tag)
     #[error(
         "snapshot {tag} already exists (remove it with `forkd rmi {tag}`, or use another tag)"
     )]
@@ -53,7 +50,6 @@ pub enum SnapshotError {
         /// The tag.
         tag: String,
     },
-    /// snapshot {tag} is damaged and will not be forked: {detail}
     #[error("snapshot {tag} is damaged and will not be forked: {detail} (check it with `forkd snapshot verify {tag}`; rebuild it to repair)")]
     Damaged {
         /// The tag.
@@ -61,7 +57,6 @@ pub enum SnapshotError {
         /// What is wrong.
         detail: String,
     },
-    /// snapshot {tag}: {part} does not match its digest (expected sha256 {expected}, found {actual})
     #[error("snapshot {tag}: {part} does not match its digest (expected sha256 {expected}, found {actual})")]
     DigestMismatch {
         /// The tag.
@@ -73,7 +68,6 @@ pub enum SnapshotError {
         /// Of the file.
         actual: String,
     },
-    /// snapshot {tag} is in use by {users}; stop those first (or force the removal)
     #[error("snapshot {tag} is in use by {users}; stop those first")]
     InUse {
         /// The tag.
@@ -81,7 +75,6 @@ pub enum SnapshotError {
         /// Who uses it, named.
         users: String,
     },
-    /// {context}: {source}
     #[error("{context}: {source}")]
     Io {
         /// What was being done.
