@@ -26,6 +26,12 @@ use subtle::ConstantTimeEq;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
 
+mod middleware;
+use middleware::{
+    append_failed_authentications, authenticate, observe, record_failed_authentications,
+};
+pub(crate) use middleware::{record_before, record_request, refused_authentication};
+
 /// How long in-flight requests get to finish after a shutdown signal.
 const DRAIN: Duration = Duration::from_secs(10);
 
@@ -61,6 +67,119 @@ pub struct ErrorKind(pub &'static str);
 #[derive(Debug, Clone, Default)]
 pub struct AuditIds(pub Vec<String>);
 
+/// Removes what the last daemon's stop left half made: layouts and build scratch,
+/// the cgroups of VMs that exited while no daemon watched them, and the staging of
+/// builds and branches it interrupted. Returns the sources of interrupted branches,
+/// which the registry recovers.
+fn clean_after_last_stop(
+    config: &DaemonConfig,
+    store: &Store,
+    interrupted: &[crate::state::Interrupted],
+) -> Vec<String> {
+    forkd_storage::oci::layout::Layout::remove_leftovers(store);
+    forkd_core::customise::remove_leftovers(&config.home);
+    if let Ok(Some(cgroups)) = forkd_host::cgroup::for_vms() {
+        cgroups.sweep(std::time::Duration::from_secs(60));
+    }
+    let mut branch_sources = Vec::new();
+    for op in interrupted {
+        let (kind, target) = (&op.kind, &op.target);
+        // What a build or branch interrupted by the stop had written is of no use to
+        // anyone. (An interrupted fork's children are the registry's: see adopt_all.)
+        if kind == "build_snapshot" || kind == "branch" {
+            if let Ok(tag) = forkd_storage::snapshot::Tag::parse(target) {
+                store.remove_staging_of(&tag);
+            }
+        }
+        if kind == "branch" {
+            if let Some(source) = op.result.as_ref().and_then(|r| r["source"].as_str()) {
+                branch_sources.push(source.to_owned());
+            }
+        }
+        tracing::warn!(%kind, %target, "an operation was interrupted by the last stop");
+    }
+    branch_sources
+}
+
+/// The registry, with what the last daemon left taken over: interrupted branches'
+/// sources recovered, running sandboxes adopted, warm pools opened, and directories no
+/// row owns and no VM uses pruned.
+async fn start_registry(
+    config: &DaemonConfig,
+    hypervisor: Arc<dyn forkd_hypervisor::Hypervisor>,
+    store: Store,
+    state: Arc<State>,
+    branch_sources: &[String],
+) -> Result<Registry> {
+    let registry = Registry::new(
+        hypervisor,
+        config.home.clone(),
+        store,
+        state,
+        config.max_sandboxes,
+    )
+    .with_fork_parallelism(config.fork_parallelism)
+    .with_memory_overcommit(config.memory_overcommit)
+    .with_dns_upstream(config.dns_upstream);
+    registry.recover_branches(branch_sources).await?;
+    let (adopted, gone) = registry.adopt_all().await?;
+    let leftovers = registry.open_pools().await?;
+    if leftovers > 0 {
+        tracing::info!("removed {leftovers} warm pool members the last daemon left");
+    }
+    // Directories that no row owns and no VM uses (a `forkd run` killed outright, a
+    // daemon killed before it wrote a child's row): nothing will ever clean them
+    // otherwise.
+    let pruned = registry.prune_unowned();
+    tracing::info!(
+        "adopted {} running sandboxes; {} had stopped while the daemon was down and were removed; {} stale sandbox directories pruned",
+        adopted.len(),
+        gone.len(),
+        pruned.len()
+    );
+    Ok(registry)
+}
+
+/// The daemon's listeners, bound.
+struct Listeners {
+    unix: UnixListener,
+    tcp: Option<TcpListener>,
+    e2b: Option<TcpListener>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+}
+
+impl Listeners {
+    async fn bind(config: &DaemonConfig) -> Result<Listeners> {
+        let unix = bind_unix(&config.socket, config.socket_group.as_deref()).await?;
+        let tcp = match config.listen {
+            Some(addr) => Some(
+                TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("listening on {addr}"))?,
+            ),
+            None => None,
+        };
+        let e2b = match &config.e2b {
+            Some(e) => Some(
+                TcpListener::bind(e.listen)
+                    .await
+                    .with_context(|| format!("listening for E2B's SDKs on {}", e.listen))?,
+            ),
+            None => None,
+        };
+        let tls = match &config.tls {
+            Some(files) => Some(crate::server::tls::acceptor(files)?),
+            None => None,
+        };
+        Ok(Listeners {
+            unix,
+            tcp,
+            e2b,
+            tls,
+        })
+    }
+}
+
 /// Runs the daemon until `shutdown` resolves, with VMs of `hypervisor` (the binary picks
 /// the backend; the daemon never names one). `ready` is called once every listener is
 /// bound (with the TCP address actually bound, if any). `extra` is served beside the
@@ -87,79 +206,16 @@ pub async fn run(
     let state = Arc::new(State::open(&config.database())?);
     let interrupted = state.interrupt_running_operations(&crate::now_rfc3339())?;
     let store = Store::of_home(&config.home);
-    forkd_storage::oci::layout::Layout::remove_leftovers(&store);
-    forkd_core::customise::remove_leftovers(&config.home);
-    // Cgroups of VMs that exited while no daemon watched them.
-    if let Ok(Some(cgroups)) = forkd_host::cgroup::for_vms() {
-        cgroups.sweep(std::time::Duration::from_secs(60));
-    }
-    let mut branch_sources = Vec::new();
-    for op in &interrupted {
-        let (kind, target) = (&op.kind, &op.target);
-        // What a build or branch interrupted by the stop had written is of no use to
-        // anyone. (An interrupted fork's children are the registry's: see adopt_all.)
-        if kind == "build_snapshot" || kind == "branch" {
-            if let Ok(tag) = forkd_storage::snapshot::Tag::parse(target) {
-                store.remove_staging_of(&tag);
-            }
-        }
-        if kind == "branch" {
-            if let Some(source) = op.result.as_ref().and_then(|r| r["source"].as_str()) {
-                branch_sources.push(source.to_owned());
-            }
-        }
-        tracing::warn!(%kind, %target, "an operation was interrupted by the last stop");
-    }
+    let branch_sources = clean_after_last_stop(&config, &store, &interrupted);
     let audit = Arc::new(open_audit_log(&config, &state)?);
     close_networks(&config, &audit).await?;
-    let registry = Registry::new(
-        hypervisor,
-        config.home.clone(),
-        store,
-        state,
-        config.max_sandboxes,
-    )
-    .with_fork_parallelism(config.fork_parallelism)
-    .with_memory_overcommit(config.memory_overcommit)
-    .with_dns_upstream(config.dns_upstream);
-    registry.recover_branches(&branch_sources).await?;
-    let (adopted, gone) = registry.adopt_all().await?;
-    let leftovers = registry.open_pools().await?;
-    if leftovers > 0 {
-        tracing::info!("removed {leftovers} warm pool members the last daemon left");
-    }
-    // Directories that no row owns and no VM uses (a `forkd run` killed outright, a
-    // daemon killed before it wrote a child's row): nothing will ever clean them
-    // otherwise.
-    let pruned = registry.prune_unowned();
-    tracing::info!(
-        "adopted {} running sandboxes; {} had stopped while the daemon was down and were removed; {} stale sandbox directories pruned",
-        adopted.len(),
-        gone.len(),
-        pruned.len()
-    );
-
-    let unix = bind_unix(&config.socket, config.socket_group.as_deref()).await?;
-    let tcp = match config.listen {
-        Some(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("listening on {addr}"))?,
-        ),
-        None => None,
-    };
-    let e2b_listener = match &config.e2b {
-        Some(e) => Some(
-            TcpListener::bind(e.listen)
-                .await
-                .with_context(|| format!("listening for E2B's SDKs on {}", e.listen))?,
-        ),
-        None => None,
-    };
-    let tls = match &config.tls {
-        Some(files) => Some(crate::server::tls::acceptor(files)?),
-        None => None,
-    };
+    let registry = start_registry(&config, hypervisor, store, state, &branch_sources).await?;
+    let Listeners {
+        unix,
+        tcp,
+        e2b: e2b_listener,
+        tls,
+    } = Listeners::bind(&config).await?;
     let tcp_addr = tcp.as_ref().and_then(|l| l.local_addr().ok());
 
     let app: App = Arc::new(AppState {
@@ -423,257 +479,6 @@ async fn bind_unix(path: &Path, group: Option<&str>) -> Result<UnixListener> {
 /// The tokens TCP clients may send, by name.
 type NamedTokens = Vec<(String, String)>;
 
-/// Bearer-token check for TCP listeners (constant-time comparison against each
-/// token). Without a configured token (allowed on loopback only) every request passes.
-/// A request that passes with a token is known by the token's name as well: its
-/// principal becomes `tcp:ADDR token=NAME` for the audit log. A request without a valid
-/// token is refused (see [`refused_authentication`]).
-async fn authenticate(
-    axum::extract::State((tokens, failures)): axum::extract::State<(
-        Arc<NamedTokens>,
-        Arc<crate::auth_failures::AuthFailures>,
-    )>,
-    mut req: Request,
-    next: Next,
-) -> Response {
-    if tokens.is_empty() {
-        return next.run(req).await;
-    }
-    let given = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::to_owned);
-    // Every token is compared, whichever matches: the time taken says nothing.
-    let matched = given.as_deref().and_then(|g| {
-        tokens.iter().fold(None, |found, (name, secret)| {
-            let same = bool::from(g.as_bytes().ct_eq(secret.as_bytes()));
-            found.or(same.then_some(name))
-        })
-    });
-    if let Some(name) = matched {
-        let peer = req
-            .extensions()
-            .get::<Principal>()
-            .map(|p| p.0.clone())
-            .unwrap_or_default();
-        let named = Principal(format!("{peer} token={name}"));
-        req.extensions_mut().insert(named.clone());
-        let mut response = next.run(req).await;
-        response.extensions_mut().insert(named);
-        return response;
-    }
-    let refusal = match given {
-        Some(_) => unauthorized("the bearer token is not valid"),
-        None => unauthorized("this listener requires `Authorization: Bearer <token>`"),
-    };
-    refused_authentication(&failures, &req, refusal)
-}
-
-/// Counts a failed authentication of `req`: into its peer address's budget (see
-/// [`crate::auth_failures`]) and the audit log's aggregates (see
-/// [`crate::failed_auth_log`]). Answers `refusal`, or 429 once the address's budget is
-/// spent; neither is audited one by one. Every TCP listener's authentication goes
-/// through this.
-pub(crate) fn refused_authentication(
-    failures: &crate::auth_failures::AuthFailures,
-    req: &Request,
-    refusal: Response,
-) -> Response {
-    let mut r = rate_limited(failures, req).unwrap_or(refusal);
-    r.extensions_mut().insert(Unaudited);
-    r
-}
-
-fn rate_limited(failures: &crate::auth_failures::AuthFailures, req: &Request) -> Option<Response> {
-    let now = Instant::now();
-    let ip = req
-        .extensions()
-        .get::<Principal>()
-        .and_then(|p| crate::auth_failures::peer_ip(&p.0))?;
-    failures.audit.note(ip);
-    if failures.is_blocked(ip, now) {
-        let mut r = ApiError::new(
-            axum::http::StatusCode::TOO_MANY_REQUESTS,
-            "rate_limited",
-            "too many failed authentications from this address; wait, and send valid credentials",
-        )
-        .into_response();
-        r.headers_mut()
-            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-        return Some(r);
-    }
-    failures.failed(ip, now);
-    None
-}
-
-/// Marks a response the audit log does not record one by one (a refused
-/// authentication, counted into the aggregates instead).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Unaudited;
-
-fn unauthorized(msg: &str) -> Response {
-    let mut r =
-        ApiError::new(axum::http::StatusCode::UNAUTHORIZED, "unauthorized", msg).into_response();
-    r.headers_mut().insert(
-        header::WWW_AUTHENTICATE,
-        header::HeaderValue::from_static("Bearer"),
-    );
-    r
-}
-
-/// The longest request path an audit record keeps (the rest is counted, not kept).
-const AUDITED_PATH: usize = 256;
-
-/// Counts errors by kind and appends an audit record for every mutating request
-/// (rate-limited refusals aside).
-async fn observe(
-    axum::extract::State((app, audit)): axum::extract::State<(App, Arc<AuditLog>)>,
-    req: Request,
-    next: Next,
-) -> Response {
-    let started = Instant::now();
-    let method = req.method().clone();
-    let path = bounded(req.uri().path(), AUDITED_PATH);
-    let principal = req
-        .extensions()
-        .get::<Principal>()
-        .map(|p| p.0.clone())
-        .unwrap_or_else(|| "unknown".into());
-    // A handler that panics would take the connection down before anything is
-    // recorded: answer 500 instead, so that the request is still audited and counted.
-    let response = match AssertUnwindSafe(next.run(req)).catch_unwind().await {
-        Ok(r) => r,
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            tracing::error!(%method, %path, "a request handler panicked: {what}");
-            ApiError::internal(
-                "the daemon failed while handling this request (a bug: its log has the details)",
-            )
-            .into_response()
-        }
-    };
-    if let Some(kind) = response.extensions().get::<ErrorKind>() {
-        app.metrics.error(kind.0);
-    }
-    if mutating(&method) && response.extensions().get::<Unaudited>().is_none() {
-        // Authentication may have named the client further (its token).
-        let principal = response
-            .extensions()
-            .get::<Principal>()
-            .map_or(principal, |p| p.0.clone());
-        let mut ids = named_ids(&path);
-        if let Some(more) = response.extensions().get::<AuditIds>() {
-            ids.extend(more.0.iter().cloned());
-        }
-        let mut record = Record::event(&principal, method.as_str(), &path, ids);
-        record.status = response.status().as_u16();
-        record.latency_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
-        if let Err(e) = audit.append(record) {
-            // The request was recorded before it ran (see `record_request`): its answer
-            // stands, or the caller could not tell that it ran and might run it twice.
-            tracing::error!("recording the outcome of a {method} request: {e}");
-        }
-    }
-    response
-}
-
-/// Whether a request changes something, and so is audited.
-fn mutating(method: &Method) -> bool {
-    matches!(
-        *method,
-        Method::POST | Method::PUT | Method::DELETE | Method::PATCH
-    )
-}
-
-/// Records a mutating request (that passed authentication) before it runs, with
-/// status 0; `observe` records its outcome after. A request that cannot be recorded is
-/// not run: 507, so that nothing is ever done unrecorded.
-pub(crate) async fn record_request(
-    axum::extract::State(audit): axum::extract::State<Arc<AuditLog>>,
-    req: Request,
-    next: Next,
-) -> Response {
-    if let Some(refused) = record_before(&audit, &req) {
-        return refused;
-    }
-    next.run(req).await
-}
-
-/// Records the mutating request `req` before it runs; the answer to send instead when
-/// it cannot be (507: it must not run).
-pub(crate) fn record_before(audit: &AuditLog, req: &Request) -> Option<Response> {
-    if mutating(req.method()) {
-        let path = bounded(req.uri().path(), AUDITED_PATH);
-        let principal = req
-            .extensions()
-            .get::<Principal>()
-            .map_or_else(|| "unknown".into(), |p| p.0.clone());
-        let record = Record::event(&principal, req.method().as_str(), &path, named_ids(&path));
-        if let Err(e) = audit.append(record) {
-            tracing::error!("{e}");
-            let mut r = ApiError::new(
-                axum::http::StatusCode::INSUFFICIENT_STORAGE,
-                "insufficient_storage",
-                format!("the audit log cannot be written, so the request was not run: {e}"),
-            )
-            .into_response();
-            r.extensions_mut().insert(Unaudited);
-            return Some(r);
-        }
-    }
-    None
-}
-
-/// Every [`crate::failed_auth_log::WINDOW`]: the failed authentications counted, as
-/// aggregate records.
-async fn record_failed_authentications(
-    failures: Arc<crate::auth_failures::AuthFailures>,
-    audit: Arc<AuditLog>,
-) {
-    let mut tick = tokio::time::interval(crate::failed_auth_log::WINDOW);
-    tick.tick().await;
-    loop {
-        tick.tick().await;
-        append_failed_authentications(&failures, &audit);
-    }
-}
-
-fn append_failed_authentications(failures: &crate::auth_failures::AuthFailures, audit: &AuditLog) {
-    for record in failures.audit.drain() {
-        if let Err(e) = audit.append(record) {
-            tracing::error!("recording failed authentications: {e}");
-        }
-    }
-}
-
-/// `s` cut to at most `max` bytes (on a character boundary), saying how long it was.
-fn bounded(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_owned();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}...[{} bytes]", &s[..end], s.len())
-}
-
-/// The sandbox ids and snapshot tags a path names (`/v1/sandboxes/{id}/...`,
-/// `/v1/snapshots/{tag}`).
-fn named_ids(path: &str) -> Vec<String> {
-    let parts: Vec<&str> = path.split('/').collect();
-    match parts.as_slice() {
-        ["", "v1", "sandboxes" | "snapshots", id, ..] => vec![(*id).to_owned()],
-        _ => Vec::new(),
-    }
-}
-
 /// The audit log, checked against its key and the head the database kept; a broken
 /// one refuses the start unless `--audit-reset` starts a new chain.
 fn open_audit_log(config: &DaemonConfig, state: &Arc<State>) -> Result<AuditLog> {
@@ -770,45 +575,21 @@ async fn fill_pools(app: App) {
     }
 }
 
-pub mod tls {
-    //! The TCP listener's TLS (rustls with the ring provider).
-
-    use crate::config::TlsFiles;
-    use anyhow::{Context, Result};
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    use std::sync::Arc;
-
-    /// A TLS acceptor from PEM certificate-chain and key files.
-    pub fn acceptor(files: &TlsFiles) -> Result<tokio_rustls::TlsAcceptor> {
-        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&files.cert)
-            .with_context(|| format!("reading {}", files.cert.display()))?
-            .collect::<Result<_, _>>()
-            .with_context(|| format!("{} is not a PEM certificate chain", files.cert.display()))?;
-        if certs.is_empty() {
-            anyhow::bail!("{} holds no certificate", files.cert.display());
-        }
-        let key = PrivateKeyDer::from_pem_file(&files.key)
-            .with_context(|| format!("{} is not a PEM private key", files.key.display()))?;
-        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .context("TLS protocol versions")?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)
-        .context("the TLS certificate and key do not make a usable pair")?;
-        Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
-    }
-}
+pub mod tls;
 
 #[cfg(test)]
 mod tests {
     #[test]
     fn ids_named_by_paths() {
-        assert_eq!(super::named_ids("/v1/sandboxes/sb-12/exec"), vec!["sb-12"]);
-        assert_eq!(super::named_ids("/v1/snapshots/python"), vec!["python"]);
-        assert!(super::named_ids("/v1/sandboxes").is_empty());
-        assert!(super::named_ids("/metrics").is_empty());
+        assert_eq!(
+            super::middleware::named_ids("/v1/sandboxes/sb-12/exec"),
+            vec!["sb-12"]
+        );
+        assert_eq!(
+            super::middleware::named_ids("/v1/snapshots/python"),
+            vec!["python"]
+        );
+        assert!(super::middleware::named_ids("/v1/sandboxes").is_empty());
+        assert!(super::middleware::named_ids("/metrics").is_empty());
     }
 }
