@@ -48,17 +48,8 @@ pub enum SandboxError {
         id: String,
     },
     /// Not enough disk space for the work asked for; nothing was started.
-    #[error("not enough disk space for {what} in {path}: {needed_mib} MiB needed, {available_mib} MiB free; free some space (remove sandboxes or snapshots) or give forkd a bigger FORKD_HOME")]
-    NoSpace {
-        /// What was asked for.
-        what: String,
-        /// Where it would have been written.
-        path: String,
-        /// What it needs, MiB.
-        needed_mib: u64,
-        /// What is free, MiB.
-        available_mib: u64,
-    },
+    #[error(transparent)]
+    NoSpace(forkd_host::space::NoSpace),
     /// The fork was cancelled; nothing of it is kept.
     #[error("the fork was cancelled; the children it had started were stopped and removed")]
     Cancelled,
@@ -107,20 +98,11 @@ pub enum SandboxError {
 
 impl From<forkd_host::space::SpaceError> for SandboxError {
     fn from(e: forkd_host::space::SpaceError) -> Self {
-        use forkd_host::space::SpaceError;
         match e {
-            SpaceError::NoSpace {
-                what,
-                path,
-                needed_mib,
-                available_mib,
-            } => SandboxError::NoSpace {
-                what,
-                path,
-                needed_mib,
-                available_mib,
-            },
-            SpaceError::Io { context, source } => SandboxError::Io { context, source },
+            forkd_host::space::SpaceError::NoSpace(n) => SandboxError::NoSpace(n),
+            forkd_host::space::SpaceError::Io { context, source } => {
+                SandboxError::Io { context, source }
+            }
         }
     }
 }

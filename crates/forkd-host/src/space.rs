@@ -5,20 +5,26 @@
 
 use std::path::Path;
 
-/// Why there is no room for some work.
+/// Not enough disk space for the work asked for; nothing was started.
+#[derive(Debug, thiserror::Error)]
+#[error("not enough disk space for {what} in {path}: {needed_mib} MiB needed, {available_mib} MiB free; free some space (remove sandboxes or snapshots) or give forkd a bigger FORKD_HOME")]
+pub struct NoSpace {
+    /// What was asked for.
+    pub what: String,
+    /// Where it would have been written.
+    pub path: String,
+    /// What it needs, MiB.
+    pub needed_mib: u64,
+    /// What is free, MiB.
+    pub available_mib: u64,
+}
+
+/// Why there is no room for some work, or it could not be told.
 #[derive(Debug, thiserror::Error)]
 pub enum SpaceError {
-    #[error("not enough disk space for {what} in {path}: {needed_mib} MiB needed, {available_mib} MiB free; free some space (remove sandboxes or snapshots) or give forkd a bigger FORKD_HOME")]
-    NoSpace {
-        /// What was asked for.
-        what: String,
-        /// Where it would have been written.
-        path: String,
-        /// What it needs, MiB.
-        needed_mib: u64,
-        /// What is free, MiB.
-        available_mib: u64,
-    },
+    /// Too little room.
+    #[error(transparent)]
+    NoSpace(#[from] NoSpace),
     #[error("{context}: {source}")]
     Io {
         /// What was being done.
@@ -54,12 +60,13 @@ pub fn ensure_room(path: &Path, needed: u64, what: &str) -> Result<(), SpaceErro
         source,
     })?;
     if available < needed.saturating_add(RESERVE) {
-        return Err(SpaceError::NoSpace {
+        return Err(NoSpace {
             what: what.to_owned(),
             path: path.display().to_string(),
             needed_mib: needed.saturating_add(RESERVE).div_ceil(1 << 20),
             available_mib: available / (1 << 20),
-        });
+        }
+        .into());
     }
     Ok(())
 }
@@ -93,12 +100,13 @@ pub fn fill_holes_on_tmpfs(file: &Path) -> Result<bool, SpaceError> {
         len,
     ) {
         Ok(()) => Ok(true),
-        Err(nix::errno::Errno::ENOSPC) => Err(SpaceError::NoSpace {
+        Err(nix::errno::Errno::ENOSPC) => Err(NoSpace {
             what: format!("the memory image {}", file.display()),
             path: file.display().to_string(),
             needed_mib: (len as u64).div_ceil(1 << 20),
             available_mib: available(file).unwrap_or(0) / (1 << 20),
-        }),
+        }
+        .into()),
         Err(e) => Err(io(e.into())),
     }
 }
@@ -117,7 +125,7 @@ mod tests {
         ensure_room(&dir.path().join("not/yet"), 1, "a test").unwrap();
         let e = ensure_room(dir.path(), u64::MAX / 2, "forking 3 children").unwrap_err();
         let msg = e.to_string();
-        assert!(matches!(e, SpaceError::NoSpace { .. }), "{msg}");
+        assert!(matches!(e, SpaceError::NoSpace(_)), "{msg}");
         assert!(msg.contains("forking 3 children"), "{msg}");
         assert!(
             msg.contains(&format!("{} MiB free", free / (1 << 20))),

@@ -139,7 +139,7 @@ impl From<SandboxError> for ApiError {
             SandboxError::NotReady { .. } | SandboxError::Unbranchable { .. } => {
                 ApiError::conflict(msg)
             }
-            SandboxError::NoSpace { .. } => ApiError::new(
+            SandboxError::NoSpace(_) => ApiError::new(
                 StatusCode::INSUFFICIENT_STORAGE,
                 "insufficient_storage",
                 msg,

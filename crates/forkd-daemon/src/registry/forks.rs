@@ -195,12 +195,12 @@ struct Recorder<'a> {
 fn recording_failed(registry: &Registry, e: StateError) -> SandboxError {
     if e.is_disk_full() {
         let root = registry.home.root();
-        return SandboxError::NoSpace {
+        return SandboxError::NoSpace(forkd_host::space::NoSpace {
             what: "recording sandboxes in the state database".into(),
             path: root.display().to_string(),
             needed_mib: forkd_host::space::RESERVE.div_ceil(1 << 20),
             available_mib: forkd_host::space::available(root).unwrap_or(0) >> 20,
-        };
+        });
     }
     SandboxError::Io {
         context: "recording the sandbox in the state database".into(),
