@@ -1,7 +1,7 @@
 //! How many sandboxes may run: the ceiling on VMs held (pool members and forks under
 //! way count), the memory a fork would take, and the slots promised to forks in progress.
 
-use super::*;
+use super::{Registry, RegistryError, Slots, COST_TTL};
 use forkd_core::lifecycle::SandboxState;
 use forkd_storage::snapshot::Snapshot;
 use std::collections::HashMap;

@@ -1,7 +1,7 @@
 //! A fork through the registry: admitted, recorded before anything of it runs (each
 //! child's row as core plans it), handed out, and its operation ended.
 
-use super::*;
+use super::{CreateOutcome, CreateSpec, Entry, Registry, RegistryError};
 use crate::state::{OperationRow, SandboxRow, StateError};
 use forkd_core::fork::{fork_partial, fork_using, ForkObserver, ForkOptions, Forked};
 use forkd_core::lifecycle::SandboxState;

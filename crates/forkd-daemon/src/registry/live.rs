@@ -1,7 +1,7 @@
 //! The sandboxes the daemon holds: looking them up, listing them, changing their
 //! egress and deadline, and removing them with their rows.
 
-use super::*;
+use super::{remove_cgroup, Entry, Listed, Registry, RegistryError, Slots};
 use crate::state::{SandboxRow, StateError};
 use forkd_core::lifecycle::SandboxState;
 use forkd_core::SandboxError;

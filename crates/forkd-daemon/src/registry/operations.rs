@@ -1,7 +1,7 @@
 //! Running operations as the daemon keeps them in memory: children ready so far, the
 //! steps begun, and the cancellation of a fork.
 
-use super::*;
+use super::{Registry, MAX_STEPS};
 
 impl Registry {
     /// Children ready so far in the running fork `op`, if it runs.

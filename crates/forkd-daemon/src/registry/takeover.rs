@@ -1,7 +1,9 @@
 //! After a restart: taking over the VMs a previous daemon started, retrying those that
 //! do not answer yet, and reaping sandboxes whose VM died or whose deadline passed.
 
-use super::*;
+use super::{
+    attach_options, remove_cgroup, Entry, Registry, RegistryError, Unattached, REATTACH_EVERY,
+};
 use crate::state::SandboxRow;
 use forkd_core::lifecycle::SandboxState;
 use forkd_core::{Sandbox, SandboxError};

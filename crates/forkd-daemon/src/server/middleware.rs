@@ -2,7 +2,18 @@
 //! rate-limited failures), the audit record written before a mutating request runs,
 //! and the metrics and outcome record of every answer.
 
-use super::*;
+use super::{AuditIds, ErrorKind, NamedTokens, Principal};
+use crate::api::{ApiError, App};
+use crate::audit::{AuditLog, Record};
+use axum::extract::Request;
+use axum::http::{header, Method};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use futures::FutureExt as _;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Instant;
+use subtle::ConstantTimeEq;
 
 /// Bearer-token check for TCP listeners (constant-time comparison against each
 /// token). Without a configured token (allowed on loopback only) every request passes.

@@ -2,27 +2,21 @@
 //! unix socket (and TCP), authenticate, audit, and stop cleanly on a signal without
 //! touching the sandboxes (they run on and are adopted by the next start).
 
-use crate::api::{self, ApiError, App, AppState};
-use crate::audit::{AuditLog, Record};
+use crate::api::{self, App, AppState};
+use crate::audit::AuditLog;
 use crate::config::DaemonConfig;
 use crate::registry::Registry;
 use crate::state::State;
 use anyhow::{bail, Context, Result};
 use axum::extract::Request;
-use axum::http::{header, Method};
-use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
 use axum::Router;
 use forkd_storage::snapshot::Store;
-use futures::FutureExt as _;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
-use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-use subtle::ConstantTimeEq;
+use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
 
