@@ -129,27 +129,14 @@ impl AuditKey {
         if let Some(k) = AuditKey::load(path)? {
             return Ok(k);
         }
-        use std::os::unix::fs::OpenOptionsExt;
         let key: [u8; 32] = rand::random();
-        let io = |source| AuditError::Io {
-            path: path.display().to_string(),
-            source,
-        };
         // Written aside and renamed: a stop half way leaves no empty key behind.
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(".partial");
-        let tmp = PathBuf::from(tmp);
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(io)?;
-        f.write_all(hex::encode(key).as_bytes())
-            .and_then(|()| f.sync_all())
-            .and_then(|()| std::fs::rename(&tmp, path))
-            .map_err(io)?;
+        forkd_host::atomic_file::write(path, hex::encode(key).as_bytes()).map_err(|source| {
+            AuditError::Io {
+                path: path.display().to_string(),
+                source,
+            }
+        })?;
         Ok(AuditKey(key))
     }
 

@@ -5,6 +5,7 @@
 //! Nothing here starts a VM; a backend (the QEMU crate) puts its process into what this
 //! crate makes.
 
+pub mod atomic_file;
 pub mod capped_log;
 pub mod caps;
 pub mod cgroup;

@@ -41,20 +41,9 @@ pub(crate) fn publish(tmp: &Path, dest: &Path) -> Result<()> {
 }
 
 /// Writes `bytes` to `dest` through a temporary file in the same directory.
+/// The file is 0600: the data directory's files are its owner's alone.
 pub(crate) fn write_atomic(dest: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = parent_of(dest);
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".tmp-")
-        .tempfile_in(dir)
-        .map_err(|e| ImageError::io("create a temporary file in", dir, e))?;
-    // tempfile creates 0600, which it stays: the data directory's files are its
-    // owner's alone.
-    tmp.write_all(bytes)
-        .and_then(|_| tmp.as_file().sync_all())
-        .map_err(|e| ImageError::io("write", tmp.path().to_path_buf(), e))?;
-    tmp.persist(dest)
-        .map_err(|e| ImageError::io("rename into place", dest, e.error))?;
-    fsync_dir(dir)
+    forkd_host::atomic_file::write(dest, bytes).map_err(|e| ImageError::io("write", dest, e))
 }
 
 /// A writer that hashes and counts what passes through it, so an asset's digest

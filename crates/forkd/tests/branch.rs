@@ -488,8 +488,22 @@ fn archives_carry_a_chain_to_another_data_directory(d: &Daemon, rt: &tokio::runt
     let v: Value = serde_json::from_str(&show).unwrap();
     assert_eq!(v["chain"]["ancestors"], json!(["b-live", "py"]), "{v}");
     cli(&other, &["snapshot", "verify", "d2"], true);
+    let (out, _) = cli(&other, &["snapshot", "verify", "d2", "--json"], true);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["links"], 3, "{v}");
     let (ok, out, err) = unpack(&["unpack", "-"]);
     assert!(ok && out.contains("d2 is here already"), "{out}{err}");
+    // The same answer as JSON; and `--json` cannot share standard output with the archive.
+    let (ok, out, err) = unpack(&["unpack", "-", "--json"]);
+    let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}{err}"));
+    assert!(ok, "{err}");
+    assert_eq!(
+        (&v["tag"], &v["installed"]),
+        (&json!("d2"), &json!([])),
+        "{v}"
+    );
+    let (_, err) = cli(d, &["pack", "d2", "-o", "-", "--json"], false);
+    assert!(err.contains("--json cannot go with `-o -`"), "{err}");
     let (ok, _, err) = unpack(&["unpack", "-", "--tag", "py"]);
     assert!(!ok && err.contains("already exists"), "{err}");
     rt.block_on(async {
@@ -520,9 +534,20 @@ fn archives_carry_a_chain_to_another_data_directory(d: &Daemon, rt: &tokio::runt
     );
     let (out, _) = cli(d, &["push", "d2", &reference], true);
     assert!(out.contains("0 blobs uploaded"), "{out}");
+    let (out, _) = cli(d, &["push", "d2", &reference, "--json"], true);
+    let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(v["snapshots"], json!(["py", "b-live", "d2"]), "{v}");
+    assert_eq!(v["uploaded"], 0, "{v}");
     cli(&other, &["rmi", "d2"], true);
     let (out, _) = cli(&other, &["pull", &reference], true);
     assert_eq!(out.trim(), "installed d2 (on py, b-live, here already)");
+    let (out, _) = cli(&other, &["pull", &reference, "--json"], true);
+    let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(
+        (&v["tag"], &v["installed"]),
+        (&json!("d2"), &json!([])),
+        "{v}"
+    );
     let (_, err) = cli(
         &other,
         &["pull", &format!("{}/forkd/none:v1", reg.addr)],

@@ -9,7 +9,7 @@ use super::{ApiError, App, JsonBody, PathParams, QueryParams};
 use crate::registry::{Listed, RegistryError};
 use crate::server::AuditIds;
 use crate::service;
-use crate::service::fork::{ForkRequest, Limits};
+use crate::service::fork::ForkRequest;
 use crate::state::OperationRow;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -110,12 +110,7 @@ pub async fn create(
             partial: req.partial,
             vcpus: req.vcpus,
             memory_mib: req.memory_mib,
-            limits: req.limits.map(|l| Limits {
-                memory_mib: l.memory_mib,
-                cpu_cores: l.cpu_cores,
-                cpu_weight: l.cpu_weight,
-                pids: l.pids,
-            }),
+            limits: req.limits,
             egress,
         },
     )?;
@@ -131,15 +126,7 @@ pub async fn create(
         sandboxes: outcome
             .entries
             .into_iter()
-            .map(|e| {
-                info(
-                    &Listed {
-                        row: e.row,
-                        sandbox: Some(e.sandbox),
-                    },
-                    app.registry.hypervisor().as_ref(),
-                )
-            })
+            .map(|e| info(&Listed::from(e), app.registry.hypervisor().as_ref()))
             .collect(),
         errors: outcome.failures.iter().map(|e| e.to_string()).collect(),
         operation: op_id,
@@ -221,10 +208,7 @@ pub async fn set_network(
         .map_err(|e| ApiError::bad_request(format!("network: {e}")))?;
     let e = service::sandbox::set_egress(&app, &id, policy).await?;
     Ok(Json(info(
-        &Listed {
-            row: e.row,
-            sandbox: Some(e.sandbox),
-        },
+        &Listed::from(e),
         app.registry.hypervisor().as_ref(),
     )))
 }
@@ -241,10 +225,7 @@ pub async fn set_timeout(
 ) -> Result<Json<SandboxInfo>, ApiError> {
     let e = service::sandbox::set_timeout(&app, &id, req.timeout_s)?;
     Ok(Json(info(
-        &Listed {
-            row: e.row,
-            sandbox: Some(e.sandbox),
-        },
+        &Listed::from(e),
         app.registry.hypervisor().as_ref(),
     )))
 }

@@ -188,15 +188,16 @@ async fn create(State(e2b): State<Shared>, bytes: axum::body::Bytes) -> Result<R
         )));
     };
     let timeout_s = timeout_s(req.timeout)?;
-    let fork = service::fork::start(
+    let nic = snap.manifest.machine.nic;
+    let fork = service::fork::start_with(
         &e2b.app,
-        snap.tag.as_str(),
+        snap,
         ForkRequest {
             count: 1,
             labels: req.metadata.unwrap_or_default(),
             env: req.env_vars.unwrap_or_default(),
             timeout_s: Some(timeout_s),
-            egress: snap.manifest.machine.nic.then_some(egress),
+            egress: nic.then_some(egress),
             ..ForkRequest::default()
         },
     )?;

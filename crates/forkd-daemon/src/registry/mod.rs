@@ -66,6 +66,15 @@ pub struct Listed {
     pub sandbox: Option<Arc<Sandbox>>,
 }
 
+impl From<Entry> for Listed {
+    fn from(e: Entry) -> Listed {
+        Listed {
+            row: e.row,
+            sandbox: Some(e.sandbox),
+        }
+    }
+}
+
 /// The live sandboxes.
 pub struct Registry {
     hv: Arc<dyn Hypervisor>,

@@ -2,12 +2,13 @@
 //! in a task of its own.
 
 use super::ApiError;
+use crate::api::types::LimitsBody;
 use crate::api::App;
 use crate::registry::{CreateOutcome, CreateSpec, RegistryError};
 use crate::state::OperationRow;
 use forkd_host::cgroup::LimitOverrides;
 use forkd_host::network::policy::EgressPolicy;
-use forkd_storage::snapshot::Tag;
+use forkd_storage::snapshot::{Snapshot, Tag};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -38,23 +39,10 @@ pub struct ForkRequest {
     pub vcpus: Option<u32>,
     /// See `vcpus`.
     pub memory_mib: Option<u32>,
-    /// Limits of each child's VM beyond the defaults.
-    pub limits: Option<Limits>,
+    /// Limits of each child's VM beyond the defaults, unchecked.
+    pub limits: Option<LimitsBody>,
     /// What the children may reach; none: the snapshot's own policy.
     pub egress: Option<EgressPolicy>,
-}
-
-/// Limits a fork asks for, unchecked.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Limits {
-    /// Memory its VM may use in MiB, guest RAM included.
-    pub memory_mib: Option<u64>,
-    /// CPU quota in cores; 0 for none.
-    pub cpu_cores: Option<f64>,
-    /// Share of CPU under contention.
-    pub cpu_weight: Option<u32>,
-    /// Processes and threads its VM may have.
-    pub pids: Option<u32>,
 }
 
 /// A fork under way, in a task of its own: a client that hangs up mid-fork must not
@@ -68,16 +56,44 @@ pub struct Fork {
 /// Checks `req`, then against the snapshot tagged `snapshot`, admits it (refused now
 /// rather than in an operation nobody may look at) and starts it.
 pub fn start(app: &App, snapshot: &str, req: ForkRequest) -> Result<Fork, ApiError> {
-    let max = forkd_core::fork::MAX_CHILDREN as u32;
-    if req.count == 0 || req.count > max {
-        return Err(ApiError::bad_request(format!(
-            "n = {} is outside 1..={max}",
-            req.count
-        )));
-    }
-    check_labels_and_env(&req.labels, &req.env)?;
-    let timeout_at = deadline(req.timeout_s)?;
+    let timeout_at = req.check()?;
     let snap = app.registry.store().open(&Tag::parse(snapshot)?)?;
+    launch(app, snap, req, timeout_at)
+}
+
+/// [`start`] for a front door that has opened the snapshot already (to read its
+/// manifest), so that it is not opened twice.
+pub fn start_with(app: &App, snap: Snapshot, req: ForkRequest) -> Result<Fork, ApiError> {
+    let timeout_at = req.check()?;
+    launch(app, snap, req, timeout_at)
+}
+
+impl ForkRequest {
+    /// The checks that need no snapshot; returns the deadline.
+    fn check(&self) -> Result<Option<i64>, ApiError> {
+        let max = forkd_core::fork::MAX_CHILDREN as u32;
+        if self.count == 0 || self.count > max {
+            return Err(ApiError::bad_request(format!(
+                "n = {} is outside 1..={max}",
+                self.count
+            )));
+        }
+        check_labels_and_env(&self.labels, &self.env)?;
+        if let Some(p) = &self.egress {
+            p.check()
+                .map_err(|e| ApiError::bad_request(format!("network: {e}")))?;
+        }
+        deadline(self.timeout_s)
+    }
+}
+
+/// Checks `req` against `snap`, admits it and runs it.
+fn launch(
+    app: &App,
+    snap: Snapshot,
+    req: ForkRequest,
+    timeout_at: Option<i64>,
+) -> Result<Fork, ApiError> {
     let tag = &snap.tag;
     let m = &snap.manifest.machine;
     // A restored VM has exactly its snapshot's vCPUs and RAM (the device state and the
@@ -162,7 +178,7 @@ impl Fork {
 
 /// The limits a fork asks for, checked.
 fn limit_overrides(
-    asked: Option<&Limits>,
+    asked: Option<&LimitsBody>,
     vcpus: u32,
     memory_mib: u32,
 ) -> Result<LimitOverrides, ApiError> {
@@ -201,15 +217,20 @@ fn limit_overrides(
     Ok(chosen)
 }
 
-/// The Unix time `timeout_s` from now, checked against [`MAX_TIMEOUT_S`].
+/// The Unix time `timeout_s` from now (none: no deadline), checked against
+/// [`MAX_TIMEOUT_S`].
 pub fn deadline(timeout_s: Option<u64>) -> Result<Option<i64>, ApiError> {
-    match timeout_s {
-        None => Ok(None),
-        Some(t) if (1..=MAX_TIMEOUT_S).contains(&t) => Ok(Some(crate::unix_now() + t as i64)),
-        Some(t) => Err(ApiError::bad_request(format!(
+    timeout_s.map(deadline_in).transpose()
+}
+
+/// The Unix time `t` seconds from now, checked against [`MAX_TIMEOUT_S`].
+pub fn deadline_in(t: u64) -> Result<i64, ApiError> {
+    if !(1..=MAX_TIMEOUT_S).contains(&t) {
+        return Err(ApiError::bad_request(format!(
             "timeout_s = {t} is outside 1..={MAX_TIMEOUT_S}"
-        ))),
+        )));
     }
+    Ok(crate::unix_now() + t as i64)
 }
 
 /// Refuses labels and an environment a sandbox cannot take.

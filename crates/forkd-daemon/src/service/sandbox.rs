@@ -22,9 +22,7 @@ pub fn set_timeout(app: &App, id: &str, timeout_s: Option<u64>) -> Result<Entry,
 /// a later one (or none) stays.
 pub fn keep_alive(app: &App, id: &str, timeout_s: u64) -> Result<(), ApiError> {
     let e = app.registry.describe(id)?;
-    let Some(at) = super::fork::deadline(Some(timeout_s))? else {
-        return Ok(());
-    };
+    let at = super::fork::deadline_in(timeout_s)?;
     if e.row.timeout_at.is_some_and(|cur| cur < at) {
         app.registry.set_timeout(id, Some(at))?;
     }

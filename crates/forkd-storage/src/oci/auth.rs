@@ -75,7 +75,7 @@ pub fn lookup(path: &Path, registry: &str) -> Result<Option<(String, String)>, A
 /// Stores `user` and `password` for `registry` in the auth file at `path`, keeping its
 /// other entries; the file is replaced in one step and readable by its owner only.
 pub fn store(path: &Path, registry: &str, user: &str, password: &str) -> Result<(), ArchiveError> {
-    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    use std::os::unix::fs::DirBuilderExt;
     let mut v: serde_json::Value = match std::fs::read(path) {
         Ok(t) => serde_json::from_slice(&t).map_err(|e| {
             ArchiveError::Refused(format!("the auth file {} is not JSON: {e}", path.display()))
@@ -95,19 +95,8 @@ pub fn store(path: &Path, registry: &str, user: &str, password: &str) -> Result<
             .create(dir)
             .map_err(io(format!("creating {}", dir.display())))?;
     }
-    let tmp = path.with_extension("tmp-forkd");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)
-        .map_err(io(format!("writing {}", tmp.display())))?;
-    use std::io::Write;
-    f.write_all(&serde_json::to_vec_pretty(&v).expect("JSON serializes"))
-        .and_then(|()| f.sync_all())
-        .map_err(io(format!("writing {}", tmp.display())))?;
-    std::fs::rename(&tmp, path).map_err(io(format!("replacing {}", path.display())))
+    let text = serde_json::to_vec_pretty(&v).expect("JSON serializes");
+    forkd_host::atomic_file::write(path, &text).map_err(io(format!("replacing {}", path.display())))
 }
 
 #[cfg(test)]
