@@ -50,6 +50,9 @@ pub struct ForkOptions {
     pub env: BTreeMap<String, String>,
     /// What each child may reach (for a snapshot whose guest has a NIC).
     pub egress: EgressPolicy,
+    /// Keep the children that started when some fail (as E2B's fork does) instead of
+    /// stopping them all.
+    pub partial: bool,
 }
 
 /// Restores in flight at once by default: one per host CPU. Under TCG a restore and the
@@ -72,82 +75,69 @@ impl Default for ForkOptions {
             cancel: CancellationToken::new(),
             env: BTreeMap::new(),
             egress: EgressPolicy::default(),
+            partial: false,
         }
     }
 }
 
-/// What the owner of the children hears as a fork goes, so that it can record each
-/// child before anything of it exists on the host and forget it if it fails: a process
-/// killed at any point of a fork then leaves nothing its next start cannot find.
-pub trait ForkObserver: Send + Sync {
-    /// The children are about to be made: each config names a child's id and runtime
-    /// directory, which exists (empty); their disk layers and VMs do not yet. An error
-    /// stops the fork before anything starts.
-    fn planned(&self, configs: &[VmConfig]) -> Result<(), SandboxError>;
-    /// The child answers; it is about to be handed to the caller. An error stops it.
-    fn ready(&self, child: &Sandbox) -> Result<(), SandboxError>;
-    /// The child `id` failed (or was stopped because a sibling failed); its VM is gone
-    /// and its files removed.
-    fn discarded(&self, id: &str);
+/// A child that answers, as the fork reports it while the others are still being made
+/// (see [`run`]): enough for the owner to show its progress and the child's process.
+#[derive(Debug, Clone)]
+pub struct ChildReady {
+    /// The child's id.
+    pub id: String,
+    /// Its VM's process id.
+    pub pid: u32,
+    /// Its VM's process start time (clock ticks since boot), which tells a reused pid
+    /// apart.
+    pub start_time: u64,
 }
 
-/// Records nothing: for callers that own their children's handles (tests, benchmarks).
-pub struct Unrecorded;
-
-impl ForkObserver for Unrecorded {
-    fn planned(&self, _: &[VmConfig]) -> Result<(), SandboxError> {
-        Ok(())
-    }
-    fn ready(&self, _: &Sandbox) -> Result<(), SandboxError> {
-        Ok(())
-    }
-    fn discarded(&self, _: &str) {}
+/// A fork checked and planned: each child has its id and an empty runtime directory
+/// (and, for children of a warm pool, a paused VM); nothing else of it exists. The owner
+/// records [`ForkPlan::configs`] before it calls [`run`], so that a process killed at
+/// any point of the fork leaves nothing its next start cannot find.
+pub struct ForkPlan {
+    units: Vec<Unit>,
 }
 
-/// Restores `opts.count` children of `snap`, at most `opts.parallel` at a time. All or
-/// nothing: if one fails (or the fork is cancelled), the others are stopped and the first
-/// error is returned.
+impl ForkPlan {
+    /// What each child's VM will be.
+    pub fn configs(&self) -> impl Iterator<Item = &VmConfig> {
+        self.units.iter().map(Unit::config)
+    }
+
+    /// The children's ids.
+    pub fn ids(&self) -> Vec<String> {
+        self.configs().map(|c| c.id.clone()).collect()
+    }
+
+    /// Gives the plan up before anything of it runs: prepared VMs end and every
+    /// child's directory goes.
+    pub async fn abandon(self) {
+        for unit in self.units {
+            if let Unit::Prepared(p) = unit {
+                p.discard().await;
+            }
+        }
+    }
+}
+
+/// Restores `opts.count` children of `snap`, at most `opts.parallel` at a time, for a
+/// caller that owns their handles and records nothing (tests, benchmarks): [`plan`] and
+/// [`run`] in one.
 pub async fn fork(
     hv: &dyn Hypervisor,
     home: &Home,
     snap: &Snapshot,
     opts: &ForkOptions,
-    observer: &dyn ForkObserver,
 ) -> Result<Vec<Sandbox>, SandboxError> {
-    fork_using(hv, home, snap, opts, observer, Vec::new()).await
+    let plan = plan(hv, home, snap, opts, Vec::new()).await?;
+    Ok(run(hv, snap, opts, plan, None).await?.children)
 }
 
-/// Like [`fork`], with `prepared` (children of `snap` made ready ahead, at most
-/// `opts.count` of them) standing for the first children: only their restore is left.
-pub async fn fork_using(
-    hv: &dyn Hypervisor,
-    home: &Home,
-    snap: &Snapshot,
-    opts: &ForkOptions,
-    observer: &dyn ForkObserver,
-    prepared: Vec<PreparedChild>,
-) -> Result<Vec<Sandbox>, SandboxError> {
-    let results = fork_each(hv, home, snap, opts, observer, prepared).await?;
-    let mut children = Vec::with_capacity(results.len());
-    let mut first_err = None;
-    for r in results {
-        match r {
-            Ok(c) => children.push(c),
-            Err(e) if first_err.is_none() => first_err = Some(e),
-            Err(_) => {}
-        }
-    }
-    match first_err {
-        None => Ok(children),
-        Some(e) => {
-            discard(children, observer).await;
-            Err(e)
-        }
-    }
-}
-
-/// What a partial fork made: the children that answer, and an error for each that did
-/// not.
+/// What a fork made: the children that answer, and an error for each that did not
+/// (always empty unless `opts.partial`).
 pub struct Forked {
     /// The children, ready.
     pub children: Vec<Sandbox>,
@@ -155,45 +145,17 @@ pub struct Forked {
     pub failures: Vec<SandboxError>,
 }
 
-/// Like [`fork_using`], but keeps the children that started when some fail (as E2B's
-/// fork does). A cancelled fork still keeps nothing.
-pub async fn fork_partial(
+/// Checks a fork request and plans its children: `prepared` (children of `snap` made
+/// ready ahead, at most `opts.count` of them) stand for the first ones, and only their
+/// restore is left. Refused before anything starts; the prepared VMs of a refused fork
+/// are ended (they are no one's any more).
+pub async fn plan(
     hv: &dyn Hypervisor,
     home: &Home,
     snap: &Snapshot,
     opts: &ForkOptions,
-    observer: &dyn ForkObserver,
     prepared: Vec<PreparedChild>,
-) -> Result<Forked, SandboxError> {
-    let results = fork_each(hv, home, snap, opts, observer, prepared).await?;
-    let (mut children, mut failures) = (Vec::new(), Vec::new());
-    for r in results {
-        match r {
-            Ok(c) => children.push(c),
-            Err(e) => failures.push(e),
-        }
-    }
-    if opts.cancel.is_cancelled() {
-        discard(children, observer).await;
-        return Err(SandboxError::Cancelled);
-    }
-    Ok(Forked { children, failures })
-}
-
-/// Checks the request, then restores the children with at most `opts.parallel` restores
-/// in flight: the rest wait their turn, so a fork of hundreds never starts hundreds of
-/// QEMUs at once on a host with a few cores. Children not started when the fork is
-/// cancelled fail with [`SandboxError::Cancelled`]; a cancelled fork discards the ones
-/// that did start.
-async fn fork_each(
-    hv: &dyn Hypervisor,
-    home: &Home,
-    snap: &Snapshot,
-    opts: &ForkOptions,
-    observer: &dyn ForkObserver,
-    prepared: Vec<PreparedChild>,
-) -> Result<Vec<Result<Sandbox, SandboxError>>, SandboxError> {
-    use futures::StreamExt;
+) -> Result<ForkPlan, SandboxError> {
     // Prepared children were made with the default policy; they are recorded with the
     // fork's and get it once restored (see `fork_one`).
     let prepared: Vec<PreparedChild> = prepared
@@ -205,44 +167,84 @@ async fn fork_each(
             p
         })
         .collect();
-    let planned = match plan_fork(hv, home, snap, opts, observer, &prepared) {
-        Ok(p) => p,
+    match plan_fresh(hv, home, snap, opts, prepared.len()) {
+        Ok(fresh) => Ok(ForkPlan {
+            units: prepared
+                .into_iter()
+                .map(Unit::Prepared)
+                .chain(fresh.into_iter().map(Unit::Planned))
+                .collect(),
+        }),
         Err(e) => {
-            // Nothing started: the prepared VMs are not anyone's any more.
             for p in prepared {
                 p.discard().await;
             }
-            return Err(e);
+            Err(e)
         }
-    };
-    let units = prepared
-        .into_iter()
-        .map(Unit::Prepared)
-        .chain(planned.into_iter().map(Unit::Planned));
-    let results: Vec<Result<Sandbox, SandboxError>> = futures::stream::iter(units)
-        .map(|unit| fork_one(hv, snap, opts, observer, unit))
+    }
+}
+
+/// Restores the children of `plan` with at most `opts.parallel` restores in flight: the
+/// rest wait their turn, so a fork of hundreds never starts hundreds of QEMUs at once on
+/// a host with a few cores. Each child that answers is sent to `ready` as it does.
+///
+/// All or nothing unless `opts.partial`: if one child fails, the others are stopped and
+/// the first error is returned. A partial fork keeps the children that started and
+/// returns an error for each of the others. A cancelled fork keeps nothing (children
+/// not started yet fail with [`SandboxError::Cancelled`]). Whatever is not returned is
+/// gone from the host: its VM ended and its files removed.
+pub async fn run(
+    hv: &dyn Hypervisor,
+    snap: &Snapshot,
+    opts: &ForkOptions,
+    plan: ForkPlan,
+    ready: Option<&tokio::sync::mpsc::UnboundedSender<ChildReady>>,
+) -> Result<Forked, SandboxError> {
+    use futures::StreamExt;
+    let results: Vec<Result<Sandbox, SandboxError>> = futures::stream::iter(plan.units)
+        .map(|unit| async move {
+            let child = fork_one(hv, snap, opts, unit).await?;
+            if let Some(ready) = ready {
+                // The owner may have stopped listening; the child is still returned.
+                let _ = ready.send(ChildReady {
+                    id: child.id().to_owned(),
+                    pid: child.pid().unwrap_or(0),
+                    start_time: child.vm().start_time().unwrap_or(0),
+                });
+            }
+            Ok(child)
+        })
         .buffer_unordered(opts.parallel.max(1))
         .collect()
         .await;
+    let (mut children, mut failures) = (Vec::new(), Vec::new());
+    for r in results {
+        match r {
+            Ok(c) => children.push(c),
+            Err(e) => failures.push(e),
+        }
+    }
     if opts.cancel.is_cancelled() {
-        let (children, _): (Vec<_>, Vec<_>) = results.into_iter().partition(Result::is_ok);
-        discard(children.into_iter().flatten().collect(), observer).await;
+        discard(children).await;
         return Err(SandboxError::Cancelled);
     }
-    Ok(results)
+    if !opts.partial && !failures.is_empty() {
+        discard(children).await;
+        return Err(failures.swap_remove(0));
+    }
+    Ok(Forked { children, failures })
 }
 
-/// Checks a fork request, plans the children `prepared` does not cover, and tells the
-/// observer of them all (one record for the whole fork, before any VM starts).
-fn plan_fork(
+/// Checks a fork request and plans the `opts.count - prepared` children no warm pool
+/// member stands for.
+fn plan_fresh(
     hv: &dyn Hypervisor,
     home: &Home,
     snap: &Snapshot,
     opts: &ForkOptions,
-    observer: &dyn ForkObserver,
-    prepared: &[PreparedChild],
+    prepared: usize,
 ) -> Result<Vec<PlannedChild>, SandboxError> {
-    if opts.count == 0 || opts.count > MAX_CHILDREN || prepared.len() > opts.count {
+    if opts.count == 0 || opts.count > MAX_CHILDREN || prepared > opts.count {
         return Err(SandboxError::Template {
             name: snap.tag.to_string(),
             detail: format!(
@@ -266,23 +268,14 @@ fn plan_fork(
                 detail,
             })?;
     }
-    let fresh = opts.count - prepared.len();
+    let fresh = opts.count - prepared;
     let per_child = forkd_host::space::PER_CHILD + forkd_proto::limits::get().console_cap;
     forkd_host::space::ensure_room(
         &crate::sandbox::sandboxes_dir(home),
         per_child.saturating_mul(fresh as u64),
         &format!("forking {} children of {}", opts.count, snap.tag),
     )?;
-    let planned = (0..fresh)
-        .map(|_| plan(home, snap, opts))
-        .collect::<Result<Vec<_>, _>>()?;
-    let configs: Vec<VmConfig> = prepared
-        .iter()
-        .map(|p| p.config.clone())
-        .chain(planned.iter().map(|p| p.config.clone()))
-        .collect();
-    observer.planned(&configs)?;
-    Ok(planned)
+    (0..fresh).map(|_| plan_child(home, snap, opts)).collect()
 }
 
 /// Refuses a snapshot made by another backend, or by a release of this one whose device
@@ -312,12 +305,10 @@ fn m_accel_is_tcg(snap: &Snapshot) -> bool {
     snap.manifest.machine.accel == Accel::Tcg
 }
 
-/// Stops children that will not be handed out and tells the observer.
-async fn discard(children: Vec<Sandbox>, observer: &dyn ForkObserver) {
+/// Stops children that will not be handed out.
+async fn discard(children: Vec<Sandbox>) {
     for c in children {
-        let id = c.id().to_owned();
         let _ = c.destroy().await;
-        observer.discarded(&id);
     }
 }
 
@@ -475,8 +466,17 @@ enum Unit {
     Prepared(PreparedChild),
 }
 
+impl Unit {
+    fn config(&self) -> &VmConfig {
+        match self {
+            Unit::Planned(p) => &p.config,
+            Unit::Prepared(p) => &p.config,
+        }
+    }
+}
+
 /// Plans a child of `snap` (see [`PlannedChild`]).
-pub fn plan(
+pub fn plan_child(
     home: &Home,
     snap: &Snapshot,
     opts: &ForkOptions,
@@ -533,80 +533,54 @@ async fn create_layer(
 }
 
 /// Makes one child: its disk layer and VM (or the restore of a prepared one), its
-/// agent; tells the observer it is ready, or discarded.
+/// agent. A child that fails leaves nothing on the host.
 async fn fork_one(
     hv: &dyn Hypervisor,
     snap: &Snapshot,
     opts: &ForkOptions,
-    observer: &dyn ForkObserver,
     unit: Unit,
 ) -> Result<Sandbox, SandboxError> {
-    let id = match &unit {
-        Unit::Planned(p) => p.config.id.clone(),
-        Unit::Prepared(p) => p.config.id.clone(),
-    };
-    let child = async {
-        if opts.cancel.is_cancelled() {
-            if let Unit::Prepared(p) = unit {
-                p.discard().await;
-            }
-            return Err(SandboxError::Cancelled);
+    if opts.cancel.is_cancelled() {
+        if let Unit::Prepared(p) = unit {
+            p.discard().await;
         }
-        let unit = match unit {
-            Unit::Prepared(p) if p.exited() => {
-                tracing::warn!(id = %p.config.id, "a warm pool member's VM had exited; restoring the child afresh");
-                Unit::Planned(p.replan())
-            }
-            unit => unit,
-        };
-        let (config, guard, how) = match unit {
-            Unit::Planned(p) => {
-                create_layer(hv, snap, &p.config).await?;
-                let how = Launch::Restore {
-                    state: snap.part(parts::STATE),
-                    tag: snap.tag.to_string(),
-                };
-                (p.config, p.guard, how)
-            }
-            Unit::Prepared(p) => {
-                let how = Launch::Warmed {
-                    vm: p.vm,
-                    agent: p.agent,
-                    tag: snap.tag.to_string(),
-                };
-                (p.config, p.guard, how)
-            }
-        };
-        let prepared = matches!(how, Launch::Warmed { .. });
-        let child = launch_child(snap, hv, opts, config, guard, how).await?;
-        if prepared && child.config().network.is_some() && opts.egress != EgressPolicy::default() {
-            // Until now it had the pool's policy, which lets nothing out.
-            if let Err(e) = child.vm().set_egress(&opts.egress).await {
-                let _ = child.destroy().await;
-                return Err(e.into());
-            }
-        }
-        Ok(child)
+        return Err(SandboxError::Cancelled);
     }
-    .await;
-    let checked = match child {
-        Ok(c) => match observer.ready(&c) {
-            Ok(()) => Ok(c),
-            Err(e) => {
-                // Not recorded means not owned: this child goes.
-                let _ = c.destroy().await;
-                Err(e)
-            }
-        },
-        Err(e) => Err(e),
+    let unit = match unit {
+        Unit::Prepared(p) if p.exited() => {
+            tracing::warn!(id = %p.config.id, "a warm pool member's VM had exited; restoring the child afresh");
+            Unit::Planned(p.replan())
+        }
+        unit => unit,
     };
-    match checked {
-        Ok(c) => Ok(c),
-        Err(e) => {
-            observer.discarded(&id);
-            Err(e)
+    let (config, guard, how) = match unit {
+        Unit::Planned(p) => {
+            create_layer(hv, snap, &p.config).await?;
+            let how = Launch::Restore {
+                state: snap.part(parts::STATE),
+                tag: snap.tag.to_string(),
+            };
+            (p.config, p.guard, how)
+        }
+        Unit::Prepared(p) => {
+            let how = Launch::Warmed {
+                vm: p.vm,
+                agent: p.agent,
+                tag: snap.tag.to_string(),
+            };
+            (p.config, p.guard, how)
+        }
+    };
+    let prepared = matches!(how, Launch::Warmed { .. });
+    let child = launch_child(snap, hv, opts, config, guard, how).await?;
+    if prepared && child.config().network.is_some() && opts.egress != EgressPolicy::default() {
+        // Until now it had the pool's policy, which lets nothing out.
+        if let Err(e) = child.vm().set_egress(&opts.egress).await {
+            let _ = child.destroy().await;
+            return Err(e.into());
         }
     }
+    Ok(child)
 }
 
 async fn launch_child(

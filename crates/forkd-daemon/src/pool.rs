@@ -387,7 +387,7 @@ impl Registry {
             detached: true,
             ..ForkOptions::default()
         };
-        let planned = forkd_core::fork::plan(self.home(), snap, &opts)?;
+        let planned = forkd_core::fork::plan_child(self.home(), snap, &opts)?;
         let mut row = PoolMemberRow {
             id: planned.config().id.clone(),
             snapshot: tag.clone(),

@@ -317,7 +317,7 @@ async fn fork_measurements(
     args: &ForkArgs,
     say: &dyn Fn(&str),
 ) -> Result<ForkFigures> {
-    use forkd_core::fork::{fork, ForkOptions, Unrecorded};
+    use forkd_core::fork::{fork, ForkOptions};
     let hv = forkd_qemu::hypervisor();
     let mut one = Vec::new();
     for i in 0..args.runs {
@@ -325,7 +325,7 @@ async fn fork_measurements(
             count: 1,
             ..Default::default()
         };
-        let child = fork(hv.as_ref(), home, snap, &opts, &Unrecorded)
+        let child = fork(hv.as_ref(), home, snap, &opts)
             .await
             .with_context(|| format!("fork {}", i + 1))?
             .remove(0);
@@ -344,7 +344,7 @@ async fn fork_measurements(
         ..Default::default()
     };
     let t = Instant::now();
-    let children = fork(hv.as_ref(), home, snap, &opts, &Unrecorded).await?;
+    let children = fork(hv.as_ref(), home, snap, &opts).await?;
     let n_wall = ms(t.elapsed());
     let n_first = children
         .iter()

@@ -16,20 +16,13 @@ pub fn hv() -> std::sync::Arc<dyn forkd_hypervisor::Hypervisor> {
     forkd_qemu::hypervisor()
 }
 
-/// Forks through [`hv`] with nothing recorded.
+/// Forks through [`hv`].
 pub async fn fork(
     home: &Home,
     snap: &forkd_storage::snapshot::Snapshot,
     opts: &forkd_core::fork::ForkOptions,
 ) -> Result<Vec<Sandbox>, forkd_core::SandboxError> {
-    forkd_core::fork::fork(
-        hv().as_ref(),
-        home,
-        snap,
-        opts,
-        &forkd_core::fork::Unrecorded,
-    )
-    .await
+    forkd_core::fork::fork(hv().as_ref(), home, snap, opts).await
 }
 
 pub fn home() -> Home {

@@ -1,15 +1,15 @@
 //! A fork through the registry: admitted, recorded before anything of it runs (each
-//! child's row as core plans it), handed out, and its operation ended.
+//! child's row as core plans it), handed out, and its operation ended. Core reports the
+//! children that answer on a channel while the fork goes; what it does not return is
+//! gone from the host, and its rows are forgotten.
 
 use super::{CreateOutcome, CreateSpec, Entry, Registry, RegistryError};
 use crate::state::{OperationRow, SandboxRow, StateError};
-use forkd_core::fork::{fork_partial, fork_using, ForkObserver, ForkOptions, Forked};
+use forkd_core::fork::{ChildReady, ForkOptions, ForkPlan, Forked};
 use forkd_core::lifecycle::SandboxState;
 use forkd_core::{Sandbox, SandboxError};
 use forkd_host::failpoint;
-use forkd_hypervisor::VmConfig;
 use forkd_storage::snapshot::Snapshot;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 impl Registry {
@@ -42,13 +42,6 @@ impl Registry {
         self.state.insert_operation(&op)?;
         let cancel = tokio_util::sync::CancellationToken::new();
         self.slots().cancels.insert(op.id.clone(), cancel.clone());
-        let recorder = Recorder {
-            registry: self,
-            spec: &spec,
-            tag: snap.tag.to_string(),
-            op: op.id.clone(),
-            done: AtomicU64::new(0),
-        };
         let opts = ForkOptions {
             count: spec.count,
             detached: true,
@@ -58,19 +51,12 @@ impl Registry {
             env: spec.env.clone(),
             limits: spec.limits,
             egress: spec.egress.clone(),
+            partial: spec.partial,
             ..ForkOptions::default()
         };
-        let hv = self.hv.as_ref();
-        let forked = if spec.partial {
-            fork_partial(hv, &self.home, snap, &opts, &recorder, prepared).await
-        } else {
-            fork_using(hv, &self.home, snap, &opts, &recorder, prepared)
-                .await
-                .map(|children| Forked {
-                    children,
-                    failures: Vec::new(),
-                })
-        };
+        let forked = self
+            .fork_recorded(snap, &spec, &op.id, &opts, prepared)
+            .await;
         let outcome = match forked {
             Ok(f) => self
                 .hand_out(f.children)
@@ -183,15 +169,6 @@ impl Registry {
     }
 }
 
-/// Records each child of a fork as it goes (see [`ForkObserver`]).
-struct Recorder<'a> {
-    registry: &'a Registry,
-    spec: &'a CreateSpec,
-    tag: String,
-    op: String,
-    done: AtomicU64,
-}
-
 fn recording_failed(registry: &Registry, e: StateError) -> SandboxError {
     if e.is_disk_full() {
         let root = registry.home.root();
@@ -208,57 +185,96 @@ fn recording_failed(registry: &Registry, e: StateError) -> SandboxError {
     }
 }
 
-impl ForkObserver for Recorder<'_> {
-    fn planned(&self, configs: &[VmConfig]) -> Result<(), SandboxError> {
+impl Registry {
+    /// Plans the fork, records each child `starting` (one write for all of them) before
+    /// any of its VMs starts, runs it while counting the children that answer as the
+    /// operation `op`'s progress, and forgets the rows of the children it did not
+    /// return (their VMs are gone and their files removed).
+    async fn fork_recorded(
+        &self,
+        snap: &Snapshot,
+        spec: &CreateSpec,
+        op: &str,
+        opts: &ForkOptions,
+        prepared: Vec<forkd_core::fork::PreparedChild>,
+    ) -> Result<Forked, SandboxError> {
+        let hv = self.hv.as_ref();
+        let plan = forkd_core::fork::plan(hv, &self.home, snap, opts, prepared).await?;
+        let ids = plan.ids();
+        if let Err(e) = self.record_starting(snap, spec, &plan) {
+            plan.abandon().await;
+            return Err(e);
+        }
+        failpoint::hit("fork.after_row");
+        let (ready_tx, mut ready_rx) = tokio::sync::mpsc::unbounded_channel::<ChildReady>();
+        let run = async move {
+            let forked = forkd_core::fork::run(hv, snap, opts, plan, Some(&ready_tx)).await;
+            drop(ready_tx);
+            forked
+        };
+        let track = async {
+            let mut done = 0;
+            while let Some(child) = ready_rx.recv().await {
+                // Known in memory only: the row says `running` when the child is handed
+                // out, in one write for the whole fork (a daemon killed before that
+                // removes it).
+                done += 1;
+                let mut slots = self.slots();
+                if let Some(row) = slots.starting.get_mut(&child.id) {
+                    (row.pid, row.start_time) = (child.pid, child.start_time);
+                }
+                slots.progress.insert(op.to_owned(), done);
+            }
+        };
+        let (forked, ()) = tokio::join!(run, track);
+        let kept: std::collections::HashSet<&str> = match &forked {
+            Ok(f) => f.children.iter().map(Sandbox::id).collect(),
+            Err(_) => Default::default(),
+        };
+        for id in ids.iter().filter(|id| !kept.contains(id.as_str())) {
+            self.forget_starting(id);
+        }
+        forked
+    }
+
+    /// Records the children of `plan` `starting`, before anything of them runs.
+    fn record_starting(
+        &self,
+        snap: &Snapshot,
+        spec: &CreateSpec,
+        plan: &ForkPlan,
+    ) -> Result<(), SandboxError> {
         let created_at = crate::now_rfc3339();
-        let rows: Vec<SandboxRow> = configs
-            .iter()
+        let rows: Vec<SandboxRow> = plan
+            .configs()
             .map(|config| SandboxRow {
                 id: config.id.clone(),
-                snapshot: self.tag.clone(),
+                snapshot: snap.tag.to_string(),
                 pid: 0,
                 start_time: 0,
                 config: config.clone(),
-                labels: self.spec.labels.clone(),
-                timeout_at: self.spec.timeout_at,
+                labels: spec.labels.clone(),
+                timeout_at: spec.timeout_at,
                 created_at: created_at.clone(),
                 state: SandboxState::Starting,
                 error: None,
             })
             .collect();
-        self.registry
-            .state
+        self.state
             .insert_sandboxes(&rows)
-            .map_err(|e| recording_failed(self.registry, e))?;
-        let mut slots = self.registry.slots();
+            .map_err(|e| recording_failed(self, e))?;
+        let mut slots = self.slots();
         for row in rows {
             slots.starting.insert(row.id.clone(), row);
         }
-        drop(slots);
-        failpoint::hit("fork.after_row");
         Ok(())
     }
 
-    fn ready(&self, child: &Sandbox) -> Result<(), SandboxError> {
-        // Known in memory only: the row says `running` when the child is handed out,
-        // in one write for the whole fork (a daemon killed before that removes it).
-        let process = (
-            child.pid().unwrap_or(0),
-            child.vm().start_time().unwrap_or(0),
-        );
-        let mut slots = self.registry.slots();
-        if let Some(row) = slots.starting.get_mut(child.id()) {
-            (row.pid, row.start_time) = process;
-        }
-        let done = self.done.fetch_add(1, Ordering::SeqCst) + 1;
-        slots.progress.insert(self.op.clone(), done);
-        Ok(())
-    }
-
-    fn discarded(&self, id: &str) {
-        if let Err(e) = self.registry.state.delete_sandbox(id) {
+    /// Forgets a child of a fork that did not make it.
+    fn forget_starting(&self, id: &str) {
+        if let Err(e) = self.state.delete_sandbox(id) {
             tracing::warn!(%id, "forgetting a discarded child: {e}");
         }
-        self.registry.slots().starting.remove(id);
+        self.slots().starting.remove(id);
     }
 }
