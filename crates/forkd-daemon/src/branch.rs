@@ -93,10 +93,10 @@ impl Registry {
         let base_tag = forkd_core::branch::base_of(entry.sandbox.dir(), &entry.row.snapshot);
         let base = Tag::parse(&base_tag)
             .and_then(|t| self.store().open(&t))
-            .map_err(|e| {
-                RegistryError::Conflict(format!(
-                    "sandbox {id} cannot be branched: the snapshot its disk builds on ({base_tag}) cannot be opened: {e}"
-                ))
+            .map_err(|source| RegistryError::BaseUnavailable {
+                id: id.to_owned(),
+                base: base_tag.clone(),
+                source: Box::new(source),
             })?;
         let op = OperationRow::running(
             "branch",
@@ -107,14 +107,15 @@ impl Registry {
         {
             let mut slots = self.slots();
             if let Some(t) = slots.branching.get(id) {
-                return Err(RegistryError::Conflict(format!(
-                    "sandbox {id} is being branched already (into {t})"
-                )));
+                return Err(RegistryError::BranchingAlready {
+                    id: id.to_owned(),
+                    into: t.clone(),
+                });
             }
             if slots.branching.values().any(|t| t == tag.as_str()) {
-                return Err(RegistryError::Conflict(format!(
-                    "snapshot {tag} is being written by another branch"
-                )));
+                return Err(RegistryError::TagBeingWritten {
+                    tag: tag.to_string(),
+                });
             }
             slots.branching.insert(id.to_owned(), tag.to_string());
         }
@@ -154,9 +155,10 @@ impl Registry {
             {
                 RegistryError::from(e)
             }
-            _ => {
-                RegistryError::Conflict(format!("sandbox {id} was stopped during the branch ({e})"))
-            }
+            _ => RegistryError::StoppedDuringBranch {
+                id: id.clone(),
+                source: e,
+            },
         });
         let outcome = r.map(|b| BranchOutcome {
             snapshot: b.snapshot.tag.to_string(),

@@ -32,7 +32,11 @@ impl From<RegistryError> for ApiError {
             ),
             RegistryError::Sandbox(s) => s.into(),
             RegistryError::State(s) => s.into(),
-            RegistryError::Conflict(m) => ApiError::conflict(m),
+            RegistryError::NoNic { .. }
+            | RegistryError::BaseUnavailable { .. }
+            | RegistryError::BranchingAlready { .. }
+            | RegistryError::TagBeingWritten { .. }
+            | RegistryError::StoppedDuringBranch { .. } => ApiError::conflict(e.to_string()),
         }
     }
 }

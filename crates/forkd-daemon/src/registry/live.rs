@@ -177,9 +177,7 @@ impl Registry {
     ) -> Result<Entry, RegistryError> {
         let entry = self.get(id)?;
         if entry.row.config.network.is_none() {
-            return Err(RegistryError::Conflict(format!(
-                "sandbox {id} has no NIC: its snapshot's template was built with network = \"none\" (or on a host without networking)"
-            )));
+            return Err(RegistryError::NoNic { id: id.to_owned() });
         }
         entry
             .sandbox

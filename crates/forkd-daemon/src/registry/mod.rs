@@ -43,8 +43,20 @@ pub enum RegistryError {
     Sandbox(#[from] SandboxError),
     #[error(transparent)]
     State(#[from] StateError),
-    #[error("{0}")]
-    Conflict(String),
+    #[error("sandbox {id} has no NIC: its snapshot's template was built with network = \"none\" (or on a host without networking)")]
+    NoNic { id: String },
+    #[error("sandbox {id} cannot be branched: the snapshot its disk builds on ({base}) cannot be opened: {source}")]
+    BaseUnavailable {
+        id: String,
+        base: String,
+        source: Box<forkd_storage::snapshot::SnapshotError>,
+    },
+    #[error("sandbox {id} is being branched already (into {into})")]
+    BranchingAlready { id: String, into: String },
+    #[error("snapshot {tag} is being written by another branch")]
+    TagBeingWritten { tag: String },
+    #[error("sandbox {id} was stopped during the branch ({source})")]
+    StoppedDuringBranch { id: String, source: SandboxError },
 }
 
 /// A sandbox the daemon holds a handle on.
