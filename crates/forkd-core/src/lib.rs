@@ -7,7 +7,7 @@
 
 pub mod agent;
 pub mod branch;
-pub mod catalog;
+pub mod claim;
 pub mod compact;
 pub mod customise;
 pub mod error;

@@ -87,6 +87,8 @@ struct Inner {
     watchdog: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// Whether dropping the last handle stops the VM and removes its files.
     owned: bool,
+    /// This process's claim on the directory (none for a sandbox it attached to).
+    _claim: Option<crate::claim::Claim>,
 }
 
 #[derive(Debug, Clone)]
@@ -96,12 +98,23 @@ enum Failure {
 }
 
 /// Removes a sandbox directory on drop unless disarmed: nothing is left behind when a
-/// boot fails halfway.
-pub(crate) struct DirGuard(pub(crate) Option<PathBuf>);
+/// boot fails halfway. Holds the directory's claim until the sandbox takes it over.
+pub(crate) struct DirGuard {
+    dir: Option<PathBuf>,
+    claim: Option<crate::claim::Claim>,
+}
+
+impl DirGuard {
+    /// Keeps the directory: the sandbox now owns it, and its claim.
+    fn disarm(&mut self) -> Option<crate::claim::Claim> {
+        self.dir = None;
+        self.claim.take()
+    }
+}
 
 impl Drop for DirGuard {
     fn drop(&mut self) {
-        if let Some(dir) = self.0.take() {
+        if let Some(dir) = self.dir.take() {
             let _ = std::fs::remove_dir_all(dir);
         }
     }
@@ -115,7 +128,7 @@ pub enum Launch {
     Restore {
         /// The device-state file.
         state: PathBuf,
-        /// The snapshot's tag (recorded in the catalog).
+        /// The snapshot's tag.
         tag: String,
     },
     /// Start the vCPUs of a VM restored ahead and paused once its agent had answered
@@ -127,7 +140,7 @@ pub enum Launch {
         vm: Box<dyn Vm>,
         /// Its agent's connection.
         agent: AgentClient,
-        /// The snapshot's tag (recorded in the catalog).
+        /// The snapshot's tag.
         tag: String,
     },
 }
@@ -175,8 +188,7 @@ impl Sandbox {
     }
 
     /// Starts the VM `config` describes (its directory already made and guarded by
-    /// `guard`), connects to its agent and, for a restore, runs the resume hook. The
-    /// sandbox's catalog record is written before it is returned.
+    /// `guard`), connects to its agent and, for a restore, runs the resume hook.
     pub(crate) async fn launch(
         hv: &dyn Hypervisor,
         config: VmConfig,
@@ -229,19 +241,7 @@ impl Sandbox {
             }
         };
         let first_answer = started.elapsed();
-        let record = crate::catalog::Record {
-            id: id.clone(),
-            snapshot,
-            pid: vm.pid().unwrap_or(0),
-            start_time: vm.start_time().unwrap_or(0),
-            created_at: forkd_image::timestamp::rfc3339_utc(std::time::SystemTime::now()),
-            config: config.clone(),
-        };
-        if let Err(e) = record.write() {
-            vm.kill();
-            return Err(e);
-        }
-        guard.0 = None;
+        let claim = guard.disarm();
         let sandbox = Sandbox::assemble(
             config,
             vm,
@@ -251,46 +251,44 @@ impl Sandbox {
                 first_answer,
             },
             opts.agent_timeout,
-            true,
+            claim,
         );
         tracing::info!(id = %sandbox.id(), "sandbox up in {first_answer:?} (VM running after {hypervisor_ready:?})");
         Ok(sandbox)
     }
 
-    /// Reattaches to a sandbox of the catalog that another process started (detached):
-    /// adopts its QEMU and connects to its agent. Fails with
-    /// [`SandboxError::NotFound`] when there is no such sandbox, and with
-    /// [`SandboxError::Gone`] (after removing its files) when its QEMU has died.
+    /// Reattaches to a sandbox another process started detached (the daemon before a
+    /// restart), from what that process recorded: the VM `config`, and its process as
+    /// `pid` and `start_time`. Fails with [`SandboxError::Gone`] (after removing its
+    /// files) when that process has died.
     pub async fn attach(
         hv: &dyn Hypervisor,
-        home: &Home,
-        id: &str,
+        config: VmConfig,
+        pid: u32,
+        start_time: u64,
         opts: &SandboxOptions,
     ) -> Result<Sandbox, SandboxError> {
-        let record = crate::catalog::Record::read(home, id)?;
-        let vm = match hv
-            .adopt(&record.config, record.pid, record.start_time)
-            .await
-        {
+        let id = config.id.clone();
+        let vm = match hv.adopt(&config, pid, start_time).await {
             Ok(vm) => vm,
             Err(forkd_hypervisor::HypervisorError::NotRunning { .. }) => {
-                let _ = remove_dir(&record.config.dir);
-                return Err(SandboxError::Gone { id: id.to_owned() });
+                let _ = remove_dir(&config.dir);
+                return Err(SandboxError::Gone { id });
             }
             Err(e) => return Err(e.into()),
         };
         let started = Instant::now();
-        let socket = record.config.agent_socket();
+        let socket = config.agent_socket();
         let agent = tokio::select! {
             res = ready_agent(&socket, None, opts.boot_timeout, None, false) => res?,
             _ = vm.wait_exit() => {
-                let _ = remove_dir(&record.config.dir);
-                return Err(SandboxError::Gone { id: id.to_owned() });
+                let _ = remove_dir(&config.dir);
+                return Err(SandboxError::Gone { id });
             }
         };
         let t = started.elapsed();
         Ok(Sandbox::assemble(
-            record.config,
+            config,
             vm,
             agent,
             BootTimings {
@@ -298,17 +296,20 @@ impl Sandbox {
                 first_answer: t,
             },
             opts.agent_timeout,
-            false,
+            None,
         ))
     }
 
+    /// A handle on a running VM whose agent answered. `claim` is this process's claim
+    /// on its directory when it launched the sandbox (then dropping the last handle of
+    /// a sandbox that is not detached stops it); none when it attached to it.
     fn assemble(
         config: VmConfig,
         vm: Box<dyn Vm>,
         agent: AgentClient,
         timings: BootTimings,
         agent_timeout: Duration,
-        owned: bool,
+        claim: Option<crate::claim::Claim>,
     ) -> Sandbox {
         let inner = Arc::new(Inner {
             id: config.id.clone(),
@@ -322,7 +323,8 @@ impl Sandbox {
             unresponsive: AtomicBool::new(false),
             branching: AtomicBool::new(false),
             watchdog: Mutex::new(None),
-            owned: owned && !config.detached,
+            owned: claim.is_some() && !config.detached,
+            _claim: claim,
         });
         let watchdog = tokio::spawn(watch(Arc::downgrade(&inner)));
         *lock(&inner.watchdog) = Some(watchdog);
@@ -709,7 +711,12 @@ pub(crate) fn new_sandbox_dir(home: &Home) -> Result<(String, PathBuf, DirGuard)
         context: format!("creating {}", dir.display()),
         source,
     })?;
-    Ok((id, dir.clone(), DirGuard(Some(dir))))
+    let mut guard = DirGuard {
+        dir: Some(dir.clone()),
+        claim: None,
+    };
+    guard.claim = Some(crate::claim::take(&dir)?);
+    Ok((id, dir, guard))
 }
 
 /// Where sandbox runtime directories live.

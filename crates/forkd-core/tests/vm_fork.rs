@@ -119,13 +119,10 @@ async fn damaged_snapshots_and_bad_tags_are_refused_before_any_child_starts() {
     ts.store
         .verify(&snap.tag)
         .expect("a fresh snapshot verifies");
-    // Other tests fork in parallel: count only this snapshot's children.
-    let children_of = |tag: &Tag| -> Vec<String> {
-        forkd_core::catalog::list(&home())
-            .into_iter()
-            .filter(|e| e.record.snapshot.as_deref() == Some(tag.as_str()))
-            .map(|e| e.record.id)
-            .collect()
+    // Other tests fork in parallel: count only the VMs that run from this snapshot
+    // (each names its files on its command line).
+    let children_of = |snap: &forkd_storage::snapshot::Snapshot| -> Vec<(u32, u64)> {
+        forkd_host::process::find_inside(&snap.dir)
     };
 
     // A part whose contents changed (same size): the seal no longer matches, and
@@ -141,7 +138,7 @@ async fn damaged_snapshots_and_bad_tags_are_refused_before_any_child_starts() {
     let err = ts.store.verify(&snap.tag).unwrap_err().to_string();
     assert!(err.contains("state.bin does not match its digest"), "{err}");
     // Forking goes through open(): refused, and no child was started.
-    assert!(children_of(&snap.tag).is_empty());
+    assert!(children_of(&snap).is_empty());
 
     // A manifest whose digest was edited: refused at open, and verification finds the
     // part no longer matches what the manifest claims.
@@ -179,7 +176,7 @@ async fn damaged_snapshots_and_bad_tags_are_refused_before_any_child_starts() {
         let e: SandboxError = e.into();
         assert!(e.to_string().starts_with("invalid snapshot tag"), "{e}");
     }
-    assert!(children_of(&snap2.tag).is_empty());
+    assert!(children_of(&snap2).is_empty());
 }
 
 /// A guest CPU model the host cannot provide (or QEMU does not know) stops the VM at

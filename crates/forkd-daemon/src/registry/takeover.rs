@@ -30,10 +30,15 @@ impl Registry {
             self.remove_row(&row).await?;
             gone.push(row.id);
         }
-        let attached = futures::future::join_all(
-            keep.iter()
-                .map(|r| Sandbox::attach(self.hv.as_ref(), &self.home, &r.id, &opts)),
-        )
+        let attached = futures::future::join_all(keep.iter().map(|r| {
+            Sandbox::attach(
+                self.hv.as_ref(),
+                r.config.clone(),
+                r.pid,
+                r.start_time,
+                &opts,
+            )
+        }))
         .await;
         for (row, res) in keep.into_iter().zip(attached) {
             match res {
@@ -93,9 +98,10 @@ impl Registry {
         Ok(())
     }
 
-    /// Removes directories of the sandbox tree that no row owns, no live record names
-    /// (a `forkd run` of another process) and no process uses: what a daemon killed
-    /// before it wrote a row, or a build killed with it, left behind.
+    /// Removes directories of the sandbox tree that no row owns, no process claims (a
+    /// `forkd run` of another process, see [`forkd_core::claim`]) and no process uses:
+    /// what a daemon killed before it wrote a row, or a build killed with it, left
+    /// behind.
     pub fn prune_unowned(&self) -> Vec<String> {
         let owned: std::collections::HashSet<String> =
             self.list().into_iter().map(|l| l.row.id).collect();
@@ -111,11 +117,10 @@ impl Registry {
             if owned.contains(&id) {
                 continue;
             }
-            if forkd_core::catalog::Record::read(&self.home, &id).is_ok_and(|r| r.alive()) {
-                continue;
-            }
             let path = e.path();
-            if !forkd_host::process::find_inside(&path).is_empty() {
+            if forkd_core::claim::is_claimed(&path)
+                || !forkd_host::process::find_inside(&path).is_empty()
+            {
                 continue;
             }
             if forkd_core::sandbox::remove_dir(&path).is_ok() {
@@ -211,8 +216,9 @@ impl Registry {
         }
         if let Ok(sb) = Sandbox::attach(
             self.hv.as_ref(),
-            &self.home,
-            &row.id,
+            row.config.clone(),
+            row.pid,
+            row.start_time,
             &attach_options(self.agent_timeout),
         )
         .await
