@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{b64, build_snapshot, call, create as fork, exec, runtime, Daemon};
+use common::{b64, call, create as fork, exec, runtime, Daemon};
 use forkd_daemon::client::Client;
 use hyper::{Method, StatusCode};
 use serde_json::{json, Value};
@@ -234,7 +234,7 @@ fn branch_through_the_daemon() {
     let rt = runtime();
     let c = d.unix();
     let source = rt.block_on(async {
-        build_snapshot(&c, "python", "py").await;
+        d.link_snapshot("python", "py");
         let source = fork(&c, "py", 1).await.remove(0);
         py(&c, &source, "x = 41").await;
         sh(&c, &source, "echo written-before > /root/note").await;

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{b64, build_snapshot, call, runtime, Daemon};
+use common::{b64, call, runtime, Daemon};
 use forkd_daemon::client::{Client, ExecLine, Lines};
 use hyper::{Method, StatusCode};
 use serde_json::{json, Value};
@@ -221,7 +221,7 @@ fn exec_output_is_bytes_and_oversized_requests_are_refused_on_record() {
     let rt = runtime();
     let (id, want) = rt.block_on(async {
         let c = d.unix();
-        build_snapshot(&c, "minimal", "mini").await;
+        d.link_snapshot("minimal", "mini");
 
         // A fork's record names the child it made (its path names none).
         let (s, v) = call(

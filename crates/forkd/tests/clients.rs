@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{build_snapshot, runtime, Daemon};
+use common::Daemon;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -93,10 +93,8 @@ fn the_sdks_and_the_mcp_server_work_against_a_real_daemon() {
         "--e2b-listen",
         &e2b_port,
     ]);
-    runtime().block_on(async {
-        // Tagged as `python` does it by default, so that the README's example runs as is.
-        build_snapshot(&d.unix(), "python", "python").await;
-    });
+    // Tagged as `python` does it by default, so that the README's example runs as is.
+    d.link_snapshot("python", "python");
     let env = [
         ("FORKD_URL", format!("unix:{}", d.socket().display())),
         ("FORKD_TEST_SNAPSHOT", "python".to_owned()),

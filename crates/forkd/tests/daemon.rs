@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 const TOKEN: &str = "0123456789abcdef0123456789abcdef-test-token";
 
-use common::{build_snapshot as build, call, create, exec, free_port, runtime, Daemon};
+use common::{call, create, exec, free_port, runtime, Daemon};
 
 /// create -> exec -> write and read a file -> run code -> delete, on one client.
 async fn round_trip(c: &Client, tag: &str) {
@@ -116,7 +116,7 @@ fn api_round_trip_over_unix_socket_and_tcp_with_a_token() {
     ]);
     runtime().block_on(async {
         let unix = d.unix();
-        build(&unix, "python", "py").await;
+        d.link_snapshot("python", "py");
         round_trip(&unix, "py").await;
         round_trip(&d.tcp(Some(TOKEN)), "py").await;
 
@@ -231,7 +231,7 @@ fn a_restarted_daemon_adopts_live_sandboxes_and_clears_dead_ones() {
     let mut d = Daemon::start(&[]);
     let ids = runtime().block_on(async {
         let c = d.unix();
-        build(&c, "minimal", "mini").await;
+        d.link_snapshot("minimal", "mini");
         let ids = create(&c, "mini", 3).await;
         for (i, id) in ids.iter().enumerate() {
             exec(&c, id, &format!("echo {i} > /state")).await;
@@ -241,16 +241,31 @@ fn a_restarted_daemon_adopts_live_sandboxes_and_clears_dead_ones() {
     d.kill9();
     // One VM dies while the daemon is down.
     let dead_dir = d.home.path().join("run/sandboxes").join(&ids[2]);
-    let record: Value =
-        serde_json::from_str(&std::fs::read_to_string(dead_dir.join("sandbox.json")).unwrap())
-            .unwrap();
-    let pid = record["pid"].as_i64().unwrap() as i32;
+    // Its QEMU, as the daemon recorded it.
+    let db = rusqlite::Connection::open_with_flags(
+        d.home.path().join("forkd.db"),
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+    )
+    .unwrap();
+    let pid: i32 = db
+        .query_row("SELECT pid FROM sandboxes WHERE id = ?1", [&ids[2]], |r| {
+            r.get(0)
+        })
+        .unwrap();
+    drop(db);
+    assert!(
+        forkd_host::process::find_inside(&dead_dir)
+            .iter()
+            .any(|(p, _)| i64::from(*p) == i64::from(pid)),
+        "pid {pid} is the QEMU of {}",
+        ids[2]
+    );
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGKILL,
     )
     .unwrap();
-    while forkd_host::process::is_alive(pid as u32) {
+    while forkd_host::process::is_alive(pid.unsigned_abs()) {
         std::thread::sleep(Duration::from_millis(20));
     }
     d.spawn();
@@ -284,7 +299,7 @@ fn bad_input_gets_a_clear_4xx_and_changes_nothing() {
     let d = Daemon::start(&[]);
     runtime().block_on(async {
         let c = d.unix();
-        build(&c, "minimal", "mini").await;
+        d.link_snapshot("minimal", "mini");
         let before = d.disk_state();
         let long = "x".repeat(300);
         for bad in ["../x", "a/b", "", long.as_str()] {
@@ -419,7 +434,7 @@ fn thirty_concurrent_creates_with_a_limit_of_ten() {
     let d = Daemon::start(&["--max-sandboxes", "10"]);
     runtime().block_on(async {
         let c = d.unix();
-        build(&c, "minimal", "mini").await;
+        d.link_snapshot("minimal", "mini");
         let results = futures::future::join_all((0..30).map(|_| {
             let c = c.clone();
             async move {
@@ -539,7 +554,7 @@ fn schemathesis_finds_no_server_error_and_no_schema_violation() {
     let d = Daemon::start(&["--listen", &port, "--max-sandboxes", "4"]);
     let id = runtime().block_on(async {
         let c = d.unix();
-        build(&c, "minimal", "mini").await;
+        d.link_snapshot("minimal", "mini");
         create(&c, "mini", 1).await.remove(0)
     });
     let dir = tempfile::tempdir().unwrap();
@@ -736,7 +751,7 @@ fn a_guest_flooding_console_and_stdout_leaves_the_daemon_small() {
     let mut d = Daemon::start_with_env(&[], &[("FORKD_CONSOLE_CAP", "64K")]);
     let (id, dir) = runtime().block_on(async {
         let c = d.unix();
-        build(&c, "minimal", "mini").await;
+        d.link_snapshot("minimal", "mini");
         let id = create(&c, "mini", 1).await.remove(0);
         (id.clone(), d.home.path().join("run/sandboxes").join(&id))
     });

@@ -18,7 +18,6 @@ use hyper::{Method, StatusCode};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The shared template's tag.
@@ -82,16 +81,8 @@ impl Home {
 
     /// A fresh data directory holding the shared template as snapshot [`TAG`].
     fn with_template() -> Home {
-        let from = template().join("snapshots").join(TAG);
         let h = Home::new(None);
-        let to = h.path().join("snapshots").join(TAG);
-        std::fs::create_dir_all(&to).unwrap();
-        for e in std::fs::read_dir(&from).unwrap() {
-            let e = e.unwrap();
-            assert!(e.file_type().unwrap().is_file(), "{:?}", e.path());
-            std::fs::hard_link(e.path(), to.join(e.file_name())).unwrap();
-        }
-        std::fs::set_permissions(&to, std::fs::metadata(&from).unwrap().permissions()).unwrap();
+        common::fixture::link_into(h.path(), "minimal", TAG);
         h
     }
 
@@ -297,32 +288,6 @@ fn processes_naming(dir: &Path) -> Vec<u32> {
         .map(|(pid, _)| pid)
         .filter(|pid| forkd_host::process::is_alive(*pid))
         .collect()
-}
-
-/// The data directory holding the shared template, built on first use. It is removed
-/// when the test process exits (see [`remove_template`]).
-fn template() -> &'static Path {
-    static TEMPLATE: OnceLock<PathBuf> = OnceLock::new();
-    TEMPLATE.get_or_init(|| {
-        let mut h = Home::new(None);
-        h.start(None);
-        runtime().block_on(common::build_snapshot(&h.client(), "minimal", TAG));
-        h.stop();
-        let path = h.path().to_owned();
-        *TEMPLATE_HOME.lock().unwrap() = Some(h);
-        // SAFETY: registers a plain function, run once by exit().
-        unsafe { libc::atexit(remove_template) };
-        path
-    })
-}
-
-static TEMPLATE_HOME: Mutex<Option<Home>> = Mutex::new(None);
-
-/// The test harness has no hook after the last test; exit() runs this.
-extern "C" fn remove_template() {
-    if let Ok(mut h) = TEMPLATE_HOME.lock() {
-        drop(h.take());
-    }
 }
 
 async fn list(c: &Client) -> Vec<Value> {

@@ -2,6 +2,8 @@
 //! its own that shares the built guest assets.
 #![allow(dead_code)]
 
+pub mod fixture;
+
 use forkd_daemon::client::{Client, Endpoint};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -236,6 +238,12 @@ impl Daemon {
         }
     }
 
+    /// Gives this daemon the shared snapshot `tag` of the built-in `template` (see
+    /// [`fixture`]), for tests that fork from it and do not test how it is built.
+    pub fn link_snapshot(&self, template: &str, tag: &str) {
+        fixture::link_into(self.home.path(), template, tag);
+    }
+
     /// A `forkd` command aimed at this daemon (its data directory, so its socket).
     pub fn forkd(&self) -> Command {
         let mut c = Command::new(env!("CARGO_BIN_EXE_forkd"));
@@ -393,7 +401,20 @@ pub struct Registry {
 }
 
 impl Registry {
+    /// Starts a registry on a free loopback port. The port is free when it is picked but
+    /// not reserved: a test process running beside this one may pick it too, and then
+    /// one of the two registries cannot listen. So this waits until its own process
+    /// holds the listening socket, and starts over on another port if it exited.
     pub fn start() -> Registry {
+        for _ in 0..5 {
+            if let Some(registry) = Registry::try_start() {
+                return registry;
+            }
+        }
+        panic!("the registry did not start: every port it was given was taken");
+    }
+
+    fn try_start() -> Option<Registry> {
         let dir = tempfile::tempdir().unwrap();
         let addr = free_port();
         let config = format!(
@@ -402,27 +423,57 @@ impl Registry {
         );
         let cfg = dir.path().join("config.yml");
         std::fs::write(&cfg, config).unwrap();
-        let child = Command::new("docker-registry")
+        let mut child = Command::new("docker-registry")
             .arg("serve")
             .arg(&cfg)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("docker-registry is installed");
+        let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
         let started = Instant::now();
-        while std::net::TcpStream::connect(&addr).is_err() {
+        while !listens_on(child.id(), port) {
+            if child.try_wait().unwrap().is_some() {
+                return None;
+            }
             assert!(
                 started.elapsed() < Duration::from_secs(30),
                 "the registry did not start"
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        Registry {
+        Some(Registry {
             child,
             addr,
             _dir: dir,
+        })
+    }
+}
+
+/// Whether the process `pid` holds a socket listening on TCP port `port`: the inodes
+/// of the listening sockets in /proc/net/tcp{,6} against its open files.
+fn listens_on(pid: u32, port: u16) -> bool {
+    const LISTEN: &str = "0A";
+    let mut inodes = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let text = std::fs::read_to_string(table).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let local_port = f.get(1).and_then(|a| a.rsplit(':').next());
+            if local_port.and_then(|p| u16::from_str_radix(p, 16).ok()) == Some(port)
+                && f.get(3) == Some(&LISTEN)
+            {
+                inodes.extend(f.get(9).map(|i| format!("socket:[{i}]")));
+            }
         }
     }
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path())
+            .is_ok_and(|target| inodes.iter().any(|i| target.as_os_str() == i.as_str()))
+    })
 }
 
 impl Drop for Registry {
