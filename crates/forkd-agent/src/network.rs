@@ -71,14 +71,14 @@ fn ifreq(name: &str) -> libc::ifreq {
     // SAFETY: ifreq is plain old data for which all-zero bytes are a valid value.
     let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
     for (dst, src) in ifr.ifr_name.iter_mut().zip(name.bytes()) {
-        *dst = src as libc::c_char;
+        *dst = libc::c_char::from_ne_bytes([src]);
     }
     ifr
 }
 
 fn sockaddr(addr: Ipv4Addr) -> libc::sockaddr {
     let sin = libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_family: libc::sa_family_t::try_from(libc::AF_INET).expect("AF_INET fits sa_family_t"),
         sin_port: 0,
         sin_addr: libc::in_addr {
             s_addr: u32::from(addr).to_be(),
@@ -106,7 +106,8 @@ fn set_up(sock: &OwnedFd, name: &str) -> std::io::Result<()> {
     ioctl(sock, libc::SIOCGIFFLAGS, &mut ifr)?;
     // SAFETY: SIOCGIFFLAGS filled the flags member of the union.
     unsafe {
-        ifr.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+        ifr.ifr_ifru.ifru_flags |= libc::c_short::try_from(libc::IFF_UP | libc::IFF_RUNNING)
+            .expect("the flags fit the short the kernel takes");
     }
     ioctl(sock, libc::SIOCSIFFLAGS, &mut ifr)
 }

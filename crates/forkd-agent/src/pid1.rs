@@ -204,7 +204,7 @@ fn reap_once(children: &Children) {
         let candidates = own_children().unwrap_or_else(orphaned_zombies);
         for pid in candidates
             .into_iter()
-            .filter(|p| !ours.contains(&(*p as u32)))
+            .filter(|p| !u32::try_from(*p).is_ok_and(|p| ours.contains(&p)))
         {
             let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
         }
@@ -345,7 +345,7 @@ mod tests {
 
     #[test]
     fn own_stat_parses() {
-        let me = std::process::id() as i32;
+        let me = i32::try_from(std::process::id()).unwrap();
         let (state, ppid) = proc_stat(me).expect("our own /proc entry");
         assert!(matches!(state, 'R' | 'S'), "{state}");
         assert_eq!(ppid, nix::unistd::getppid().as_raw());
@@ -363,7 +363,9 @@ mod tests {
                 .arg("30")
                 .spawn()
                 .expect("spawn sleep");
-            spawned.send(child.id() as i32).expect("send pid");
+            spawned
+                .send(i32::try_from(child.id()).unwrap())
+                .expect("send pid");
             let _ = wait_done.recv();
             let _ = child.kill();
             let _ = child.wait();
@@ -380,6 +382,6 @@ mod tests {
             !main_thread.split_whitespace().any(|p| p == pid.to_string()),
             "{main_thread}"
         );
-        assert!(!listed.contains(&(std::process::id() as i32)));
+        assert!(!listed.contains(&i32::try_from(std::process::id()).unwrap()));
     }
 }

@@ -135,7 +135,7 @@ run = "head -c {bytes} /dev/zero | tr '\\0' b; echo; echo the-end-of-it; exit 3"
         "{msg}"
     );
     assert!(
-        msg.len() < 2 * WARMUP_CAP as usize,
+        msg.len() < 2 * usize::try_from(WARMUP_CAP).unwrap(),
         "the error holds {} bytes",
         msg.len()
     );

@@ -91,6 +91,12 @@ pub fn admit(
     overcommit: f64,
 ) -> Result<(), InsufficientMemory> {
     let needed = per_child.saturating_mul(count as u64);
+    #[expect(
+        clippy::cast_precision_loss,
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "a memory budget: a float's precision is plenty, and `as` saturates"
+    )]
     let budget = (available as f64 * overcommit) as u64;
     if needed > budget {
         return Err(InsufficientMemory {

@@ -11,6 +11,8 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 /// Failures an address may have in a burst.
+pub const BURST_FAILURES: usize = 20;
+/// [`BURST_FAILURES`] as the bucket counts it.
 pub const BURST: f64 = 20.0;
 /// Failures per second it gets back.
 pub const REFILL_PER_S: f64 = 2.0;
@@ -96,7 +98,7 @@ mod tests {
         let f = AuthFailures::default();
         let (a, b): (IpAddr, IpAddr) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
         let t0 = Instant::now();
-        for _ in 0..BURST as usize {
+        for _ in 0..BURST_FAILURES {
             assert!(!f.is_blocked(a, t0));
             f.failed(a, t0);
         }
@@ -107,12 +109,12 @@ mod tests {
             "2001:db8::1".parse().unwrap(),
             "2001:db8::ffff:2".parse().unwrap(),
         );
-        for _ in 0..BURST as usize {
+        for _ in 0..BURST_FAILURES {
             f.failed(v6a, t0);
         }
         assert!(f.is_blocked(v6b, t0));
         // The map stays bounded whatever the number of addresses.
-        for i in 0..(MAX_TRACKED as u32 + 100) {
+        for i in 0..(u32::try_from(MAX_TRACKED).unwrap() + 100) {
             f.failed(IpAddr::V4(std::net::Ipv4Addr::from(0x0b00_0000 + i)), t0);
         }
         assert!(f.tracked() <= MAX_TRACKED);

@@ -223,22 +223,22 @@ impl Metrics {
 
     /// The text exposition, with the gauges read now.
     pub fn render(&self, sandboxes: &Sandboxes) -> String {
-        self.running.set(sandboxes.running() as i64);
+        self.running.set(gauge(sandboxes.running()));
         let counts = sandboxes.count_by_state();
         for state in forkd_core::lifecycle::SandboxState::ALL {
             self.by_state
                 .get_or_create(&StateLabels {
                     state: state.as_str().into(),
                 })
-                .set(counts.get(&state).copied().unwrap_or(0) as i64);
+                .set(gauge(counts.get(&state).copied().unwrap_or(0)));
         }
-        self.capacity.set(sandboxes.capacity() as i64);
+        self.capacity.set(gauge(sandboxes.capacity()));
         // A pool that emptied (or went away) reads 0, not its last value.
         self.pool_idle.clear();
         for (snapshot, n) in sandboxes.pool_idle() {
             self.pool_idle
                 .get_or_create(&PoolLabels { snapshot })
-                .set(n as i64);
+                .set(gauge(n));
         }
         self.render_limits(sandboxes);
         let bytes: u64 = sandboxes
@@ -256,4 +256,10 @@ impl Metrics {
         }
         out
     }
+}
+
+/// A count as a gauge's value (a count past i64::MAX cannot happen; it would show as
+/// the largest value).
+fn gauge(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }

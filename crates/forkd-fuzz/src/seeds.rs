@@ -337,7 +337,7 @@ allow = ["pypi.org:443", "203.0.113.0/24"]
     {
         reply.add_answer(hickory_proto::rr::Record::from_rdata(
             "allowed.test.".parse().expect("a seed name"),
-            30 + 1000 * i as u32,
+            30 + 1000 * u32::try_from(i).expect("a few seeds"),
             hickory_proto::rr::RData::A(hickory_proto::rr::rdata::A((*ip).into())),
         ));
     }

@@ -52,8 +52,11 @@ impl CappedLog {
     /// Appends `data`, rotating whenever the current file is full.
     pub fn write(&mut self, mut data: &[u8]) -> std::io::Result<()> {
         // Of a write larger than both files, only its end can stay.
-        if data.len() as u64 > 2 * self.half {
-            data = &data[data.len() - (2 * self.half) as usize..];
+        if let Some(over) = usize::try_from(2 * self.half)
+            .ok()
+            .and_then(|keep| data.len().checked_sub(keep))
+        {
+            data = &data[over..];
         }
         while !data.is_empty() {
             if self.len >= self.half {

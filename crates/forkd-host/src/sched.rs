@@ -93,6 +93,13 @@ fn make_batch() {
     }
 }
 
+/// sched_attr's size as the kernel takes it.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "a struct of a few dozen bytes: its size fits a u32"
+)]
+const ATTR_SIZE: u32 = std::mem::size_of::<libc::sched_attr>() as u32;
+
 /// sched_setattr(2) of the calling thread: `SCHED_BATCH`, [`BATCH_SLICE_NS`] as its
 /// slice (kernels before 6.12 ignore a fair policy's runtime), its nice value kept.
 fn set_batch_attr() -> std::io::Result<()> {
@@ -100,7 +107,7 @@ fn set_batch_attr() -> std::io::Result<()> {
     // thread). -1 is also a valid value; the call cannot fail for the caller itself.
     let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
     let attr = libc::sched_attr {
-        size: std::mem::size_of::<libc::sched_attr>() as u32,
+        size: ATTR_SIZE,
         sched_policy: libc::SCHED_BATCH as u32,
         sched_flags: 0,
         sched_nice: nice,
@@ -134,7 +141,7 @@ mod tests {
     fn attr_of(tid: libc::pid_t) -> libc::sched_attr {
         // SAFETY: all-zero is a valid sched_attr (plain integers).
         let mut attr: libc::sched_attr = unsafe { std::mem::zeroed() };
-        let size = std::mem::size_of::<libc::sched_attr>() as u32;
+        let size = ATTR_SIZE;
         // SAFETY: sched_getattr writes at most `size` bytes into `attr`.
         let rc = unsafe {
             libc::syscall(

@@ -103,7 +103,7 @@ pub fn fill_holes_on_tmpfs(file: &Path) -> Result<bool, SpaceError> {
         Err(nix::errno::Errno::ENOSPC) => Err(NoSpace {
             what: format!("the memory image {}", file.display()),
             path: file.display().to_string(),
-            needed_mib: (len as u64).div_ceil(1 << 20),
+            needed_mib: len.unsigned_abs().div_ceil(1 << 20),
             available_mib: available(file).unwrap_or(0) / (1 << 20),
         }
         .into()),

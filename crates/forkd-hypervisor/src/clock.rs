@@ -117,7 +117,7 @@ fn reading() -> Option<(i128, u64, u64)> {
         // SAFETY: as above.
         let after = unsafe { core::arch::x86_64::_rdtsc() };
         let bracket = after.checked_sub(before)?;
-        let ns = t.tv_sec() as i128 * 1_000_000_000 + t.tv_nsec() as i128;
+        let ns = i128::from(t.tv_sec()) * 1_000_000_000 + i128::from(t.tv_nsec());
         let r = (ns, before + bracket / 2, bracket);
         if best.is_none_or(|b| bracket < b.2) {
             best = Some(r);

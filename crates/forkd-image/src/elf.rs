@@ -173,7 +173,8 @@ pub(crate) mod tests {
         d[18..20].copy_from_slice(&EM_X86_64.to_le_bytes());
         d[32..40].copy_from_slice(&(HEADER_LEN as u64).to_le_bytes());
         d[54..56].copy_from_slice(&56u16.to_le_bytes());
-        d[56..58].copy_from_slice(&(phdr_types.len() as u16).to_le_bytes());
+        let phnum = u16::try_from(phdr_types.len()).expect("a test ELF has few headers");
+        d[56..58].copy_from_slice(&phnum.to_le_bytes());
         for t in phdr_types {
             let mut ph = vec![0u8; 56];
             ph[..4].copy_from_slice(&t.to_le_bytes());

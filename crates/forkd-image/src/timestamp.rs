@@ -9,7 +9,8 @@ pub fn rfc3339_utc(t: SystemTime) -> String {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let (y, m, d) = civil_from_days((secs / 86_400) as i64);
+    // u64 seconds / 86,400 is below 2^48: it fits an i64.
+    let (y, m, d) = civil_from_days(i64::try_from(secs / 86_400).unwrap_or(i64::MAX));
     let rem = secs % 86_400;
     format!(
         "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
@@ -27,8 +28,9 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
     let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
     let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
     let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    // Day 1..=31 and month 1..=12 by the algorithm's ranges (doy 0..=365, mp 0..=11).
+    let d = u32::try_from(doy - (153 * mp + 2) / 5 + 1).expect("a day of the month");
+    let m = u32::try_from(if mp < 10 { mp + 3 } else { mp - 9 }).expect("a month");
     let y = yoe + era * 400 + i64::from(m <= 2);
     (y, m, d)
 }

@@ -71,7 +71,8 @@ fn encode_unchecked(tag: Tag, payload: &[u8]) -> Bytes {
     debug_assert!(payload.len() <= MAX_PAYLOAD);
     let mut b = BytesMut::with_capacity(HEADER_LEN + payload.len());
     b.put_u8(tag as u8);
-    b.put_u32(payload.len() as u32);
+    // At most MAX_PAYLOAD, far below u32::MAX: every caller checks the length first.
+    b.put_u32(u32::try_from(payload.len()).expect("a payload of at most MAX_PAYLOAD"));
     b.put_slice(payload);
     b.freeze()
 }

@@ -18,6 +18,7 @@ const MAGIC: u32 = 0x5146_49fb;
 const VERSION: u32 = 3;
 const CLUSTER_BITS: u32 = 16;
 const CLUSTER: u64 = 1 << CLUSTER_BITS;
+const CLUSTER_LEN: usize = 1 << CLUSTER_BITS;
 /// Length of the version 3 header without the optional compression-type field.
 const HEADER_LEN: u32 = 104;
 /// 16-bit refcounts (refcount_order 4), as qemu-img makes them.
@@ -181,7 +182,9 @@ pub fn set_backing_name(image: &Path, name: &str) -> std::io::Result<()> {
     // Clear what is left of a longer old name.
     bytes.resize(name.len().max(usize::try_from(old_len).unwrap_or(0)), 0);
     f.write_all_at(&bytes, offset)?;
-    f.write_all_at(&(name.len() as u32).to_be_bytes(), 16)?;
+    // Shorter than its header cluster (checked above).
+    let name_len = u32::try_from(name.len()).expect("a name within one cluster");
+    f.write_all_at(&name_len.to_be_bytes(), 16)?;
     f.sync_data()
 }
 
@@ -261,7 +264,8 @@ pub fn overlay_image(
     let mut ext = Vec::new();
     let fmt = format.name().as_bytes();
     ext.extend_from_slice(&EXT_BACKING_FORMAT.to_be_bytes());
-    ext.extend_from_slice(&(fmt.len() as u32).to_be_bytes());
+    let fmt_len = u32::try_from(fmt.len()).expect("a format name of a few bytes");
+    ext.extend_from_slice(&fmt_len.to_be_bytes());
     ext.extend_from_slice(fmt);
     ext.resize(ext.len().next_multiple_of(8), 0);
     ext.extend_from_slice(&[0u8; 8]); // end of the extensions
@@ -273,11 +277,14 @@ pub fn overlay_image(
     h.extend_from_slice(&MAGIC.to_be_bytes());
     h.extend_from_slice(&VERSION.to_be_bytes());
     h.extend_from_slice(&(name_offset as u64).to_be_bytes());
-    h.extend_from_slice(&(backing_name.len() as u32).to_be_bytes());
+    let name_len =
+        u32::try_from(backing_name.len()).map_err(|_| invalid("too long a name".into()))?;
+    h.extend_from_slice(&name_len.to_be_bytes());
     h.extend_from_slice(&CLUSTER_BITS.to_be_bytes());
     h.extend_from_slice(&size.to_be_bytes());
     h.extend_from_slice(&0u32.to_be_bytes()); // no encryption
-    h.extend_from_slice(&(l1_entries as u32).to_be_bytes());
+    let l1_entries = u32::try_from(l1_entries).map_err(|_| invalid("too large".into()))?;
+    h.extend_from_slice(&l1_entries.to_be_bytes());
     h.extend_from_slice(&(3 * CLUSTER).to_be_bytes()); // L1 table
     h.extend_from_slice(&CLUSTER.to_be_bytes()); // refcount table
     h.extend_from_slice(&1u32.to_be_bytes()); // refcount table clusters
@@ -292,11 +299,13 @@ pub fn overlay_image(
     img[..h.len()].copy_from_slice(&h);
 
     // Refcount table: its one entry points at the refcount block in cluster 2.
-    let rt = CLUSTER as usize;
+    let rt = CLUSTER_LEN;
     img[rt..rt + 8].copy_from_slice(&(2 * CLUSTER).to_be_bytes());
     // Refcount block: every cluster of the image is used once.
-    let rb = 2 * CLUSTER as usize;
-    for c in 0..total_clusters as usize {
+    let rb = 2 * CLUSTER_LEN;
+    let total_clusters =
+        usize::try_from(total_clusters).map_err(|_| invalid("too large".into()))?;
+    for c in 0..total_clusters {
         img[rb + 2 * c..rb + 2 * c + 2].copy_from_slice(&1u16.to_be_bytes());
     }
     Ok(img)
@@ -420,7 +429,7 @@ mod tests {
         let raw = dir.path().join("base.raw");
         let mut data = vec![0u8; 3 << 20];
         for (i, b) in data.iter_mut().enumerate() {
-            *b = (i % 251) as u8;
+            *b = u8::try_from(i % 251).unwrap();
         }
         std::fs::write(&raw, &data).unwrap();
         // A layer over the raw base, named relatively (as in a snapshot directory).

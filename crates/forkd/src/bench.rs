@@ -1,5 +1,9 @@
 //! `forkd bench`: measurements taken in one run, reported as medians (and, where two
 //! things are compared, as ratios), never as pass/fail thresholds.
+#![expect(
+    clippy::cast_precision_loss,
+    reason = "reports: byte counts, ticks and counts become ratios and MiB shown to a few digits"
+)]
 
 use anyhow::{Context, Result};
 use forkd_core::Sandbox;

@@ -8,6 +8,10 @@
 //!   a third tag;
 //! - forks of one child (to its first exec) of the unpacked snapshot against the
 //!   original, interleaved, medians compared.
+#![expect(
+    clippy::cast_precision_loss,
+    reason = "reports: byte counts, ticks and counts become ratios and MiB shown to a few digits"
+)]
 
 use crate::bench::{median, ms};
 use crate::bench_scale::{delete_all, fork_and_exec, BenchDaemon, Mode};

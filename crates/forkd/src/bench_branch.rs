@@ -11,6 +11,10 @@
 //!   branch of a child of the link before.
 //!
 //! Every figure is taken in the same run, so the ratios compare like with like.
+#![expect(
+    clippy::cast_precision_loss,
+    reason = "reports: byte counts, ticks and counts become ratios and MiB shown to a few digits"
+)]
 
 use crate::bench::{median, ms};
 use crate::bench_scale::{delete_all, fork_and_exec, BenchDaemon, Mode};
@@ -261,7 +265,7 @@ async fn chain_depths(
             "depth {depth}: median fork to first exec {m:.0} ms"
         ));
         rows.push(DepthRow {
-            depth: depth as u32,
+            depth: u32::try_from(depth)?,
             fork_exec_runs_ms: r,
             median_fork_exec_ms: m,
             ratio_to_depth_0: m / base,

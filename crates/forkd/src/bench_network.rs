@@ -7,6 +7,10 @@
 //! median of `--runs`), then a fork of N at once, with each child's whole-QEMU PSS and
 //! private memory and the host's `MemAvailable` drop per child. The ratios nat/none
 //! compare figures taken on the same machine at the same time.
+#![expect(
+    clippy::cast_precision_loss,
+    reason = "reports: byte counts, ticks and counts become ratios and MiB shown to a few digits"
+)]
 
 use crate::bench::{median, ms};
 use crate::bench_scale::{delete_all, fork_and_exec, pids_of, BenchDaemon, Mode};
@@ -119,7 +123,7 @@ pub async fn run(home: &Home, args: NetworkArgs) -> Result<()> {
             fork_n_ms,
             pss_mib: mean(&|u| u.pss),
             private_mib: mean(&|u| u.private_clean + u.private_dirty),
-            host_mib: before.saturating_sub(after) as f64 / args.count as f64 / MIB,
+            host_mib: before.saturating_sub(after) as f64 / f64::from(args.count) / MIB,
         };
         say(&format!(
             "  {} children: {fork_n_ms:.0} ms; PSS {:.1} MiB, private {:.1} MiB, host {:.1} MiB per child",

@@ -15,6 +15,10 @@
 //! Cold boot (what `forkd run` does: a fresh disk layer, QEMU, the kernel, the agent's
 //! first answer) and single forks are measured in the same run, so that the report's
 //! ratios compare figures taken on the same machine at the same time.
+#![expect(
+    clippy::cast_precision_loss,
+    reason = "reports: byte counts, ticks and counts become ratios and MiB shown to a few digits"
+)]
 
 use crate::bench::{median, ms};
 use anyhow::{bail, Context, Result};
@@ -276,9 +280,9 @@ async fn measure(
     let pss_mib = mean_mib(&|u| u.pss);
     let private_mib = mean_mib(&|u| u.private_clean + u.private_dirty);
     let after = forkd_daemon::admission::mem_available().unwrap_or(0);
-    let host_mib = before.saturating_sub(after) as f64 / count as f64 / MIB;
+    let host_mib = before.saturating_sub(after) as f64 / f64::from(count) / MIB;
     let answers = futures::future::join_all(ids.iter().map(|id| exec_true(c, id))).await;
-    let alive_after_idle = answers.iter().filter(|r| r.is_ok()).count() as u32;
+    let alive_after_idle = u32::try_from(answers.iter().filter(|r| r.is_ok()).count())?;
     delete_all(c, &ids).await?;
     let idle_cpu_percent = shares.iter().sum::<f64>() / shares.len().max(1) as f64;
     say(&format!(
@@ -371,7 +375,7 @@ pub(crate) async fn pids_of(c: &Client, ids: &[String]) -> Result<Vec<u32>> {
         let v: Value = c
             .json(Method::GET, &format!("/v1/sandboxes/{id}"), None)
             .await?;
-        pids.push(v["pid"].as_u64().context("no pid")? as u32);
+        pids.push(u32::try_from(v["pid"].as_u64().context("no pid")?)?);
     }
     Ok(pids)
 }
@@ -404,7 +408,7 @@ async fn put_pool(c: &Client, tag: &str, size: u32) -> Result<()> {
 async fn wait_pool(c: &Client, tag: &str, size: u32) -> Result<()> {
     let path = format!("/v1/snapshots/{tag}/pool");
     // Members are made one at a time: allow each a generous minute.
-    let deadline = Instant::now() + Duration::from_secs(60 + 60 * size as u64);
+    let deadline = Instant::now() + Duration::from_secs(60 + 60 * u64::from(size));
     loop {
         let v: Value = c.json(Method::GET, &path, None).await?;
         if v["idle"] == size && v["filling"] == 0 {
@@ -500,7 +504,7 @@ impl BenchDaemon {
 impl Drop for BenchDaemon {
     fn drop(&mut self) {
         let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.process.id() as i32),
+            nix::unistd::Pid::from_raw(i32::try_from(self.process.id()).expect("a pid")),
             nix::sys::signal::Signal::SIGTERM,
         );
         let _ = self.process.wait();

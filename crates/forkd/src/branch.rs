@@ -82,7 +82,7 @@ pub async fn branch(client: &Client, args: BranchArgs) -> Result<()> {
         v["pause_ms"].as_f64().unwrap_or(0.0),
         v["mode"].as_str().unwrap_or("?"),
         v["pages_changed"].as_u64().unwrap_or(0),
-        v["diff_bytes"].as_f64().unwrap_or(0.0) / (1u64 << 20) as f64,
+        v["diff_bytes"].as_f64().unwrap_or(0.0) / f64::from(1u32 << 20),
         v["total_ms"].as_f64().unwrap_or(0.0),
     );
     Ok(())

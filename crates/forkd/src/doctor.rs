@@ -424,7 +424,8 @@ fn check_disk(home: &Home) -> Check {
     match nix::sys::statvfs::statvfs(dir.as_path()) {
         Ok(s) => {
             let free = s.blocks_available() * s.fragment_size();
-            let gib = free as f64 / (1u64 << 30) as f64;
+            #[expect(clippy::cast_precision_loss, reason = "a size shown to one decimal")]
+            let gib = free as f64 / f64::from(1u32 << 30);
             let detail = format!("{gib:.1} GiB free for {}", home.root().display());
             if gib < 2.0 {
                 bad("disk", Level::Fail, detail, "free at least 2 GiB (the python image alone needs ~1 GiB) or set FORKD_HOME elsewhere")

@@ -222,6 +222,7 @@ pub async fn ensure_assets(home: &Home, image: RootfsImage, force: bool) -> Resu
 }
 
 /// `1.2 GiB`-style sizes.
+#[expect(clippy::cast_precision_loss, reason = "a size shown to one decimal")]
 pub fn human_size(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = bytes as f64;

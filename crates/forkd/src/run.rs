@@ -56,7 +56,13 @@ pub async fn run(home: &Home, args: RunArgs) -> Result<i32> {
         if !(t > 0.0 && t.is_finite()) {
             bail!("--timeout must be a positive number of seconds");
         }
-        req.timeout_ms = Some((t * 1000.0).ceil() as u64);
+        #[expect(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            reason = "a finite, positive number of seconds; `as` saturates past u64::MAX ms"
+        )]
+        let ms = (t * 1000.0).ceil() as u64;
+        req.timeout_ms = Some(ms);
     }
 
     let assets = crate::image::ensure_assets(home, args.vm.image, false).await?;

@@ -433,7 +433,10 @@ pub async fn exec(client: &Client, args: ExecArgs) -> Result<i32> {
     if args.json {
         let v: Value = client.json(Method::POST, &path, Some(&body)).await?;
         print_json(&v)?;
-        return Ok(v["exit_code"].as_i64().unwrap_or(255) as i32);
+        return Ok(v["exit_code"]
+            .as_i64()
+            .and_then(|c| i32::try_from(c).ok())
+            .unwrap_or(255));
     }
     body["stream"] = true.into();
     let mut lines = stream(client, &path, &body).await?;

@@ -263,7 +263,7 @@ impl Drop for Home {
             }
             for pid in left {
                 let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::unistd::Pid::from_raw(i32::try_from(pid).expect("a pid")),
                     nix::sys::signal::Signal::SIGKILL,
                 );
             }
@@ -276,7 +276,7 @@ impl Drop for Home {
 
 fn terminate(pid: u32) {
     let _ = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid as i32),
+        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("a pid")),
         nix::sys::signal::Signal::SIGTERM,
     );
 }
@@ -369,11 +369,15 @@ async fn wait_status(c: &Client, id: &str, want: &str, within: Duration) {
 }
 
 fn pid_of(s: &Value) -> u32 {
-    s["pid"].as_u64().unwrap() as u32
+    u32::try_from(s["pid"].as_u64().unwrap()).unwrap()
 }
 
 fn signal(pid: u32, sig: nix::sys::signal::Signal) {
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("a pid")),
+        sig,
+    )
+    .unwrap();
 }
 
 #[test]
@@ -823,7 +827,7 @@ fn a_full_disk_refuses_forks_with_507_and_corrupts_nothing() {
             std::os::fd::AsRawFd::as_raw_fd(&f),
             nix::fcntl::FallocateFlags::empty(),
             0,
-            len as i64,
+            i64::try_from(len).unwrap(),
         )
         .unwrap();
         drop(f);

@@ -165,7 +165,8 @@ impl TestHosts {
                             let _ = conn.read_exact(&mut query);
                         }
                         if let Some(reply) = dns_reply(&query, true) {
-                            let mut framed = (reply.len() as u16).to_be_bytes().to_vec();
+                            let mut framed =
+                                u16::try_from(reply.len()).unwrap().to_be_bytes().to_vec();
                             framed.extend_from_slice(&reply);
                             let _ = conn.write_all(&framed);
                         }
@@ -590,7 +591,7 @@ async fn children_reach_neither_each_other_nor_the_host_nor_the_daemon(
             let id = id.to_owned();
             async move {
                 let (_, v) = call(c, Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
-                v["pid"].as_u64().unwrap() as u32
+                u32::try_from(v["pid"].as_u64().unwrap()).unwrap()
             }
         };
         let (pa, pb) = (pid(&a).await, pid(&b).await);

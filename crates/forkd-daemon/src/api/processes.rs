@@ -127,6 +127,11 @@ pub async fn wait(
             "timeout_s = {secs} is outside [0, {MAX_WAIT_S}]"
         )));
     }
+    #[expect(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "a finite, range-checked number of seconds: its milliseconds fit"
+    )]
     let ms = (secs * 1000.0).ceil() as u64;
     on_process(&app, &id, &process, |a, n| async move {
         a.wait_process(n, Some(ms)).await

@@ -36,6 +36,11 @@ fn push_capped(buf: &mut Vec<u8>, more: &[u8]) -> bool {
 /// Longest timeout a run accepts: one day.
 const MAX_RUN_TIMEOUT_S: f64 = 86_400.0;
 
+#[expect(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    reason = "a finite, range-checked number of seconds: its milliseconds fit"
+)]
 fn timeout_ms(t: Option<f64>) -> Result<Option<u64>, ApiError> {
     match t {
         None => Ok(None),

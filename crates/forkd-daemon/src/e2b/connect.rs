@@ -255,7 +255,8 @@ pub fn end_of_stream(error: Option<&RpcError>) -> Bytes {
 fn frame(flags: u8, payload: &[u8]) -> Bytes {
     let mut b = BytesMut::with_capacity(5 + payload.len());
     b.put_u8(flags);
-    b.put_u32(payload.len() as u32);
+    // Connect frames carry at most a message the server limits to far below 4 GiB.
+    b.put_u32(u32::try_from(payload.len()).expect("a bounded message"));
     b.put_slice(payload);
     b.freeze()
 }

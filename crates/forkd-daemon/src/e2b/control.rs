@@ -143,7 +143,8 @@ fn created(e2b: &Shared, id: &str, template: &str) -> Value {
 }
 
 fn rfc3339(unix: i64) -> String {
-    let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(unix.max(0) as u64);
+    let t =
+        std::time::UNIX_EPOCH + std::time::Duration::from_secs(u64::try_from(unix).unwrap_or(0));
     forkd_image::timestamp::rfc3339_utc(t)
 }
 

@@ -59,7 +59,8 @@ pub(super) fn entry(f: &FileStat) -> Value {
         FileKind::Symlink => "FILE_TYPE_SYMLINK",
         FileKind::Other => "FILE_TYPE_UNSPECIFIED",
     };
-    let mtime = std::time::UNIX_EPOCH + std::time::Duration::from_millis(f.mtime_ms.max(0) as u64);
+    let mtime = std::time::UNIX_EPOCH
+        + std::time::Duration::from_millis(u64::try_from(f.mtime_ms).unwrap_or(0));
     json!({
         "name": f.name,
         "type": kind,

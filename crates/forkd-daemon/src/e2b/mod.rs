@@ -432,7 +432,7 @@ mod tests {
                 .insert(crate::server::Principal(format!("tcp:{ip}:40000")));
             req
         };
-        let burst = crate::auth_failures::BURST as usize;
+        let burst = crate::auth_failures::BURST_FAILURES;
         for _ in 0..burst {
             let (s, v) = send(&r, from("192.0.2.7", "e2b_wrong")).await;
             assert_eq!(s, StatusCode::UNAUTHORIZED, "{v}");

@@ -588,7 +588,7 @@ async fn a_member_whose_vm_died_is_replaced_by_a_fresh_restore() {
     // One member's VM dies while it waits.
     let (pid, _) = vms_of(&w)[0];
     nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid as i32),
+        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("a pid")),
         nix::sys::signal::Signal::SIGKILL,
     )
     .unwrap();

@@ -71,7 +71,7 @@ pub fn start_with(app: &App, snap: Snapshot, req: ForkRequest) -> Result<Fork, A
 impl ForkRequest {
     /// The checks that need no snapshot; returns the deadline.
     fn check(&self) -> Result<Option<i64>, ApiError> {
-        let max = forkd_core::fork::MAX_CHILDREN as u32;
+        let max = u32::try_from(forkd_core::fork::MAX_CHILDREN).expect("a small limit");
         if self.count == 0 || self.count > max {
             return Err(ApiError::bad_request(format!(
                 "n = {} is outside 1..={max}",
@@ -185,6 +185,11 @@ fn limit_overrides(
     let Some(asked) = asked else {
         return Ok(LimitOverrides::default());
     };
+    #[expect(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "at most 1024 cores, checked: their millicores fit"
+    )]
     let cpu_millicores = match asked.cpu_cores {
         None => None,
         Some(c) if c.is_finite() && (0.0..=1024.0).contains(&c) => Some((c * 1000.0).ceil() as u32),
@@ -230,7 +235,8 @@ pub fn deadline_in(t: u64) -> Result<i64, ApiError> {
             "timeout_s = {t} is outside 1..={MAX_TIMEOUT_S}"
         )));
     }
-    Ok(crate::unix_now() + t as i64)
+    // At most MAX_TIMEOUT_S (checked above): it fits an i64.
+    Ok(crate::unix_now() + i64::try_from(t).expect("a checked timeout"))
 }
 
 /// Refuses labels and an environment a sandbox cannot take.

@@ -240,16 +240,18 @@ impl State {
         let version: i64 = conn
             .pragma_query_value(None, "user_version", |r| r.get(0))
             .map_err(open_err)?;
-        if version > MIGRATIONS.len() as i64 {
+        // A negative version is no version this code wrote: newer than any it knows.
+        let applied = usize::try_from(version).unwrap_or(usize::MAX);
+        if applied > MIGRATIONS.len() {
             return Err(StateError::TooNew {
                 found: version,
                 known: MIGRATIONS.len(),
             });
         }
-        for (i, sql) in MIGRATIONS.iter().enumerate().skip(version as usize) {
+        for (i, sql) in MIGRATIONS.iter().enumerate().skip(applied) {
             let tx = conn.transaction()?;
             tx.execute_batch(sql)?;
-            tx.pragma_update(None, "user_version", (i + 1) as i64)?;
+            tx.pragma_update(None, "user_version", i + 1)?;
             tx.commit()?;
         }
         Ok(State {
@@ -315,7 +317,7 @@ impl State {
                     row.id,
                     row.snapshot,
                     row.pid,
-                    row.start_time as i64,
+                    row.start_time,
                     serde_json::to_string(&row.config)?,
                     serde_json::to_string(&row.labels)?,
                     row.timeout_at,
@@ -338,7 +340,7 @@ impl State {
             let changed = tx.execute(
                 "UPDATE sandboxes SET state = 'running', pid = ?2, start_time = ?3
                  WHERE id = ?1 AND state = 'starting'",
-                params![id, pid, *start_time as i64],
+                params![id, pid, *start_time],
             )?;
             if changed != 1 {
                 return Err(StateError::NotStarting { id: id.clone() });
@@ -385,7 +387,7 @@ impl State {
         if let Some((pid, start_time)) = process {
             tx.execute(
                 "UPDATE sandboxes SET pid = ?2, start_time = ?3 WHERE id = ?1",
-                params![id, pid, start_time as i64],
+                params![id, pid, start_time],
             )?;
         }
         tx.commit()?;
@@ -448,7 +450,7 @@ impl State {
             Some(n) => conn.execute(
                 "INSERT INTO pool_sizes (snapshot, size) VALUES (?1, ?2)
                  ON CONFLICT(snapshot) DO UPDATE SET size = ?2",
-                params![tag, n as i64],
+                params![tag, n],
             )?,
             None => conn.execute("DELETE FROM pool_sizes WHERE snapshot = ?1", params![tag])?,
         };
@@ -460,9 +462,7 @@ impl State {
         let conn = self.conn();
         let mut stmt = conn.prepare("SELECT snapshot, size FROM pool_sizes")?;
         let sizes = stmt
-            .query_map([], |r| {
-                Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as usize))
-            })?
+            .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, usize>(1)?)))?
             .collect::<Result<Vec<_>, _>>()?;
         Ok(sizes)
     }
@@ -477,7 +477,7 @@ impl State {
                 m.id,
                 m.snapshot,
                 m.pid,
-                m.start_time as i64,
+                m.start_time,
                 m.dir.to_string_lossy(),
                 m.created_at
             ],
@@ -504,7 +504,7 @@ impl State {
                     id: r.get(0)?,
                     snapshot: r.get(1)?,
                     pid: r.get(2)?,
-                    start_time: r.get::<_, i64>(3)? as u64,
+                    start_time: r.get::<_, u64>(3)?,
                     dir: r.get::<_, String>(4)?.into(),
                     created_at: r.get(5)?,
                 })
@@ -538,8 +538,8 @@ impl State {
                 op.error,
                 op.created_at,
                 op.finished_at,
-                op.done as i64,
-                op.total as i64,
+                op.done,
+                op.total,
                 op.result.as_ref().map(|r| r.to_string())
             ],
         )?;
@@ -565,7 +565,7 @@ impl State {
     pub fn set_operation_total(&self, id: &str, total: u64) -> Result<(), StateError> {
         self.conn().execute(
             "UPDATE operations SET total = ?2 WHERE id = ?1",
-            params![id, total as i64],
+            params![id, total],
         )?;
         Ok(())
     }
@@ -582,8 +582,8 @@ impl State {
                 end.status,
                 end.error,
                 end.finished_at,
-                end.done as i64,
-                end.total as i64,
+                end.done,
+                end.total,
                 serde_json::to_string(end.result)?
             ],
         )?;
@@ -728,8 +728,8 @@ fn operation_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OperationRow> {
         error: r.get(4)?,
         created_at: r.get(5)?,
         finished_at: r.get(6)?,
-        done: r.get::<_, i64>(7)? as u64,
-        total: r.get::<_, i64>(8)? as u64,
+        done: r.get::<_, u64>(7)?,
+        total: r.get::<_, u64>(8)?,
         result: r
             .get::<_, Option<String>>(9)?
             .and_then(|t| serde_json::from_str(&t).ok()),
@@ -751,7 +751,7 @@ struct RawSandbox {
     id: String,
     snapshot: String,
     pid: u32,
-    start_time: i64,
+    start_time: u64,
     config: String,
     labels: String,
     timeout_at: Option<i64>,
@@ -781,7 +781,7 @@ impl RawSandbox {
             id: self.id,
             snapshot: self.snapshot,
             pid: self.pid,
-            start_time: self.start_time as u64,
+            start_time: self.start_time,
             config: serde_json::from_str(&self.config)?,
             labels: serde_json::from_str(&self.labels)?,
             timeout_at: self.timeout_at,

@@ -129,7 +129,7 @@ fn random_block() -> u32 {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos()),
     );
-    (h.finish() % u64::from(UPLINKS)) as u32
+    u32::try_from(h.finish() % u64::from(UPLINKS)).expect("below UPLINKS, a u32")
 }
 
 /// How many taken /30s the search passes over before it gives up.

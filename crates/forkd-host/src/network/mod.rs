@@ -323,9 +323,10 @@ fn open_tap(name: &str) -> std::io::Result<OwnedFd> {
     // SAFETY: ifreq is plain old data for which all-zero bytes are a valid value.
     let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
     for (dst, src) in ifr.ifr_name.iter_mut().zip(name.bytes()) {
-        *dst = src as libc::c_char;
+        *dst = libc::c_char::from_ne_bytes([src]);
     }
-    ifr.ifr_ifru.ifru_flags = (libc::IFF_TAP | libc::IFF_NO_PI) as libc::c_short;
+    ifr.ifr_ifru.ifru_flags = libc::c_short::try_from(libc::IFF_TAP | libc::IFF_NO_PI)
+        .expect("the flags fit the short the kernel takes");
     // SAFETY: TUNSETIFF reads an ifreq with a NUL-terminated name (the name is shorter
     // than IFNAMSIZ) and flags; `tun` is an open /dev/net/tun.
     unsafe { tunsetiff(tun.as_raw_fd(), &ifr) }?;

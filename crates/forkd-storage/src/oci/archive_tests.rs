@@ -360,14 +360,14 @@ fn a_blob_that_inflates_past_its_part_is_refused() {
     for l in &mut oci.layers {
         if l.annotations.as_ref().unwrap()[super::TITLE] == parts::ROOTFS {
             l.digest = super::digest_of(&bomb_hex);
-            l.size = bomb.len() as i64;
+            l.size = i64::try_from(bomb.len()).unwrap();
         }
     }
     let json = serde_json::to_vec(&oci).unwrap();
     let hex = layout.add_bytes(&json).unwrap();
     let mut e = index.manifests[0].clone();
     e.digest = super::digest_of(&hex);
-    e.size = json.len() as i64;
+    e.size = i64::try_from(json.len()).unwrap();
     layout.write_index(vec![e]).unwrap();
     let tar = tar_of(layout);
     refused(dir.path(), &tar, "decompresses to more than");

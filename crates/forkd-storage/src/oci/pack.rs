@@ -73,7 +73,7 @@ pub fn pack(store: &Store, tag: &Tag, progress: &dyn Fn(&str)) -> Result<Packed,
             config: OciDescriptor {
                 media_type: super::CONFIG_MEDIA_TYPE.to_owned(),
                 digest: digest_of(&config_hex),
-                size: config.len() as i64,
+                size: i64::try_from(config.len()).expect("a buffer's length fits an i64"),
                 urls: None,
                 annotations: None,
                 artifact_type: None,
@@ -88,7 +88,7 @@ pub fn pack(store: &Store, tag: &Tag, progress: &dyn Fn(&str)) -> Result<Packed,
         entries.push(ImageIndexEntry {
             media_type: super::MANIFEST_MEDIA_TYPE.to_owned(),
             digest: digest.clone(),
-            size: json.len() as i64,
+            size: i64::try_from(json.len()).expect("a buffer's length fits an i64"),
             platform: None,
             annotations: Some(BTreeMap::from([(
                 super::REF_NAME.to_owned(),
@@ -148,7 +148,7 @@ fn compress_part(
     Ok(OciDescriptor {
         media_type: super::PART_MEDIA_TYPE.to_owned(),
         digest: digest_of(&c.blob_sha256),
-        size: c.blob_size as i64,
+        size: i64::try_from(c.blob_size).expect("a file's size fits an i64 (off_t)"),
         urls: None,
         annotations: Some(BTreeMap::from([(
             super::STORED_ANNOTATION.to_owned(),

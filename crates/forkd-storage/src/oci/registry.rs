@@ -397,7 +397,7 @@ async fn fetch_snapshot_manifest(
     }
     let oci: oci_client::manifest::OciImageManifest =
         serde_json::from_value(manifest).map_err(|e| refused(format!("{}: {e}", at.whole())))?;
-    if oci.config.size < 0 || oci.config.size as u64 > super::MAX_DOCUMENT {
+    if u64::try_from(oci.config.size).map_or(true, |size| size > super::MAX_DOCUMENT) {
         return Err(refused(format!(
             "{}: its config is {} bytes",
             at.whole(),

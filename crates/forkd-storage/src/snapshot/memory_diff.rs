@@ -18,8 +18,10 @@ use std::path::Path;
 
 /// The page granularity of a diff.
 pub const PAGE: usize = 4096;
+const PAGE_U32: u32 = 4096;
 const MAGIC: &[u8; 8] = b"FORKDMD1";
-const HEADER: u64 = 8 + 4 + 4 + 8 + 8;
+const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 8;
+const HEADER: u64 = HEADER_LEN as u64;
 /// Bytes compared per read.
 const CHUNK: usize = 1 << 20;
 
@@ -77,7 +79,7 @@ pub fn write_diff(parent: &Path, image: &Path, out: &Path) -> io::Result<(DiffSt
     }
     let mut w = io::BufWriter::new(File::create(out)?);
     w.write_all(MAGIC)?;
-    w.write_all(&(PAGE as u32).to_le_bytes())?;
+    w.write_all(&PAGE_U32.to_le_bytes())?;
     w.write_all(&0u32.to_le_bytes())?;
     w.write_all(&size.to_le_bytes())?;
     w.write_all(&(pages.len() as u64).to_le_bytes())?;
@@ -167,7 +169,7 @@ pub fn copy_sparse(src: &Path, out: &Path) -> io::Result<()> {
 
 /// The image size and page count a diff's header gives.
 pub fn read_header(r: &mut impl Read) -> io::Result<(u64, u64)> {
-    let mut h = [0u8; HEADER as usize];
+    let mut h = [0u8; HEADER_LEN];
     r.read_exact(&mut h)
         .map_err(|e| io::Error::other(format!("the memory diff is truncated ({e})")))?;
     if &h[..8] != MAGIC {
@@ -251,8 +253,9 @@ fn copy_data(src: &File, dst: &File, size: u64) -> io::Result<()> {
         if start >= size {
             break;
         }
-        let end = lseek(src.as_raw_fd(), start as i64, Whence::SeekHole)
+        let end = i64::try_from(start)
             .ok()
+            .and_then(|start| lseek(src.as_raw_fd(), start, Whence::SeekHole).ok())
             .and_then(|e| u64::try_from(e).ok())
             .map_or(size, |e| e.min(size));
         let mut s = src.try_clone()?;

@@ -127,7 +127,7 @@ impl Daemon {
     pub fn stop(&mut self) {
         let c = self.child.as_ref().expect("the daemon runs");
         nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(c.id() as i32),
+            nix::unistd::Pid::from_raw(i32::try_from(c.id()).expect("a pid")),
             nix::sys::signal::Signal::SIGTERM,
         )
         .unwrap();
@@ -170,7 +170,7 @@ impl Drop for Daemon {
             // SIGTERM: the daemon stops and ends what it owns in-process (a template
             // build's parent VM).
             let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(c.id() as i32),
+                nix::unistd::Pid::from_raw(i32::try_from(c.id()).expect("a pid")),
                 nix::sys::signal::Signal::SIGTERM,
             );
             let _ = c.wait();
