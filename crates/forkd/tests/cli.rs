@@ -8,9 +8,8 @@ fn forkd() -> Command {
     Command::new(env!("CARGO_BIN_EXE_forkd"))
 }
 
-fn sandboxes_left() -> Vec<String> {
-    let home = forkd_image::Home::from_env();
-    match std::fs::read_dir(home.run_dir().join("sandboxes")) {
+fn sandboxes_left(home: &std::path::Path) -> Vec<String> {
+    match std::fs::read_dir(home.join("run/sandboxes")) {
         Ok(d) => d
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
@@ -21,7 +20,14 @@ fn sandboxes_left() -> Vec<String> {
 
 #[test]
 fn run_streams_output_and_exits_with_the_commands_code() {
-    let before = sandboxes_left();
+    // A data directory of its own: what other test processes run is not counted.
+    let home = common::data_dir("cli-test-");
+    let forkd = || {
+        let mut c = forkd();
+        c.env("FORKD_HOME", home.path());
+        c
+    };
+    let before = sandboxes_left(home.path());
 
     let out = forkd()
         .args(["run", "--image", "minimal", "--", "sh", "-c", "exit 3"])
@@ -59,10 +65,10 @@ fn run_streams_output_and_exits_with_the_commands_code() {
     assert_eq!(out.stdout, b"hello forkd\n");
     assert!(String::from_utf8_lossy(&out.stderr).contains("oops"));
 
-    a_killed_run_takes_its_vm_along();
+    a_killed_run_takes_its_vm_along(home.path());
 
     // Nothing of any sandbox is left behind.
-    assert_eq!(sandboxes_left(), before);
+    assert_eq!(sandboxes_left(home.path()), before);
 }
 
 /// The real user id of process `pid`.
@@ -76,15 +82,15 @@ fn uid_of(pid: u32) -> Option<u32> {
 /// changed user, which clears the parent-death signal, and is held by its PID
 /// namespace's lifeline instead. (Run by the test of `forkd run`: both watch the
 /// sandboxes that appear.)
-fn a_killed_run_takes_its_vm_along() {
+fn a_killed_run_takes_its_vm_along(home: &std::path::Path) {
     use std::time::{Duration, Instant};
-    let before = sandboxes_left();
-    let home = forkd_image::Home::from_env();
+    let before = sandboxes_left(home);
     let qemu = forkd_qemu::Qemu::from_env();
     let jailed = forkd_qemu::version::current_version(qemu.binary())
         .ok()
         .is_some_and(|v| forkd_qemu::jail::unjailable(v).is_none());
     let mut run = forkd()
+        .env("FORKD_HOME", home)
         .args(["run", "--image", "minimal", "--", "sleep", "600"])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -93,10 +99,10 @@ fn a_killed_run_takes_its_vm_along() {
     // Its VM, once it runs the guest (as its own user, when jailed).
     let deadline = Instant::now() + Duration::from_secs(180);
     let (dir, qemu_pid) = loop {
-        let found = sandboxes_left()
+        let found = sandboxes_left(home)
             .into_iter()
             .filter(|s| !before.contains(s))
-            .map(|s| home.run_dir().join("sandboxes").join(s))
+            .map(|s| home.join("run/sandboxes").join(s))
             .find_map(|dir| {
                 let pids = forkd_host::process::find_inside(&dir);
                 let (pid, _) = pids.into_iter().next()?;

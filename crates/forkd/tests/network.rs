@@ -289,6 +289,9 @@ fn sandbox_networks() {
     let secrets = tempfile::tempdir().unwrap();
     let token = secrets.path().join("token");
     common::write_secret(&token, "network-test-token-network-test-token");
+    // The shared snapshot first: the daemon that builds it applies the host's rules
+    // without this test's `--egress-open`, and must be gone before this one starts.
+    common::fixture::snapshot("python", "python");
     let hosts = TestHosts::start();
     hosts.serve_dns();
     let daemon = Daemon::start(&[

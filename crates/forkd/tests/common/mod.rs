@@ -9,6 +9,21 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// A data directory of a test's own that shares the built guest assets (on their
+/// filesystem, so that snapshots hard-link them): test processes run side by side, and
+/// each sees only the sandboxes it made.
+pub fn data_dir(prefix: &str) -> tempfile::TempDir {
+    let shared = forkd_image::Home::from_env();
+    let tmp = shared.tmp_dir();
+    std::fs::create_dir_all(&tmp).unwrap();
+    let home = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in(&tmp)
+        .unwrap();
+    std::os::unix::fs::symlink(shared.images_dir(), home.path().join("images")).unwrap();
+    home
+}
+
 /// A daemon with a data directory of its own that shares the built guest assets.
 pub struct Daemon {
     pub home: tempfile::TempDir,
@@ -25,15 +40,7 @@ impl Daemon {
 
     /// A daemon started with `extra` arguments and `env` added to its environment.
     pub fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Daemon {
-        let shared = forkd_image::Home::from_env();
-        let tmp = shared.tmp_dir();
-        std::fs::create_dir_all(&tmp).unwrap();
-        let home = tempfile::Builder::new()
-            .prefix("daemon-test-")
-            .tempdir_in(&tmp)
-            .unwrap();
-        // The same filesystem as the assets, so snapshots hard-link them.
-        std::os::unix::fs::symlink(shared.images_dir(), home.path().join("images")).unwrap();
+        let home = data_dir("daemon-test-");
         let mut d = Daemon {
             home,
             child: None,
