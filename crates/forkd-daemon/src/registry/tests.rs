@@ -16,6 +16,17 @@ struct World {
     snap: Snapshot,
 }
 
+impl Drop for World {
+    /// The fake backend's VMs run detached, as real ones do, and outlive the registries
+    /// that made them: a test that keeps one on purpose would leave it running. Every
+    /// process that names something in this world's directory is stopped with it.
+    fn drop(&mut self) {
+        for (pid, start_time) in forkd_host::process::find_inside(self._dir.path()) {
+            forkd_host::process::kill(pid, start_time);
+        }
+    }
+}
+
 fn world() -> World {
     let dir = tempfile::tempdir().unwrap();
     let home = Home::new(dir.path());
