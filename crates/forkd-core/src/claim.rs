@@ -9,6 +9,7 @@ use crate::error::SandboxError;
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
 use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 /// File name of the lock inside a sandbox's directory.
@@ -27,6 +28,7 @@ fn open(dir: &Path) -> std::io::Result<File> {
         .create(true)
         .truncate(false)
         .write(true)
+        .mode(0o600)
         .open(dir.join(CLAIM))
 }
 

@@ -11,9 +11,9 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 /// Failures an address may have in a burst.
-pub const BURST_FAILURES: usize = 20;
+pub const BURST_FAILURES: u32 = 20;
 /// [`BURST_FAILURES`] as the bucket counts it.
-pub const BURST: f64 = 20.0;
+pub const BURST: f64 = BURST_FAILURES as f64;
 /// Failures per second it gets back.
 pub const REFILL_PER_S: f64 = 2.0;
 /// Addresses remembered at most (the fullest buckets are forgotten first).

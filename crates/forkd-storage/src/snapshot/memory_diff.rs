@@ -17,7 +17,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 /// The page granularity of a diff.
-pub const PAGE: usize = 4096;
+pub const PAGE: usize = PAGE_U32 as usize;
 const PAGE_U32: u32 = 4096;
 const MAGIC: &[u8; 8] = b"FORKDMD1";
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 8;
