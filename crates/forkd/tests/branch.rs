@@ -461,14 +461,33 @@ fn archives_carry_a_chain_to_another_data_directory(d: &Daemon, rt: &tokio::runt
     assert!(rt.block_on(snapshot_tags(&c2)).is_empty());
     std::fs::remove_file(&cut).unwrap();
 
-    let unpack = |args: &[&str]| {
+    // The archive goes through a pipe to the other daemon's `unpack -` and, as it
+    // passes, into a file the later unpacks read (packing again would only say again
+    // what this pack said).
+    let archive = other.home.path().join("d2.tar");
+    let first_unpack = |args: &[&str]| {
         let mut packing = pack();
-        let out = other
+        let mut from_pack = packing.stdout.take().unwrap();
+        let mut unpacking = other
             .forkd()
             .args(args)
-            .stdin(packing.stdout.take().unwrap())
-            .output()
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
             .unwrap();
+        let mut to_unpack = unpacking.stdin.take().unwrap();
+        let mut kept = std::fs::File::create(&archive).unwrap();
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = from_pack.read(&mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            std::io::Write::write_all(&mut kept, &buf[..n]).unwrap();
+            std::io::Write::write_all(&mut to_unpack, &buf[..n]).unwrap();
+        }
+        drop(to_unpack);
         let packed = packing.wait_with_output().unwrap();
         let said = String::from_utf8_lossy(&packed.stderr).into_owned();
         assert!(packed.status.success(), "{said}");
@@ -476,13 +495,20 @@ fn archives_carry_a_chain_to_another_data_directory(d: &Daemon, rt: &tokio::runt
             said.contains("wrote") && said.contains("py, b-live, d2"),
             "{said}"
         );
+        unpacking.wait_with_output().unwrap()
+    };
+    let answer = |out: std::process::Output| {
         (
             out.status.success(),
             String::from_utf8_lossy(&out.stdout).into_owned(),
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
-    let (ok, out, err) = unpack(&["unpack", "-"]);
+    let unpack = |args: &[&str]| {
+        let kept = std::fs::File::open(&archive).unwrap();
+        answer(other.forkd().args(args).stdin(kept).output().unwrap())
+    };
+    let (ok, out, err) = answer(first_unpack(&["unpack", "-"]));
     assert!(ok && out.contains("installed py, b-live, d2"), "{out}{err}");
     let (show, _) = cli(&other, &["snapshot", "show", "d2", "--json"], true);
     let v: Value = serde_json::from_str(&show).unwrap();

@@ -129,11 +129,12 @@ pub fn descendants(store: &Store, tag: &Tag) -> Vec<String> {
 /// each parent against the digest its child recorded, and each link's memory diff by
 /// making its image again from its parent's and comparing digests.
 pub fn verify(store: &Store, tag: &Tag) -> Result<Vec<Snapshot>, SnapshotError> {
-    let head = store.verify(tag)?;
+    let mut hashed = super::HashedFiles::default();
+    let head = store.verify_sharing(tag, &mut hashed)?;
     let mut chain = ancestors(store, &head)?;
     chain.reverse();
     for a in &chain {
-        store.verify(&a.tag)?;
+        store.verify_sharing(&a.tag, &mut hashed)?;
     }
     chain.push(head);
     for pair in chain.windows(2) {

@@ -395,6 +395,17 @@ impl Store {
 
     /// Opens a snapshot and re-hashes every part against the manifest.
     pub fn verify(&self, tag: &Tag) -> Result<Snapshot, SnapshotError> {
+        self.verify_sharing(tag, &mut HashedFiles::default())
+    }
+
+    /// [`Store::verify`], hashing a file once however many snapshots of `hashed` hold
+    /// it: the links of a chain share their guest assets as hard links of one
+    /// read-only file (a 2 GiB rootfs would be read once per link).
+    pub(crate) fn verify_sharing(
+        &self,
+        tag: &Tag,
+        hashed: &mut HashedFiles,
+    ) -> Result<Snapshot, SnapshotError> {
         let snap = match self.open(tag) {
             Ok(s) => s,
             // A damaged seal still deserves the precise answer the digests give.
@@ -403,7 +414,7 @@ impl Store {
         };
         for name in snap.manifest.part_names() {
             let expected = &snap.manifest.parts[name].sha256;
-            let (actual, _) = sha256_file(&snap.part(name))?;
+            let actual = hashed.sha256(&snap.part(name))?;
             if &actual != expected {
                 return Err(SnapshotError::DigestMismatch {
                     tag: tag.to_string(),
@@ -521,6 +532,25 @@ fn check_stamp(dir: &Path, seal: &Seal, name: &str) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// The digests of the files one verification has read, by file (device and inode: a
+/// hard link is the same file).
+#[derive(Default)]
+pub(crate) struct HashedFiles(std::collections::HashMap<(u64, u64), String>);
+
+impl HashedFiles {
+    fn sha256(&mut self, path: &Path) -> Result<String, SnapshotError> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path).map_err(io(format!("reading {}", path.display())))?;
+        let file = (meta.dev(), meta.ino());
+        if let Some(digest) = self.0.get(&file) {
+            return Ok(digest.clone());
+        }
+        let (digest, _) = sha256_file(path)?;
+        self.0.insert(file, digest.clone());
+        Ok(digest)
+    }
 }
 
 /// sha256 and length of a file, read in 1 MiB blocks.
