@@ -289,8 +289,9 @@ fn sandbox_networks() {
     let secrets = tempfile::tempdir().unwrap();
     let token = secrets.path().join("token");
     common::write_secret(&token, "network-test-token-network-test-token");
-    // The shared snapshot first: the daemon that builds it applies the host's rules
-    // without this test's `--egress-open`, and must be gone before this one starts.
+    // The shared snapshot first (built by a daemon of its own where no other test
+    // process built it yet): other daemons run beside this test's, applying the host's
+    // rules with no `--egress-open` of theirs, and must leave this one's networks open.
     common::fixture::snapshot("python", "python");
     let hosts = TestHosts::start();
     hosts.serve_dns();
@@ -429,7 +430,11 @@ async fn egress_follows_the_policy_and_changes_while_the_child_runs(
             json!({"egress": "allow", "deny": ["203.0.113.0/24"]}),
         )
         .await;
+        // Another daemon of this host, started now with nothing opened, applies the
+        // host's rules again: they keep open what this test's daemon opened.
+        let other = Daemon::start(&[]);
         assert_eq!(connect(c, &id, &format!("{NET}.2"), PORT).await, "ok");
+        drop(other);
         assert_ne!(connect(c, &id, "203.0.113.10", PORT).await, "ok");
         assert_ne!(connect(c, &id, &format!("{NET}.4"), PORT).await, "ok");
         set_network(

@@ -500,7 +500,12 @@ fn open_audit_log(config: &DaemonConfig, state: &Arc<State>) -> Result<AuditLog>
 /// audit log, since it opens what is closed by default) and the host's routes now.
 async fn close_networks(config: &DaemonConfig, audit: &AuditLog) -> Result<()> {
     use forkd_host::network::{closed, refresh_closed};
-    closed::open(config.egress_open.clone());
+    closed::open(config.egress_open.clone()).with_context(|| {
+        format!(
+            "recording --egress-open for the host's other daemons in {}",
+            closed::OPENINGS_DIR
+        )
+    })?;
     let opened: Vec<String> = config.egress_open.iter().map(|n| n.to_string()).collect();
     if !opened.is_empty() {
         tracing::warn!("networks opened to sandboxes: {}", opened.join(", "));

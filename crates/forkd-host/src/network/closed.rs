@@ -14,9 +14,17 @@
 //! which is applied again when the host's routes change, so a network the host joins
 //! later is closed to sandboxes already running. The daemon reads the host's routes at
 //! start and then every few seconds ([`refresh_host`]).
+//!
+//! Several daemons on one host share the host's chain, and each may open other networks.
+//! A sandbox's namespace holds it to its own daemon's openings; the host's chain lets
+//! through what any live daemon opened ([`on_host`]), so that no daemon's rules close
+//! what another opened. Each daemon records its openings in [`OPENINGS_DIR`], in a file
+//! named by its pid that also holds its start time: the file of a daemon that is gone
+//! counts for nothing, whether or not it was removed.
 
 use super::policy::Network;
 use std::net::Ipv4Addr;
+use std::path::Path;
 use std::sync::RwLock;
 
 /// IANA's IPv4 special-purpose registry (RFC 6890 and its updates), and multicast
@@ -98,9 +106,70 @@ pub fn current() -> ClosedNetworks {
     CURRENT.read().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
-/// Opens `networks` (the daemon's `--egress-open`), for this process's life.
-pub fn open(networks: Vec<Network>) {
+/// Where each daemon of this host records the networks it opened (a tmpfs: the
+/// records go with the processes at a reboot).
+pub const OPENINGS_DIR: &str = "/run/forkd/egress-open";
+
+/// Opens `networks` (the daemon's `--egress-open`), for this process's life, and
+/// records them for the other daemons of this host when it has any.
+pub fn open(networks: Vec<Network>) -> std::io::Result<()> {
+    let record = Path::new(OPENINGS_DIR).join(std::process::id().to_string());
+    if super::unavailable().is_some() {
+        // No sandbox of this process has a network: nothing to record.
+    } else if networks.is_empty() {
+        match std::fs::remove_file(&record) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    } else {
+        let started = crate::process::start_time(std::process::id())
+            .ok_or_else(|| std::io::Error::other("reading this process's start time"))?;
+        let mut text = format!("{started}\n");
+        for n in &networks {
+            text.push_str(&format!("{n}\n"));
+        }
+        std::fs::create_dir_all(OPENINGS_DIR)?;
+        let aside = record.with_extension("partial");
+        std::fs::write(&aside, text)?;
+        std::fs::rename(&aside, &record)?;
+    }
     CURRENT.write().unwrap_or_else(|e| e.into_inner()).opened = networks;
+    Ok(())
+}
+
+/// The closed networks as the host's chain holds them: this process's, less what any
+/// live daemon of this host opened. Records of daemons that are gone are removed.
+pub fn on_host() -> ClosedNetworks {
+    less_recorded_openings(current(), Path::new(OPENINGS_DIR))
+}
+
+/// `closed` less what the live processes recorded in `dir` opened.
+fn less_recorded_openings(mut closed: ClosedNetworks, dir: &Path) -> ClosedNetworks {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return closed;
+    };
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+        let mut lines = text.lines();
+        let started = lines.next().and_then(|l| l.parse::<u64>().ok());
+        if started.is_none() || crate::process::start_time(pid) != started {
+            let _ = std::fs::remove_file(e.path());
+            continue;
+        }
+        for line in lines {
+            let net = line
+                .parse::<super::policy::Destination>()
+                .ok()
+                .and_then(|d| d.network().copied());
+            if let Some(net) = net.filter(|n| !closed.opened.contains(n)) {
+                closed.opened.push(net);
+            }
+        }
+    }
+    closed
 }
 
 /// Reads the host's direct routes again; true when the closed set changed (the host's
@@ -207,6 +276,40 @@ mod tests {
             .unwrap()
             .network()
             .unwrap()
+    }
+
+    #[test]
+    fn what_live_daemons_recorded_is_open_and_records_of_gone_ones_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut live = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let started = crate::process::start_time(live.id()).unwrap();
+        let record = |name: String, text: String| std::fs::write(dir.path().join(name), text);
+        record(
+            live.id().to_string(),
+            format!("{started}\n198.51.100.0/24\n192.168.7.0/24\n"),
+        )
+        .unwrap();
+        // The same pid started at another time: a daemon that is gone.
+        let gone = format!("{}", started + 1);
+        record("1".into(), format!("{gone}\n203.0.113.0/24\n")).unwrap();
+        record("junk".into(), "not a record".into()).unwrap();
+        let own = ClosedNetworks::new(Vec::new(), vec![n("192.168.7.0/24")]);
+        let closed = less_recorded_openings(own, dir.path());
+        assert_eq!(closed.opened(), [n("192.168.7.0/24"), n("198.51.100.0/24")]);
+        assert!(!closed.closes("198.51.100.9".parse().unwrap()));
+        assert!(closed.closes("203.0.113.9".parse().unwrap()));
+        assert!(
+            !dir.path().join("1").exists(),
+            "the gone daemon's record stays"
+        );
+        live.kill().unwrap();
+        live.wait().unwrap();
+        let closed = less_recorded_openings(ClosedNetworks::default(), dir.path());
+        assert!(closed.opened().is_empty(), "{closed:?}");
+        assert!(!dir.path().join(live.id().to_string()).exists());
     }
 
     #[test]

@@ -209,7 +209,8 @@ pub fn replace_egress(policy: &EgressPolicy) -> Nftables<'static> {
 }
 
 /// The host's ruleset. Applied whole each time (add, flush, fill), so that every
-/// daemon on the host leaves the same rules behind.
+/// daemon on the host leaves the same rules behind: its `closed` chain lets through
+/// what any live daemon opened ([`super::closed::on_host`]).
 pub fn host() -> Nftables<'static> {
     let mut batch = Batch::new();
     batch.add(NfListObject::Table(table()));
@@ -250,7 +251,7 @@ pub fn host() -> Nftables<'static> {
     ));
     // Closed networks again, here where they follow the host's routes as they change.
     batch.add(NfListObject::Chain(chain(CLOSED)));
-    for r in closed_rules(&super::closed::current()) {
+    for r in closed_rules(&super::closed::on_host()) {
         batch.add(r);
     }
     batch.add(rule(
