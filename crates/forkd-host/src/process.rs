@@ -219,11 +219,11 @@ mod tests {
             .unwrap();
         let pid = child.id();
         let started = start_time(pid).unwrap();
-        // Other tests of this binary fork at the same time; give the exec a moment to
-        // show in /proc.
+        // Give the exec a moment to show in /proc, and the shell's child the moment
+        // between its fork (when it still has the shell's arguments) and its exec.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         let mut found = find_by_argument("forkd-test-needle-4c1e");
-        while found.is_empty() && std::time::Instant::now() < deadline {
+        while found != vec![(pid, started)] && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(20));
             found = find_by_argument("forkd-test-needle-4c1e");
         }
