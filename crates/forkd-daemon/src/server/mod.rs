@@ -430,6 +430,7 @@ fn tighten_data_directory(config: &DaemonConfig) -> Result<()> {
 /// a socket (never removing anything else), replaces a stale socket, and gives it mode
 /// 0660 (and `group`), never more open than that on its way there.
 async fn bind_unix(path: &Path, group: Option<&str>) -> Result<UnixListener> {
+    use std::os::fd::AsRawFd;
     use std::os::unix::fs::FileTypeExt;
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -450,12 +451,24 @@ async fn bind_unix(path: &Path, group: Option<&str>) -> Result<UnixListener> {
         std::fs::remove_file(path)
             .with_context(|| format!("removing the stale socket {}", path.display()))?;
     }
-    // Created 0600 (umask 177 while it is bound), then opened to its group: never more
-    // open than it ends up. (Nothing else creates files at this point of the start.)
+    // Bound 0600 (umask 177 while it is bound), given its group and mode, and only then
+    // listening: no client connects before the socket is as open as it ends up, and
+    // none of its group is refused in between. (Nothing else creates files at this
+    // point of the start.)
+    use nix::sys::socket::{self as sock, AddressFamily, SockFlag, SockType, UnixAddr};
+    let fd = sock::socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        None,
+    )
+    .context("making the unix socket")?;
+    let addr =
+        UnixAddr::new(path).with_context(|| format!("the socket path {}", path.display()))?;
     let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
-    let bound = UnixListener::bind(path);
+    let bound = sock::bind(fd.as_raw_fd(), &addr);
     nix::sys::stat::umask(old);
-    let listener = bound.with_context(|| format!("listening on {}", path.display()))?;
+    bound.with_context(|| format!("binding {}", path.display()))?;
     // The group first, then the mode that lets it in.
     if let Some(g) = group {
         let gid = nix::unistd::Group::from_name(g)
@@ -467,6 +480,10 @@ async fn bind_unix(path: &Path, group: Option<&str>) -> Result<UnixListener> {
     }
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
         .with_context(|| format!("setting the mode of {}", path.display()))?;
+    sock::listen(&fd, sock::Backlog::MAXCONN)
+        .with_context(|| format!("listening on {}", path.display()))?;
+    let listener = UnixListener::from_std(std::os::unix::net::UnixListener::from(fd))
+        .with_context(|| format!("listening on {}", path.display()))?;
     Ok(listener)
 }
 
