@@ -171,7 +171,7 @@ except FileNotFoundError:
 /// before 9.0 under TCG failed this: stores through its software TLB escaped the dirty
 /// tracking, and children got pages from earlier passes of the copy.)
 async fn a_process_writing_through_a_live_branch_is_captured_at_one_instant(c: &Client) {
-    let source = fork(c, "py", 1).await.remove(0);
+    let source = fork(c, "python", 1).await.remove(0);
     let start = format!(
         "cat > /root/writer.py <<'EOF'\n{WRITER}\nEOF\ncat > /root/check.py <<'EOF'\n{WRITER_CHECK}\nEOF\nsetsid -f python3 /root/writer.py </dev/null >/dev/null 2>&1"
     );
@@ -194,7 +194,7 @@ async fn a_process_writing_through_a_live_branch_is_captured_at_one_instant(c: &
 async fn bad_branches_are_refused_and_change_nothing(d: &Daemon, c: &Client, source: &str) {
     let before = d.disk_state();
     for (id, body, want) in [
-        (source, json!({"tag": "py"}), StatusCode::CONFLICT),
+        (source, json!({"tag": "python"}), StatusCode::CONFLICT),
         (source, json!({"tag": "../x"}), StatusCode::BAD_REQUEST),
         (source, json!({"mode": "fast"}), StatusCode::BAD_REQUEST),
         (source, json!({"colour": 1}), StatusCode::BAD_REQUEST),
@@ -212,7 +212,7 @@ async fn bad_branches_are_refused_and_change_nothing(d: &Daemon, c: &Client, sou
     assert_eq!(d.disk_state(), before);
     // One being deleted: refused (409 while it stops, 404 once gone; a branch that got
     // in first fails with 409 when the delete ends its VM), and no snapshot is left.
-    let doomed = fork(c, "py", 1).await.remove(0);
+    let doomed = fork(c, "python", 1).await.remove(0);
     let c2 = c.clone();
     let d2 = doomed.clone();
     let deleting = tokio::spawn(async move { kill(&c2, &d2).await });
@@ -234,8 +234,8 @@ fn branch_through_the_daemon() {
     let rt = runtime();
     let c = d.unix();
     let source = rt.block_on(async {
-        d.link_snapshot("python", "py");
-        let source = fork(&c, "py", 1).await.remove(0);
+        d.link_snapshot("python", "python");
+        let source = fork(&c, "python", 1).await.remove(0);
         py(&c, &source, "x = 41").await;
         sh(&c, &source, "echo written-before > /root/note").await;
         sh(
@@ -376,7 +376,7 @@ fn chains_are_shown_kept_removed_and_compacted(
     let (show, _) = cli(d, &["snapshot", "show", "d3", "--json"], true);
     let v: Value = serde_json::from_str(&show).unwrap();
     assert_eq!(v["chain"]["depth"], 3, "{v}");
-    assert_eq!(v["chain"]["ancestors"], json!(["d2", "b-live", "py"]));
+    assert_eq!(v["chain"]["ancestors"], json!(["d2", "b-live", "python"]));
     assert_eq!(v["parent"], "d2");
     // Little was dirtied in d3's source: it stores a small fraction of the RAM.
     let own = v["chain"]["own_bytes"].as_u64().unwrap();
@@ -384,7 +384,7 @@ fn chains_are_shown_kept_removed_and_compacted(
     assert!(v["chain"]["total_bytes"].as_u64().unwrap() > own);
     let (text, _) = cli(d, &["snapshot", "show", "d3"], true);
     assert!(
-        text.contains("depth 3") && text.contains("ancestors: d2, b-live, py"),
+        text.contains("depth 3") && text.contains("ancestors: d2, b-live, python"),
         "{text}"
     );
     let (ok, _) = cli(d, &["snapshot", "verify", "d3"], true);
@@ -406,7 +406,7 @@ fn chains_are_shown_kept_removed_and_compacted(
     for gone in ["b-live", "b-pause", "after-crash", "d2", "d3"] {
         assert!(!tags.contains(&gone.to_owned()), "{gone} left: {tags:?}");
     }
-    cli(d, &["rmi", "py"], true);
+    cli(d, &["rmi", "python"], true);
     rt.block_on(async {
         let child = fork(c, "d3-flat", 1).await.remove(0);
         assert_eq!(
@@ -424,7 +424,7 @@ fn chains_are_shown_kept_removed_and_compacted(
     );
 }
 
-/// `forkd pack` of d2 (depth 2: d2, b-live, py) piped into `forkd unpack` of a second
+/// `forkd pack` of d2 (depth 2: d2, b-live, python) piped into `forkd unpack` of a second
 /// daemon's data directory: the chain arrives whole, its children have the branch's
 /// state and the template's warm context; a cut archive installs nothing. (Through a
 /// pipe, as between two hosts: no archive file takes this machine's disk twice.)
@@ -492,7 +492,7 @@ fn archives_carry_a_chain_to_another_data_directory(d: &Daemon, rt: &tokio::runt
         let said = String::from_utf8_lossy(&packed.stderr).into_owned();
         assert!(packed.status.success(), "{said}");
         assert!(
-            said.contains("wrote") && said.contains("py, b-live, d2"),
+            said.contains("wrote") && said.contains("python, b-live, d2"),
             "{said}"
         );
         unpacking.wait_with_output().unwrap()
@@ -509,10 +509,13 @@ fn archives_carry_a_chain_to_another_data_directory(d: &Daemon, rt: &tokio::runt
         answer(other.forkd().args(args).stdin(kept).output().unwrap())
     };
     let (ok, out, err) = answer(first_unpack(&["unpack", "-"]));
-    assert!(ok && out.contains("installed py, b-live, d2"), "{out}{err}");
+    assert!(
+        ok && out.contains("installed python, b-live, d2"),
+        "{out}{err}"
+    );
     let (show, _) = cli(&other, &["snapshot", "show", "d2", "--json"], true);
     let v: Value = serde_json::from_str(&show).unwrap();
-    assert_eq!(v["chain"]["ancestors"], json!(["b-live", "py"]), "{v}");
+    assert_eq!(v["chain"]["ancestors"], json!(["b-live", "python"]), "{v}");
     cli(&other, &["snapshot", "verify", "d2"], true);
     let (out, _) = cli(&other, &["snapshot", "verify", "d2", "--json"], true);
     let v: Value = serde_json::from_str(&out).unwrap();
@@ -530,7 +533,7 @@ fn archives_carry_a_chain_to_another_data_directory(d: &Daemon, rt: &tokio::runt
     );
     let (_, err) = cli(d, &["pack", "d2", "-o", "-", "--json"], false);
     assert!(err.contains("--json cannot go with `-o -`"), "{err}");
-    let (ok, _, err) = unpack(&["unpack", "-", "--tag", "py"]);
+    let (ok, _, err) = unpack(&["unpack", "-", "--tag", "python"]);
     assert!(!ok && err.contains("already exists"), "{err}");
     rt.block_on(async {
         let child = fork(&c2, "d2", 1).await.remove(0);
@@ -540,7 +543,7 @@ fn archives_carry_a_chain_to_another_data_directory(d: &Daemon, rt: &tokio::runt
         );
         assert_eq!(py(&c2, &child, "x").await, "41");
         kill(&c2, &child).await;
-        let child = fork(&c2, "py", 1).await.remove(0);
+        let child = fork(&c2, "python", 1).await.remove(0);
         assert_eq!(
             py(&c2, &child, "'pandas' in __import__('sys').modules").await,
             "True",
@@ -555,18 +558,18 @@ fn archives_carry_a_chain_to_another_data_directory(d: &Daemon, rt: &tokio::runt
     let reference = format!("{}/forkd/d2:v1", reg.addr);
     let (out, _) = cli(d, &["push", "d2", &reference], true);
     assert!(
-        out.contains("pushed py, b-live, d2") && out.contains(", 0 the registry had"),
+        out.contains("pushed python, b-live, d2") && out.contains(", 0 the registry had"),
         "{out}"
     );
     let (out, _) = cli(d, &["push", "d2", &reference], true);
     assert!(out.contains("0 blobs uploaded"), "{out}");
     let (out, _) = cli(d, &["push", "d2", &reference, "--json"], true);
     let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
-    assert_eq!(v["snapshots"], json!(["py", "b-live", "d2"]), "{v}");
+    assert_eq!(v["snapshots"], json!(["python", "b-live", "d2"]), "{v}");
     assert_eq!(v["uploaded"], 0, "{v}");
     cli(&other, &["rmi", "d2"], true);
     let (out, _) = cli(&other, &["pull", &reference], true);
-    assert_eq!(out.trim(), "installed d2 (on py, b-live, here already)");
+    assert_eq!(out.trim(), "installed d2 (on python, b-live, here already)");
     let (out, _) = cli(&other, &["pull", &reference, "--json"], true);
     let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
     assert_eq!(

@@ -116,9 +116,9 @@ fn api_round_trip_over_unix_socket_and_tcp_with_a_token() {
     ]);
     runtime().block_on(async {
         let unix = d.unix();
-        d.link_snapshot("python", "py");
-        round_trip(&unix, "py").await;
-        round_trip(&d.tcp(Some(TOKEN)), "py").await;
+        d.link_snapshot("python", "python");
+        round_trip(&unix, "python").await;
+        round_trip(&d.tcp(Some(TOKEN)), "python").await;
 
         // TCP without the token, or with a wrong one: 401, and nothing is created.
         for token in [None, Some("x".repeat(TOKEN.len()))] {
@@ -127,7 +127,7 @@ fn api_round_trip_over_unix_socket_and_tcp_with_a_token() {
                 &c,
                 Method::POST,
                 "/v1/sandboxes",
-                Some(json!({"snapshot": "py"})),
+                Some(json!({"snapshot": "python"})),
             )
             .await;
             assert_eq!(

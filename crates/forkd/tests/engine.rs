@@ -21,7 +21,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 /// The shared template's tag.
-const TAG: &str = "engine";
+const TAG: &str = "mini";
 
 /// A tmpfs mounted for a test, unmounted when dropped, however the test ends.
 struct Tmpfs(PathBuf);
