@@ -995,9 +995,6 @@ fn the_data_directory_is_closed_to_others_and_failed_tokens_are_rate_limited() {
         let (s, v) = call(&tcp(TOKEN), Method::GET, "/v1/sandboxes", None).await;
         assert_eq!(s, StatusCode::OK, "{v}");
     });
-    let _ = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("a pid")),
-        nix::sys::signal::Signal::SIGTERM,
-    );
+    let _ = common::signal(child.id(), nix::sys::signal::Signal::SIGTERM);
     let _ = child.wait();
 }

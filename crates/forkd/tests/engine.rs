@@ -262,10 +262,7 @@ impl Drop for Home {
                 break;
             }
             for pid in left {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(i32::try_from(pid).expect("a pid")),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
+                let _ = common::signal(pid, nix::sys::signal::Signal::SIGKILL);
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -275,10 +272,7 @@ impl Drop for Home {
 }
 
 fn terminate(pid: u32) {
-    let _ = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("a pid")),
-        nix::sys::signal::Signal::SIGTERM,
-    );
+    let _ = common::signal(pid, nix::sys::signal::Signal::SIGTERM);
 }
 
 /// Processes (other than zombies) one of whose arguments names something inside `dir`.
@@ -373,11 +367,7 @@ fn pid_of(s: &Value) -> u32 {
 }
 
 fn signal(pid: u32, sig: nix::sys::signal::Signal) {
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("a pid")),
-        sig,
-    )
-    .unwrap();
+    common::signal(pid, sig).unwrap();
 }
 
 #[test]

@@ -105,11 +105,7 @@ fn build(home: &Path, template: &str, tag: &str) {
     })
     .join()
     .unwrap_or_else(|_| panic!("building the fixture: {}", log_text()));
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap()),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
+    super::signal(child.id(), nix::sys::signal::Signal::SIGTERM).unwrap();
     let status = child.wait().unwrap();
     assert!(status.success(), "the fixture daemon: {}", log_text());
 }

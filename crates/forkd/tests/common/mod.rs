@@ -133,11 +133,7 @@ impl Daemon {
     /// Stops the daemon (SIGTERM) and waits for it to exit.
     pub fn stop(&mut self) {
         let c = self.child.as_ref().expect("the daemon runs");
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(i32::try_from(c.id()).expect("a pid")),
-            nix::sys::signal::Signal::SIGTERM,
-        )
-        .unwrap();
+        signal(c.id(), nix::sys::signal::Signal::SIGTERM).unwrap();
         assert!(self.wait_exit(30).success(), "{}", self.log());
     }
 
@@ -176,10 +172,7 @@ impl Drop for Daemon {
         if let Some(mut c) = self.child.take() {
             // SIGTERM: the daemon stops and ends what it owns in-process (a template
             // build's parent VM).
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(i32::try_from(c.id()).expect("a pid")),
-                nix::sys::signal::Signal::SIGTERM,
-            );
+            let _ = signal(c.id(), nix::sys::signal::Signal::SIGTERM);
             let _ = c.wait();
         }
         // Sandboxes outlive the daemon by design: stop every VM of this data directory.
@@ -217,6 +210,12 @@ pub fn wait_until_serving(socket: &Path, child: &mut Child, secs: u64) -> Result
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Sends `sig` to the process `pid`.
+pub fn signal(pid: u32, sig: nix::sys::signal::Signal) -> nix::Result<()> {
+    let pid = i32::try_from(pid).map_err(|_| nix::errno::Errno::ESRCH)?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig)
 }
 
 pub fn free_port() -> String {
