@@ -30,6 +30,19 @@ pub async fn resume(
     body: Bytes,
 ) -> Result<Json<ResumeResponse>, ApiError> {
     let req: ResumeRequest = parse_json(&body)?;
+    let own_machine = state.mode == crate::server::Mode::Pid1;
+    if req.continuing {
+        // The clock stood still while the machine was paused; nothing else of it changes.
+        let clock_step_ms = if own_machine {
+            set_clock(req.wall_clock_ns)?
+        } else {
+            0
+        };
+        return Ok(Json(ResumeResponse {
+            clock_step_ms,
+            contexts_reseeded: 0,
+        }));
+    }
     let entropy = hex::decode(&req.entropy_hex)
         .map_err(|e| ApiError::invalid(format!("entropy_hex is not a hex string: {e}")))?;
     if entropy.is_empty() || entropy.len() > MAX_ENTROPY {
@@ -41,7 +54,6 @@ pub async fn resume(
     // Mixing bytes into the kernel RNG is harmless anywhere; the clock and the hostname
     // are only a guest's own.
     reseed_kernel(&entropy)?;
-    let own_machine = state.mode == crate::server::Mode::Pid1;
     let clock_step_ms = if own_machine {
         set_clock(req.wall_clock_ns)?
     } else {

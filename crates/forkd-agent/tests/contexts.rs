@@ -193,6 +193,7 @@ async fn a_settled_resume_answers_after_the_reseeds_ran() {
         hostname: String::new(),
         env: [("SEEDED".to_owned(), "yes".to_owned())].into(),
         settle: true,
+        continuing: false,
     };
     let (status, answer): (_, ResumeResponse) = c
         .json(
@@ -206,4 +207,37 @@ async fn a_settled_resume_answers_after_the_reseeds_ran() {
     assert!(mark.exists(), "the hook answered before the reseed ran");
     let seen = run(&mut c, &ctx.id, "import os; os.environ['SEEDED']").await;
     assert_eq!(seen.text(), Some("'yes'"));
+}
+
+/// A machine continuing after a pause keeps its contexts' generators and variables: the
+/// hook reseeds nothing and adds nothing.
+#[tokio::test]
+async fn a_continuing_resume_reseeds_nothing() {
+    use forkd_proto::context::{ResumeRequest, ResumeResponse};
+    let agent = Agent::start().await;
+    let mut c = agent.connect().await;
+    let ctx = create(&mut c).await;
+    let code = "import random\nrandom.seed(7)\n_first = random.random()\nrandom.seed(7)";
+    assert!(run(&mut c, &ctx.id, code).await.error.is_none());
+    let req = ResumeRequest {
+        wall_clock_ns: 0,
+        entropy_hex: String::new(),
+        hostname: String::new(),
+        env: [("SEEDED".to_owned(), "yes".to_owned())].into(),
+        settle: true,
+        continuing: true,
+    };
+    let (status, answer): (_, ResumeResponse) = c
+        .json(
+            Method::POST,
+            forkd_proto::routes::RESUME,
+            Some(serde_json::to_value(&req).unwrap()),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(answer.contexts_reseeded, 0);
+    let same = run(&mut c, &ctx.id, "random.random() == _first").await;
+    assert_eq!(same.text(), Some("True"), "the generator was reseeded");
+    let env = run(&mut c, &ctx.id, "import os; 'SEEDED' in os.environ").await;
+    assert_eq!(env.text(), Some("False"));
 }

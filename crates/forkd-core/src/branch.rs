@@ -121,7 +121,7 @@ pub async fn branch(
     let plan = BranchPlan {
         receiver,
         state: staging.part(parts::STATE),
-        next_layer,
+        next_layer: Some(next_layer),
         at_instant: Some(|| forkd_host::failpoint::hit("branch.at_instant")),
     };
     progress(&format!("capturing {} ({mode})", source.id()));

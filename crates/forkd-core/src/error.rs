@@ -80,6 +80,15 @@ pub enum SandboxError {
         /// The sandbox.
         id: String,
     },
+    /// A pause image that cannot be resumed (missing, damaged, or made against a RAM
+    /// file that changed); its files are kept.
+    #[error("sandbox {id}: its pause image cannot be resumed: {detail}; its files are kept")]
+    PauseImage {
+        /// The sandbox.
+        id: String,
+        /// What is wrong with the image.
+        detail: String,
+    },
     #[error("template {name}: {detail}")]
     Template {
         /// The template.

@@ -347,8 +347,11 @@ impl PlannedChild {
                     &socket,
                     None,
                     ready_timeout,
-                    Some((&self.config.id, &no_env)),
-                    true,
+                    crate::sandbox::FirstCall::NewChild {
+                        id: &self.config.id,
+                        env: &no_env,
+                        settle: true,
+                    },
                 ) => res?,
                 reason = vm.wait_exit() => {
                     return Err(SandboxError::GuestExited {

@@ -14,6 +14,8 @@ pub mod error;
 pub mod fork;
 pub mod lifecycle;
 pub mod output_tail;
+pub mod pause;
+pub mod resume;
 pub mod sandbox;
 pub mod template;
 

@@ -8,12 +8,19 @@
 //!
 //! ```text
 //!   starting ──▶ running ◀──▶ unresponsive
-//!      │            │              │
-//!      │            ▼              ▼
-//!      ├────────▶ failed ◀─────────┤
-//!      ▼            ▼              ▼
-//!   stopping ◀──────┴──────────────┘   (then the row is deleted)
+//!      │          │  ▲ ▲           │
+//!      │          │  │ └─ resuming ◀─┐
+//!      │          ▼  │       │       │
+//!      │         pausing ──▶ paused ─┘   (a failed pause runs on; a failed resume
+//!      │            │          │          stays paused)
+//!      │            ▼          ▼
+//!      ├───────▶ failed ◀──────┤   (from every state but stopping)
+//!      ▼            ▼          ▼
+//!   stopping ◀──────┴──────────┘   (from every state; then the row is deleted)
 //! ```
+//!
+//! A `paused` sandbox has no VM: its memory, devices and disk are on disk (see
+//! [`crate::pause`]) and it holds no running slot.
 
 use serde::{Deserialize, Serialize};
 
@@ -33,16 +40,25 @@ pub enum SandboxState {
     Stopping,
     /// Its VM exited, its guest halted or panicked, or it never came up.
     Failed,
+    /// Its VM is being captured to disk; it stops when the capture is written.
+    Pausing,
+    /// Its VM is on disk, not running: nothing of it is resident.
+    Paused,
+    /// Its VM is being restored from disk.
+    Resuming,
 }
 
 impl SandboxState {
     /// Every state, for tests and metrics.
-    pub const ALL: [SandboxState; 5] = [
+    pub const ALL: [SandboxState; 8] = [
         SandboxState::Starting,
         SandboxState::Running,
         SandboxState::Unresponsive,
         SandboxState::Stopping,
         SandboxState::Failed,
+        SandboxState::Pausing,
+        SandboxState::Paused,
+        SandboxState::Resuming,
     ];
 
     /// The state's name, as stored and shown.
@@ -53,6 +69,9 @@ impl SandboxState {
             SandboxState::Unresponsive => "unresponsive",
             SandboxState::Stopping => "stopping",
             SandboxState::Failed => "failed",
+            SandboxState::Pausing => "pausing",
+            SandboxState::Paused => "paused",
+            SandboxState::Resuming => "resuming",
         }
     }
 
@@ -68,9 +87,12 @@ impl SandboxState {
             || matches!(
                 (self, next),
                 (Starting, Running | Failed | Stopping)
-                    | (Running, Unresponsive | Failed | Stopping)
+                    | (Running, Unresponsive | Failed | Stopping | Pausing)
                     | (Unresponsive, Running | Failed | Stopping)
                     | (Failed, Stopping)
+                    | (Pausing, Running | Paused | Failed | Stopping)
+                    | (Paused, Resuming | Failed | Stopping)
+                    | (Resuming, Running | Paused | Failed | Stopping)
             )
     }
 
@@ -82,7 +104,7 @@ impl SandboxState {
     /// Whether a VM may exist for a sandbox in this state (it holds a slot of the
     /// daemon's capacity).
     pub fn holds_a_vm(self) -> bool {
-        self != SandboxState::Failed
+        !matches!(self, SandboxState::Failed | SandboxState::Paused)
     }
 }
 
@@ -105,7 +127,7 @@ mod tests {
                 format!("\"{}\"", s.as_str())
             );
         }
-        assert_eq!(SandboxState::parse("paused"), None);
+        assert_eq!(SandboxState::parse("asleep"), None);
     }
 
     #[test]
@@ -121,6 +143,18 @@ mod tests {
             (Unresponsive, Failed),
             (Unresponsive, Stopping),
             (Failed, Stopping),
+            (Running, Pausing),
+            (Pausing, Running),
+            (Pausing, Paused),
+            (Pausing, Failed),
+            (Pausing, Stopping),
+            (Paused, Resuming),
+            (Paused, Failed),
+            (Paused, Stopping),
+            (Resuming, Running),
+            (Resuming, Paused),
+            (Resuming, Failed),
+            (Resuming, Stopping),
         ];
         for from in SandboxState::ALL {
             for to in SandboxState::ALL {
@@ -134,5 +168,9 @@ mod tests {
         assert!(Running.serves_requests());
         assert!(!Unresponsive.serves_requests());
         assert!(!Failed.holds_a_vm());
+        // A paused sandbox is on disk only, and comes back only through a resume.
+        assert!(!Paused.holds_a_vm());
+        assert!(!Paused.serves_requests());
+        assert!(!Paused.can_become(Running));
     }
 }

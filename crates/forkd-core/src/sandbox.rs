@@ -87,14 +87,17 @@ struct Inner {
     watchdog: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// Whether dropping the last handle stops the VM and removes its files.
     owned: bool,
-    /// This process's claim on the directory (none for a sandbox it attached to).
-    _claim: Option<crate::claim::Claim>,
+    /// This process's claim on the directory (none for a sandbox it attached to);
+    /// released when the sandbox is paused, for its resume to take.
+    claim: Mutex<Option<crate::claim::Claim>>,
 }
 
 #[derive(Debug, Clone)]
 enum Failure {
     Exited(String, String),
     Destroyed,
+    /// Its VM was written to disk and ended: the sandbox lives on, paused.
+    Paused,
 }
 
 /// Removes a sandbox directory on drop unless disarmed: nothing is left behind when a
@@ -105,6 +108,15 @@ pub(crate) struct DirGuard {
 }
 
 impl DirGuard {
+    /// A claim on an existing sandbox's directory that never removes it: a resume that
+    /// fails leaves the sandbox's files as they were.
+    pub(crate) fn keep(dir: &Path) -> Result<DirGuard, SandboxError> {
+        Ok(DirGuard {
+            dir: None,
+            claim: Some(crate::claim::take(dir)?),
+        })
+    }
+
     /// Keeps the directory: the sandbox now owns it, and its claim.
     fn disarm(&mut self) -> Option<crate::claim::Claim> {
         self.dir = None;
@@ -130,6 +142,12 @@ pub enum Launch {
         state: PathBuf,
         /// The snapshot's tag.
         tag: String,
+    },
+    /// A VM restored from the sandbox's own pause image, its vCPUs running: the agent
+    /// only gets the host's clock (it is the same machine continuing).
+    Resumed {
+        /// The VM.
+        vm: Box<dyn Vm>,
     },
     /// Start the vCPUs of a VM restored ahead and paused once its agent had answered
     /// the resume hook (a warm pool's member, see
@@ -199,12 +217,14 @@ impl Sandbox {
         let id = config.id.clone();
         let started = Instant::now();
         let snapshot = match &how {
-            Launch::Boot => None,
+            Launch::Boot | Launch::Resumed { .. } => None,
             Launch::Restore { tag, .. } | Launch::Warmed { tag, .. } => Some(tag.clone()),
         };
+        let continuing = matches!(how, Launch::Resumed { .. });
         let (vm, warmed) = match how {
             Launch::Boot => (hv.boot(&config).await?, None),
             Launch::Restore { state, .. } => (hv.restore(&config, &state).await?, None),
+            Launch::Resumed { vm } => (vm, None),
             Launch::Warmed { vm, agent, .. } => {
                 if let Err(e) = vm.resume().await {
                     vm.kill();
@@ -213,15 +233,24 @@ impl Sandbox {
                 (vm, Some(agent))
             }
         };
-        forkd_host::failpoint::hit(match snapshot {
-            None => "build.after_boot",
-            Some(_) => "fork.after_vm_start",
+        forkd_host::failpoint::hit(match (&snapshot, continuing) {
+            (_, true) => "resume.after_vm_start",
+            (None, false) => "build.after_boot",
+            (Some(_), false) => "fork.after_vm_start",
         });
         let hypervisor_ready = started.elapsed();
         let agent_socket = config.agent_socket();
-        let restored = snapshot.is_some();
+        let first = match (&snapshot, continuing) {
+            (_, true) => FirstCall::Continuing,
+            (Some(_), false) => FirstCall::NewChild {
+                id: &id,
+                env: &opts.env,
+                settle: false,
+            },
+            (None, false) => FirstCall::Ping,
+        };
         let agent = tokio::select! {
-            res = ready_agent(&agent_socket, warmed, opts.boot_timeout, restored.then_some((id.as_str(), &opts.env)), false) => match res {
+            res = ready_agent(&agent_socket, warmed, opts.boot_timeout, first) => match res {
                 Ok(a) => a,
                 Err(AgentError::HandshakeTimeout { .. }) => {
                     vm.kill();
@@ -280,7 +309,7 @@ impl Sandbox {
         let started = Instant::now();
         let socket = config.agent_socket();
         let agent = tokio::select! {
-            res = ready_agent(&socket, None, opts.boot_timeout, None, false) => res?,
+            res = ready_agent(&socket, None, opts.boot_timeout, FirstCall::Ping) => res?,
             _ = vm.wait_exit() => {
                 let _ = remove_dir(&config.dir);
                 return Err(SandboxError::Gone { id });
@@ -324,7 +353,7 @@ impl Sandbox {
             branching: AtomicBool::new(false),
             watchdog: Mutex::new(None),
             owned: claim.is_some() && !config.detached,
-            _claim: claim,
+            claim: Mutex::new(claim),
         });
         let watchdog = tokio::spawn(watch(Arc::downgrade(&inner)));
         *lock(&inner.watchdog) = Some(watchdog);
@@ -365,6 +394,21 @@ impl Sandbox {
         let r = self.inner.vm.branch(mode, plan).await;
         self.inner.branching.store(false, Ordering::SeqCst);
         Ok(r?)
+    }
+
+    /// Ends the VM of a sandbox whose pause image is written: every pending and later
+    /// call fails (the sandbox is paused), the watchdog stops, QEMU quits and the
+    /// directory's claim is released. The directory and its files stay: they are the
+    /// sandbox.
+    pub(crate) async fn end_paused(&self) -> Result<(), SandboxError> {
+        self.inner.set_failure(Failure::Paused);
+        if let Some(w) = lock(&self.inner.watchdog).take() {
+            w.abort();
+        }
+        self.inner.agent.close();
+        let stopped = self.inner.vm.stop(Duration::from_secs(10)).await;
+        lock(&self.inner.claim).take();
+        Ok(stopped?)
     }
 
     /// True while a branch captures this sandbox.
@@ -504,7 +548,7 @@ impl Drop for Sandbox {
     fn drop(&mut self) {
         // The watchdog holds the sandbox while it waits on the VM: stop it, and kill the
         // VM and remove the files here rather than when the last reference goes.
-        if !self.inner.owned {
+        if !self.inner.owned || self.inner.is_paused() {
             return;
         }
         self.inner.set_failure(Failure::Destroyed);
@@ -536,6 +580,10 @@ impl WatchedExec {
 }
 
 impl Inner {
+    fn is_paused(&self) -> bool {
+        matches!(*lock(&self.failure), Some(Failure::Paused))
+    }
+
     fn set_failure(&self, f: Failure) {
         let mut slot = lock(&self.failure);
         if slot.is_none() {
@@ -564,13 +612,17 @@ impl Inner {
                 console,
             },
             Failure::Destroyed => SandboxError::Destroyed { id },
+            Failure::Paused => SandboxError::NotReady {
+                id,
+                state: crate::lifecycle::SandboxState::Paused,
+            },
         })
     }
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        if !self.owned {
+        if !self.owned || self.is_paused() {
             return;
         }
         self.vm.kill();
@@ -608,6 +660,10 @@ async fn watch(inner: std::sync::Weak<Inner>) {
             _ = tokio::time::sleep(period) => {}
             exited = exit => {
                 if let (Some((reason, console)), Some(i)) = (exited, inner.upgrade()) {
+                    // Ended on purpose (destroyed, or paused: its files are the sandbox).
+                    if i.cancel.is_cancelled() {
+                        return;
+                    }
                     // Clean up before reporting, so a caller that sees the failure finds
                     // nothing left behind.
                     let _ = std::fs::remove_dir_all(&i.config.dir);
@@ -659,17 +715,30 @@ async fn watch(inner: std::sync::Weak<Inner>) {
 /// shows it has left its session.
 const QUIESCE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The agent of a VM whose vCPUs run, once it has given its first answer: a ping, or
-/// for a restored child (`resume_as` its id and its own variables) the resume hook, so
-/// that nothing reaches the child before its clock, RNG, hostname and environment are its
-/// own. `warmed` is a connection already made (a warm pool member's); else one is made.
-/// `settle`: see [`ResumeRequest::settle`](forkd_proto::context::ResumeRequest::settle).
+/// What a VM's agent is asked first, once connected.
+pub(crate) enum FirstCall<'a> {
+    /// A ping: a booted VM, or one taken over.
+    Ping,
+    /// The resume hook of a child restored from a snapshot: its id and its own
+    /// variables, so that nothing reaches it before its clock, RNG, hostname and
+    /// environment are its own. `settle`: see
+    /// [`ResumeRequest::settle`](forkd_proto::context::ResumeRequest::settle).
+    NewChild {
+        id: &'a str,
+        env: &'a std::collections::BTreeMap<String, String>,
+        settle: bool,
+    },
+    /// The resume hook of a sandbox continuing after a pause: only its clock is set.
+    Continuing,
+}
+
+/// The agent of a VM whose vCPUs run, once it has answered `first`. `warmed` is a
+/// connection already made (a warm pool member's); else one is made.
 pub(crate) async fn ready_agent(
     socket: &Path,
     warmed: Option<AgentClient>,
     timeout: Duration,
-    resume_as: Option<(&str, &std::collections::BTreeMap<String, String>)>,
-    settle: bool,
+    first: FirstCall<'_>,
 ) -> Result<AgentClient, AgentError> {
     let t = Instant::now();
     let agent = match warmed {
@@ -677,26 +746,43 @@ pub(crate) async fn ready_agent(
         None => AgentClient::connect(socket, timeout).await?,
     };
     tracing::debug!("agent handshake in {:?}", t.elapsed());
-    if let Some((id, env)) = resume_as {
-        let wall_clock_ns = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
-            .unwrap_or(0);
-        let req = forkd_proto::context::ResumeRequest {
+    let wall_clock_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        .unwrap_or(0);
+    let req = match first {
+        FirstCall::Ping => None,
+        FirstCall::NewChild { id, env, settle } => Some(forkd_proto::context::ResumeRequest {
             wall_clock_ns,
             entropy_hex: forkd_host::ids::random_hex(64),
             hostname: id.to_owned(),
             env: env.clone(),
             settle,
-        };
-        tokio::time::timeout(timeout, agent.resume(&req))
-            .await
-            .map_err(|_| AgentError::HandshakeTimeout {
-                secs: timeout.as_secs(),
-            })??;
-        tracing::debug!("agent handshake and resume hook in {:?}", t.elapsed());
-    } else {
-        agent.ping().await?;
+            continuing: false,
+        }),
+        FirstCall::Continuing => Some(forkd_proto::context::ResumeRequest {
+            wall_clock_ns,
+            // Unused by an agent that knows `continuing`; one from before it reseeds
+            // with these bytes rather than refuse the hook.
+            entropy_hex: forkd_host::ids::random_hex(64),
+            hostname: String::new(),
+            env: Default::default(),
+            settle: false,
+            continuing: true,
+        }),
+    };
+    match req {
+        Some(req) => {
+            tokio::time::timeout(timeout, agent.resume(&req))
+                .await
+                .map_err(|_| AgentError::HandshakeTimeout {
+                    secs: timeout.as_secs(),
+                })??;
+            tracing::debug!("agent handshake and resume hook in {:?}", t.elapsed());
+        }
+        None => {
+            agent.ping().await?;
+        }
     }
     // (The handshake checked the protocol; the resume hook's answer is the first one.)
     Ok(agent)

@@ -45,6 +45,7 @@ pub struct Metrics {
     by_state: Family<StateLabels, Gauge>,
     capacity: Gauge,
     snapshot_bytes: Gauge,
+    paused_bytes: Gauge,
     pool_idle: Family<PoolLabels, Gauge>,
     memory_limit: Family<SandboxLabels, Gauge>,
     memory_used: Family<SandboxLabels, Gauge>,
@@ -76,6 +77,7 @@ impl Metrics {
         let by_state = Family::<StateLabels, Gauge>::default();
         let capacity = Gauge::default();
         let snapshot_bytes = Gauge::default();
+        let paused_bytes = Gauge::default();
         let forks = Counter::default();
         let fork_seconds = Histogram::new(exponential_buckets(0.01, 2.0, 14));
         let exec_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 18));
@@ -106,6 +108,11 @@ impl Metrics {
             "snapshot_bytes",
             "Bytes the snapshots take on disk",
             snapshot_bytes.clone(),
+        );
+        registry.register(
+            "paused_bytes",
+            "Bytes the pause images of paused sandboxes hold on disk",
+            paused_bytes.clone(),
         );
         registry.register("forks", "Children forked", forks.clone());
         registry.register(
@@ -164,6 +171,7 @@ impl Metrics {
             by_state,
             capacity,
             snapshot_bytes,
+            paused_bytes,
             pool_idle,
             memory_limit,
             memory_used,
@@ -250,6 +258,8 @@ impl Metrics {
             .sum();
         self.snapshot_bytes
             .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        self.paused_bytes
+            .set(i64::try_from(sandboxes.paused_bytes()).unwrap_or(i64::MAX));
         let mut out = String::new();
         if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
             tracing::warn!("encoding the metrics: {e}");

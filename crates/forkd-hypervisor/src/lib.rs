@@ -92,7 +92,11 @@ pub struct BranchPlan {
     /// A new, empty disk layer over the source's current top layer: at the branch
     /// instant the source goes on writing there, and the layer below is frozen as the
     /// branch's disk. Removed by the backend if the switch did not happen.
-    pub next_layer: std::path::PathBuf,
+    ///
+    /// None for a pause to disk: the source's disk is not switched (its top layer is
+    /// frozen as it is) and, once the capture succeeded, the source stays stopped for
+    /// its caller to end. If the capture fails, the source runs again.
+    pub next_layer: Option<std::path::PathBuf>,
     /// Called at the branch instant, the source's vCPUs stopped (the crash tests abort
     /// there).
     pub at_instant: Option<fn()>,
@@ -263,8 +267,23 @@ pub trait PreparedVm: Send + Sync {
     /// Reads the device state and starts the vCPUs. On failure the process is gone.
     async fn finish(self: Box<Self>) -> Result<Box<dyn Vm>, HypervisorError>;
 
+    /// Write access to the guest's RAM before its vCPUs first run: a resumed pause
+    /// image's pages that differ from the RAM file the VM maps privately. Only the
+    /// pages written become the VM's own; the rest stay shared with the file.
+    fn ram_writer(&self) -> Result<Box<dyn RamWriter>, HypervisorError> {
+        Err(HypervisorError::Config(
+            "this hypervisor backend cannot write into a restored VM's RAM".into(),
+        ))
+    }
+
     /// Kills the hypervisor process and waits for it to exit.
     async fn discard(self: Box<Self>);
+}
+
+/// Writes into a prepared VM's guest RAM (see [`PreparedVm::ram_writer`]).
+pub trait RamWriter: Send {
+    /// Writes `data` at byte `offset` of the guest's RAM (the offset in its RAM file).
+    fn write_at(&mut self, offset: u64, data: &[u8]) -> std::io::Result<()>;
 }
 
 /// One running VM.
@@ -283,7 +302,8 @@ pub trait Vm: Send + Sync {
 
     /// Captures the running VM at one instant, as `plan` says: memory into the
     /// receiver's RAM file, device state into `plan.state`, and its disk by moving the VM
-    /// onto `plan.next_layer`. The VM runs again when this returns, whatever happened.
+    /// onto `plan.next_layer`. The VM runs again when this returns, whatever happened,
+    /// except after a successful capture without a next layer (a pause to disk).
     async fn branch(
         &self,
         mode: BranchMode,

@@ -191,6 +191,11 @@ pub struct ResumeRequest {
     /// context, and delay the next hook, until the member runs again.
     #[serde(default)]
     pub settle: bool,
+    /// The same machine continuing after a pause to disk, not a new child: only its
+    /// clock is set (from the host's); its RNG, hostname, variables and contexts are left
+    /// as they were (`entropy_hex` may then be empty).
+    #[serde(default)]
+    pub continuing: bool,
 }
 
 /// Answer to `POST /v1/resume`.

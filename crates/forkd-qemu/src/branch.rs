@@ -194,6 +194,18 @@ impl QemuVm {
             BranchMode::Live => None,
         };
         let outcome = self.copy_and_switch(plan).await;
+        // A pause to disk that captured the source leaves it stopped, for its caller to
+        // end: it must not run on past the instant its image holds.
+        if plan.next_layer.is_none() {
+            if let Ok(switched) = &outcome {
+                return Ok(BranchStats {
+                    frozen_layer: switched.frozen_layer.clone(),
+                    pause: Duration::from_millis(switched.downtime_ms),
+                    copy: switched.completed_at - started,
+                    transferred: switched.transferred,
+                });
+            }
+        }
         // The source runs again whatever happened (from `postmigrate`, `cont` also takes
         // back the disks the migration handed over).
         let resumed = self.resume_after_migration().await;
@@ -226,29 +238,35 @@ impl QemuVm {
             .await?;
         let status = self.migration_reaches(events, &["pre-switchover"]).await?;
         let at_switchover = Instant::now();
+        let drop_next_layer = || {
+            if let Some(next) = &plan.next_layer {
+                let _ = std::fs::remove_file(next);
+            }
+        };
         if status != "pre-switchover" {
-            let _ = std::fs::remove_file(&plan.next_layer);
+            drop_next_layer();
             return Err(self.migration_failed("copying the memory", &status).await);
         }
         // vCPUs stopped, nothing in flight: the branch instant. The disk is frozen here.
         if let Some(f) = plan.at_instant {
             f();
         }
-        let frozen_layer = match self.disk_top().await {
+        let switched_disk = async {
+            let frozen_layer = self.disk_top().await?;
+            if let Some(next) = &plan.next_layer {
+                self.put_layer_on_top(next).await?;
+            }
+            Ok::<_, HypervisorError>(frozen_layer)
+        };
+        let frozen_layer = match switched_disk.await {
             Ok(p) => p,
             Err(e) => {
-                let _ = std::fs::remove_file(&plan.next_layer);
+                drop_next_layer();
                 let _ = self.qmp.execute("migrate_cancel", None).await;
                 let _ = self.migration_end(self.qmp.events()).await;
                 return Err(e);
             }
         };
-        if let Err(e) = self.put_layer_on_top(&plan.next_layer).await {
-            let _ = std::fs::remove_file(&plan.next_layer);
-            let _ = self.qmp.execute("migrate_cancel", None).await;
-            let _ = self.migration_end(self.qmp.events()).await;
-            return Err(e);
-        }
         let events = self.qmp.events();
         self.qmp
             .execute(

@@ -7,6 +7,7 @@ pub mod jail;
 mod launch;
 pub mod qcow2;
 pub mod qmp;
+mod ram;
 pub mod version;
 mod vm;
 

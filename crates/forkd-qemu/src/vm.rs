@@ -495,6 +495,27 @@ impl forkd_hypervisor::PreparedVm for PreparedQemu {
         self.0.kill();
         self.0.wait_exit().await;
     }
+
+    fn ram_writer(&self) -> Result<Box<dyn forkd_hypervisor::RamWriter>, HypervisorError> {
+        let config = &self.0.config;
+        let forkd_hypervisor::MemoryBackend::File {
+            path,
+            shared: false,
+        } = &config.memory
+        else {
+            return Err(HypervisorError::Config(format!(
+                "VM {} does not map a RAM file privately, so its RAM cannot be written before it runs",
+                config.id
+            )));
+        };
+        let pid = self.pid().ok_or_else(|| HypervisorError::NotRunning {
+            id: config.id.clone(),
+            pid: self.0.pid,
+        })?;
+        let ram = crate::ram::ProcessRam::find(pid, path, u64::from(config.memory_mib) << 20)
+            .map_err(|e| HypervisorError::io(format!("finding VM {}'s RAM", config.id), e))?;
+        Ok(Box::new(ram))
+    }
 }
 
 impl Drop for QemuVm {

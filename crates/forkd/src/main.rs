@@ -11,6 +11,7 @@ mod daemon;
 mod doctor;
 mod image;
 mod mcp;
+mod pause;
 mod quickstart;
 mod registry;
 mod remote;
@@ -96,6 +97,11 @@ enum Command {
     /// Snapshot a running sandbox into a new snapshot (a diff on the one it builds on)
     /// and let it run on; fork the snapshot like any other. Prints the new tag.
     Branch(branch::BranchArgs),
+    /// Write running sandboxes to disk and end their VMs: they keep their id, memory,
+    /// processes and files, and cost no memory until resumed.
+    Pause(pause::PauseArgs),
+    /// Run paused sandboxes again, in place, as they were when paused.
+    Resume(pause::PauseArgs),
     /// Run a command in a sandbox, streaming its output; exits with its exit code.
     Exec(sandboxes::ExecArgs),
     /// Run code in one of a sandbox's code contexts (state persists between calls).
@@ -190,6 +196,12 @@ fn main() {
                 .map(|()| 0),
             Command::Fork(args) => sandboxes::fork_cmd(&remote::connect(&home)?, args).await,
             Command::Branch(args) => branch::branch(&remote::connect(&home)?, args)
+                .await
+                .map(|()| 0),
+            Command::Pause(args) => pause::pause(&remote::connect(&home)?, args)
+                .await
+                .map(|()| 0),
+            Command::Resume(args) => pause::resume(&remote::connect(&home)?, args)
                 .await
                 .map(|()| 0),
             Command::Exec(args) => sandboxes::exec(&remote::connect(&home)?, args).await,

@@ -136,9 +136,9 @@ impl From<SandboxError> for ApiError {
                     }
                 }
             }
-            SandboxError::NotReady { .. } | SandboxError::Unbranchable { .. } => {
-                ApiError::conflict(msg)
-            }
+            SandboxError::NotReady { .. }
+            | SandboxError::Unbranchable { .. }
+            | SandboxError::PauseImage { .. } => ApiError::conflict(msg),
             SandboxError::NoSpace(_) => ApiError::new(
                 StatusCode::INSUFFICIENT_STORAGE,
                 "insufficient_storage",

@@ -7,6 +7,7 @@ mod distribution;
 pub mod error;
 pub(crate) mod files;
 mod images;
+pub(crate) mod pause;
 pub mod ports;
 mod processes;
 pub(crate) mod run;
@@ -146,6 +147,8 @@ pub fn router(app: App) -> Router {
         .route("/v1/sandboxes/{id}/ports/{port}/", any(ports::root))
         .route("/v1/sandboxes/{id}/ports/{port}/{*path}", any(ports::proxy))
         .route("/v1/sandboxes/{id}/branch", post(branch::branch))
+        .route("/v1/sandboxes/{id}/pause", post(pause::pause))
+        .route("/v1/sandboxes/{id}/resume", post(pause::resume))
         .route("/v1/sandboxes/{id}/exec", post(run::exec))
         .route("/v1/sandboxes/{id}/code", post(run::run_code))
         .route(
@@ -226,6 +229,8 @@ pub fn router(app: App) -> Router {
         ports::root,
         ports::proxy,
         branch::branch,
+        pause::pause,
+        pause::resume,
         run::exec,
         run::run_code,
         run::list_contexts,

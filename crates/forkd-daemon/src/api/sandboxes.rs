@@ -36,7 +36,8 @@ impl From<RegistryError> for ApiError {
             | RegistryError::BaseUnavailable { .. }
             | RegistryError::BranchingAlready { .. }
             | RegistryError::TagBeingWritten { .. }
-            | RegistryError::StoppedDuringBranch { .. } => ApiError::conflict(e.to_string()),
+            | RegistryError::StoppedDuringBranch { .. }
+            | RegistryError::PauseDuringBranch { .. } => ApiError::conflict(e.to_string()),
         }
     }
 }
@@ -44,7 +45,12 @@ impl From<RegistryError> for ApiError {
 /// A sandbox as the API shows it: its persisted state, or `failed` with the reason as
 /// soon as its handle knows (the reaper records and removes it a moment later).
 pub fn info(e: &Listed, hv: &dyn forkd_hypervisor::Hypervisor) -> SandboxInfo {
-    let failure = e.sandbox.as_ref().and_then(|s| s.failure());
+    // (A handle whose VM a pause ended says the sandbox is paused, not failed.)
+    let failure = e
+        .sandbox
+        .as_ref()
+        .and_then(|s| s.failure())
+        .filter(|f| !matches!(f, forkd_core::SandboxError::NotReady { .. }));
     let (status, error) = match failure {
         Some(f) => ("failed".to_string(), Some(f.to_string())),
         None => (e.row.state.as_str().to_string(), e.row.error.clone()),

@@ -23,9 +23,18 @@ impl Registry {
     pub fn get(&self, id: &str) -> Result<Entry, SandboxError> {
         let slots = self.slots();
         if let Some(e) = slots.live.get(id) {
+            // One being paused takes no more requests: its VM is about to end.
+            if e.row.state == SandboxState::Pausing {
+                return Err(SandboxError::NotReady {
+                    id: id.to_owned(),
+                    state: e.row.state,
+                });
+            }
             return Ok(e.clone());
         }
-        let state = if slots.starting.contains_key(id) {
+        let state = if let Some(row) = slots.paused.get(id) {
+            row.state
+        } else if slots.starting.contains_key(id) {
             SandboxState::Starting
         } else if slots.unattached.contains_key(id) {
             SandboxState::Unresponsive
@@ -64,6 +73,10 @@ impl Registry {
                 row: u.row.clone(),
                 sandbox: None,
             }))
+            .chain(slots.paused.values().map(|r| Listed {
+                row: r.clone(),
+                sandbox: None,
+            }))
             .collect();
         v.sort_by(|a, b| (&a.row.created_at, &a.row.id).cmp(&(&b.row.created_at, &b.row.id)));
         v
@@ -91,9 +104,26 @@ impl Registry {
 
     /// Stops the sandbox `id` and forgets it.
     pub async fn delete(&self, id: &str) -> Result<(), RegistryError> {
-        let unattached = self.slots().unattached.get(id).cloned();
-        if let Some(u) = unattached {
-            return self.remove_row(&u.row).await;
+        let (unattached, paused) = {
+            let slots = self.slots();
+            (
+                slots.unattached.get(id).map(|u| u.row.clone()),
+                slots.paused.get(id).cloned(),
+            )
+        };
+        if let Some(row) = unattached {
+            return self.remove_row(&row).await;
+        }
+        if let Some(row) = paused {
+            // A resume under way ends with the sandbox running or paused: delete it then.
+            if row.state == SandboxState::Resuming {
+                return Err(SandboxError::NotReady {
+                    id: id.to_owned(),
+                    state: row.state,
+                }
+                .into());
+            }
+            return self.remove_row(&row).await;
         }
         let entry = self.get(id)?;
         self.remove(&entry).await
@@ -149,6 +179,7 @@ impl Registry {
             let mut slots = self.slots();
             slots.unattached.remove(&row.id);
             slots.starting.remove(&row.id);
+            slots.paused.remove(&row.id);
         }
         forgotten?;
         Ok(())

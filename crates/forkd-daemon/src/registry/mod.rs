@@ -23,7 +23,10 @@ mod capacity;
 mod forks;
 mod live;
 mod operations;
+mod pauses;
 mod takeover;
+
+pub use pauses::{PauseOutcome, ResumeOutcome};
 
 /// Why the registry refused or failed.
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +60,8 @@ pub enum RegistryError {
     TagBeingWritten { tag: String },
     #[error("sandbox {id} was stopped during the branch ({source})")]
     StoppedDuringBranch { id: String, source: SandboxError },
+    #[error("sandbox {id} is being branched (into {into}); pause it once the branch is written")]
+    PauseDuringBranch { id: String, into: String },
 }
 
 /// A sandbox the daemon holds a handle on.
@@ -128,6 +133,9 @@ pub(crate) struct Slots {
     starting: HashMap<String, SandboxRow>,
     /// Running, not taken over yet.
     unattached: HashMap<String, Unattached>,
+    /// Without a VM: paused or resuming (their VM is on disk), or failed at a resume
+    /// (their files kept until they are deleted).
+    pub(crate) paused: HashMap<String, SandboxRow>,
     /// Cancellation of the forks in progress, by operation id.
     cancels: HashMap<String, tokio_util::sync::CancellationToken>,
     /// Children ready so far in the forks in progress, by operation id (kept in

@@ -18,7 +18,7 @@ impl Registry {
     /// but does not answer is kept (unresponsive) and tried again later: it is killed
     /// only on proof that it is gone. Returns (adopted, removed).
     pub async fn adopt_all(&self) -> Result<(Vec<String>, Vec<String>), RegistryError> {
-        let rows = self.state.sandboxes()?;
+        let rows = self.recover_pauses(self.state.sandboxes()?).await?;
         let opts = attach_options(self.agent_timeout);
         let (mut adopted, mut gone) = (Vec::new(), Vec::new());
         let (keep, drop): (Vec<SandboxRow>, Vec<SandboxRow>) = rows.into_iter().partition(|r| {
@@ -153,7 +153,10 @@ impl Registry {
                         row: l.row.clone(),
                         sandbox: sb.clone(),
                     };
-                    if expired.contains(&id) || sb.vm().exited() || sb.failure().is_some() {
+                    if l.row.state == SandboxState::Pausing {
+                        // Its pause ends it, or leaves it running.
+                        Ok(false)
+                    } else if expired.contains(&id) || sb.vm().exited() || sb.failure().is_some() {
                         if let Some(f) = sb.failure() {
                             tracing::info!(%id, "sandbox failed: {f}");
                         }
@@ -163,6 +166,14 @@ impl Registry {
                     }
                 }
                 None if l.row.state == SandboxState::Starting => Ok(false),
+                // On disk, without a VM: no deadline runs while paused.
+                None if matches!(
+                    l.row.state,
+                    SandboxState::Paused | SandboxState::Resuming | SandboxState::Failed
+                ) =>
+                {
+                    Ok(false)
+                }
                 None => self.retry_unattached(&l.row, expired.contains(&id)).await,
             };
             match result {

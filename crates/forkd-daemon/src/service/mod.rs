@@ -1,5 +1,6 @@
-//! The daemon's use cases, one function each: a fork, a branch, a delete, a change of a
-//! sandbox's egress or deadline. Each checks what it is asked, admits it and runs it.
+//! The daemon's use cases, one function each: a fork, a branch, a pause and a resume, a
+//! delete, a change of a sandbox's egress or deadline. Each checks what it is asked,
+//! admits it and runs it.
 //! The front doors (the REST API, E2B's API, and MCP, whose tools call the REST API)
 //! only translate their requests into these calls and the results into their answers,
 //! so a rule is written once and a new front door or verb cannot miss one.
@@ -11,6 +12,7 @@
 
 pub mod branch;
 pub mod fork;
+pub mod pause;
 pub mod sandbox;
 
 pub use crate::api::ApiError;

@@ -104,8 +104,41 @@ pub fn write_diff(parent: &Path, image: &Path, out: &Path) -> io::Result<(DiffSt
 /// Writes the image a link stands for into `out`: `parent`'s image with `diff`'s pages
 /// over it. Holes of the parent stay holes. Returns the sha256 of the result.
 pub fn materialize(parent: &Path, diff: &Path, out: &Path) -> io::Result<String> {
-    let mut d = io::BufReader::new(File::open(diff)?);
-    let (size, count) = read_header(&mut d)?;
+    let par = File::open(parent)?;
+    let size = par.metadata()?.len();
+    let dst = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(out)?;
+    let written = dst
+        .set_len(size)
+        .and_then(|()| copy_data(&par, &dst, size))
+        .and_then(|()| apply(diff, size, &mut |at, pages| dst.write_all_at(pages, at)))
+        .and_then(|_| dst.sync_all());
+    drop(dst);
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(out);
+        return Err(e);
+    }
+    sha256_sparse(out)
+}
+
+/// Hands `write` the pages of `diff`, made against an image of `size` bytes, as runs of
+/// consecutive pages (at most [`CHUNK`] bytes each) with their byte offset, in order.
+/// Returns the sha256 of the diff file as read. A diff whose header or length does not
+/// hold together, or made against an image of another size, is refused before any
+/// write; one cut short after its index fails at the point it ends.
+pub fn apply(
+    diff: &Path,
+    size: u64,
+    write: &mut dyn FnMut(u64, &[u8]) -> io::Result<()>,
+) -> io::Result<String> {
+    let mut hash = Sha256::new();
+    let mut d = HashingReader {
+        inner: io::BufReader::with_capacity(CHUNK, File::open(diff)?),
+        hash: &mut hash,
+    };
+    let (image_size, count) = read_header(&mut d)?;
     // The header's count must be what the file holds: a diff from an archive is not
     // trusted to size an allocation.
     let expected = count
@@ -117,41 +150,61 @@ pub fn materialize(parent: &Path, diff: &Path, out: &Path) -> io::Result<String>
             diff.display()
         )));
     }
-    let par = File::open(parent)?;
-    if par.metadata()?.len() != size {
+    if image_size != size {
         return Err(io::Error::other(format!(
-            "{} is not the image {} was made against (size differs)",
-            parent.display(),
+            "{} was made against an image of {image_size} bytes, not {size}",
             diff.display()
         )));
     }
-    let dst = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(out)?;
-    dst.set_len(size)?;
-    copy_data(&par, &dst, size)?;
     let mut indices = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
     for _ in 0..count {
         let mut b = [0u8; 8];
         d.read_exact(&mut b)?;
-        indices.push(u64::from_le_bytes(b));
-    }
-    let mut page = vec![0u8; PAGE];
-    for p in indices {
-        d.read_exact(&mut page)?;
-        let at = p * PAGE as u64;
-        if at + PAGE as u64 > size {
+        let p = u64::from_le_bytes(b);
+        if p.checked_add(1)
+            .and_then(|n| n.checked_mul(PAGE as u64))
+            .is_none_or(|end| end > size)
+        {
             return Err(io::Error::other(format!(
                 "{}: page {p} lies beyond the image",
                 diff.display()
             )));
         }
-        dst.write_all_at(&page, at)?;
+        indices.push(p);
     }
-    dst.sync_all()?;
-    drop(dst);
-    sha256_sparse(out)
+    let mut run = Vec::with_capacity(CHUNK);
+    let mut run_start = 0u64;
+    let mut page = vec![0u8; PAGE];
+    for p in indices {
+        d.read_exact(&mut page)?;
+        let at = p * PAGE as u64;
+        if !run.is_empty() && (at != run_start + run.len() as u64 || run.len() >= CHUNK) {
+            write(run_start, &run)?;
+            run.clear();
+        }
+        if run.is_empty() {
+            run_start = at;
+        }
+        run.extend_from_slice(&page);
+    }
+    if !run.is_empty() {
+        write(run_start, &run)?;
+    }
+    Ok(hex::encode(hash.finalize()))
+}
+
+/// A reader that hashes what passes through it.
+struct HashingReader<'a, R> {
+    inner: R,
+    hash: &'a mut Sha256,
+}
+
+impl<R: Read> Read for HashingReader<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.hash.update(&buf[..n]);
+        Ok(n)
+    }
 }
 
 /// Copies a (sparse) image: its data regions at the same offsets, holes left holes.
@@ -323,5 +376,29 @@ mod tests {
         image(&other, &[], size * 2);
         std::fs::write(&diff, &bytes).unwrap();
         assert!(materialize(&other, &diff, &dir.path().join("m3")).is_err());
+        for m in ["m1", "m2", "m3"] {
+            assert!(!dir.path().join(m).exists(), "{m} was left behind");
+        }
+    }
+
+    #[test]
+    fn applying_a_diff_hands_over_runs_of_pages_and_hashes_the_diff() {
+        let dir = tempfile::tempdir().unwrap();
+        let size = 64 * PAGE as u64;
+        let (parent, child) = (dir.path().join("p"), dir.path().join("c"));
+        image(&parent, &[], size);
+        image(&child, &[(4, 1), (5, 2), (6, 3), (9, 4)], size);
+        let diff = dir.path().join("d");
+        write_diff(&parent, &child, &diff).unwrap();
+        let mut runs = Vec::new();
+        let sha = apply(&diff, size, &mut |at, data| {
+            runs.push((at / PAGE as u64, data.len() / PAGE, data[0]));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(runs, [(4, 3, 1), (9, 1, 4)]);
+        assert_eq!(sha, sha256_sparse(&diff).unwrap());
+        let e = apply(&diff, size * 2, &mut |_, _| Ok(())).unwrap_err();
+        assert!(e.to_string().contains("not"), "{e}");
     }
 }

@@ -1,0 +1,188 @@
+//! Pause to disk and resume, through the daemon: a paused sandbox has no VM, keeps its
+//! files, processes and memory, survives a restart of the daemon, and comes back in
+//! place; a damaged pause image is refused and kept.
+
+mod common;
+
+use common::{call, create, exec, runtime, Daemon};
+use forkd_daemon::client::Client;
+use hyper::{Method, StatusCode};
+use serde_json::json;
+use std::path::Path;
+
+async fn sandbox(c: &Client, id: &str) -> serde_json::Value {
+    let (s, v) = call(c, Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    v
+}
+
+async fn verb(c: &Client, id: &str, verb: &str) -> (StatusCode, serde_json::Value) {
+    call(c, Method::POST, &format!("/v1/sandboxes/{id}/{verb}"), None).await
+}
+
+fn stdout(v: &serde_json::Value) -> String {
+    String::from_utf8(common::b64(&v["stdout_b64"])).unwrap()
+}
+
+/// The sandbox's state: a file, and a background shell holding a value in its memory
+/// only, which it writes out when told (through a fifo).
+const SET_UP: &str = "echo kept > /root/file; mkfifo /tmp/go; \
+    (v=mine-$$-$RANDOM; read x < /tmp/go; echo \"$v $x\" > /tmp/out) >/dev/null 2>&1 & \
+    sleep 0.2; echo started";
+
+/// Has the background shell write its value out, and reads it.
+const READ_BACK: &str = "echo now > /tmp/go; for i in 1 2 3 4 5 6 7 8 9 10; do \
+    [ -s /tmp/out ] && break; sleep 0.2; done; cat /tmp/out";
+
+#[test]
+fn a_paused_sandbox_has_no_vm_survives_a_restart_and_resumes_as_it_was() {
+    let mut d = Daemon::start(&[]);
+    d.link_snapshot("minimal", "mini");
+    let (ids, pid, dir) = runtime().block_on(async {
+        let c = d.unix();
+        let ids = create(&c, "mini", 2).await;
+        let (a, b) = (&ids[0], &ids[1]);
+        let (s, v) = call(
+            &c,
+            Method::PUT,
+            &format!("/v1/sandboxes/{a}/timeout"),
+            Some(json!({ "timeout_s": 3600 })),
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(stdout(&exec(&c, a, SET_UP).await), "started\n");
+        exec(&c, b, "echo other > /root/file").await;
+        let pid = sandbox(&c, a).await["pid"].as_u64().unwrap();
+
+        let (s, p) = verb(&c, a, "pause").await;
+        assert_eq!(s, StatusCode::OK, "{p}");
+        assert!(p["stored_bytes"].as_u64().unwrap() > 0, "{p}");
+        assert!(p["pages"].as_u64().unwrap() > 0, "{p}");
+        let v = sandbox(&c, a).await;
+        assert_eq!(v["status"], "paused", "{v}");
+        assert_eq!(v["pid"], 0, "{v}");
+        assert!(
+            v["timeout_at"].is_null(),
+            "no deadline runs while paused: {v}"
+        );
+        assert!(
+            !forkd_host::process::is_alive(u32::try_from(pid).unwrap()),
+            "its QEMU (pid {pid}) is gone"
+        );
+        // It takes no requests, and nothing that needs a VM, until it is resumed.
+        for (method, path, body) in [
+            (Method::POST, "exec", Some(json!({ "shell": "true" }))),
+            (Method::POST, "pause", None),
+            (Method::POST, "branch", Some(json!({}))),
+        ] {
+            let (s, v) = call(&c, method, &format!("/v1/sandboxes/{a}/{path}"), body).await;
+            assert_eq!(s, StatusCode::CONFLICT, "{path}: {v}");
+            assert!(
+                v["error"]["message"].as_str().unwrap().contains("paused"),
+                "{v}"
+            );
+        }
+        let (_, metrics) = call(&c, Method::GET, "/metrics", None).await;
+        let metrics = metrics.as_str().unwrap().to_owned();
+        assert!(
+            metrics.contains("forkd_sandboxes{state=\"paused\"} 1"),
+            "{metrics}"
+        );
+        let dir = d.home.path().join("run/sandboxes").join(a);
+        assert!(dir.join("paused").is_dir());
+        (ids, pid, dir)
+    });
+
+    // The daemon stops and comes back: the paused sandbox is still there, paused.
+    d.kill9();
+    d.spawn();
+    runtime().block_on(async {
+        let c = d.unix();
+        let (a, b) = (&ids[0], &ids[1]);
+        assert_eq!(sandbox(&c, a).await["status"], "paused");
+
+        let (s, r) = verb(&c, a, "resume").await;
+        assert_eq!(s, StatusCode::OK, "{r}");
+        assert!(r["total_ms"].as_f64().unwrap() > 0.0, "{r}");
+        let v = sandbox(&c, a).await;
+        assert_eq!(v["status"], "running", "{v}");
+        assert_ne!(v["pid"].as_u64().unwrap(), pid, "a new QEMU");
+        let left =
+            v["timeout_at"].as_i64().expect("its deadline runs again") - forkd_daemon::unix_now();
+        assert!((3000..=3600).contains(&left), "{left} s left of 3600");
+        assert!(!dir.join("paused").exists(), "the image goes once resumed");
+        // Its file, and the value only its background shell's memory held.
+        assert_eq!(stdout(&exec(&c, a, "cat /root/file").await), "kept\n");
+        let out = stdout(&exec(&c, a, READ_BACK).await);
+        assert!(
+            out.starts_with("mine-") && out.ends_with(" now\n"),
+            "{out:?}"
+        );
+        assert_eq!(stdout(&exec(&c, b, "cat /root/file").await), "other\n");
+        // A resume of a running sandbox leaves it be.
+        let (s, r) = verb(&c, a, "resume").await;
+        assert_eq!(s, StatusCode::OK, "{r}");
+        assert_eq!(r["total_ms"], 0.0, "{r}");
+    });
+
+    // The CLI, and a damaged image: refused at resume, the sandbox failed and its
+    // files kept until it is deleted.
+    let a = &ids[0];
+    let out = d.forkd().args(["pause", a]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("paused") && stderr.contains("MiB stored"),
+        "{stderr}"
+    );
+    let ls = d.forkd().args(["ls"]).output().unwrap();
+    let ls = String::from_utf8_lossy(&ls.stdout);
+    assert!(
+        ls.lines()
+            .any(|l| l.starts_with(a.as_str()) && l.contains("paused")),
+        "{ls}"
+    );
+    damage(&dir.join("paused/memory.diff"));
+    runtime().block_on(async {
+        let c = d.unix();
+        let (s, v) = verb(&c, a, "resume").await;
+        assert_eq!(s, StatusCode::CONFLICT, "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("digest"),
+            "{v}"
+        );
+        let v = sandbox(&c, a).await;
+        assert_eq!(v["status"], "failed", "{v}");
+        assert!(
+            dir.join("paused/memory.diff").exists(),
+            "its files are kept"
+        );
+        let (s, v) = call(&c, Method::DELETE, &format!("/v1/sandboxes/{a}"), None).await;
+        assert!(s.is_success(), "{v}");
+        assert!(!dir.exists());
+    });
+    let out = d.forkd().args(["resume", &ids[1]]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stderr.contains("running already"),
+        "{stderr}"
+    );
+}
+
+/// Flips a byte in the last page of a memory diff.
+fn damage(diff: &Path) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(diff)
+        .unwrap();
+    let at = f.metadata().unwrap().len() - 10;
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 0xff], at).unwrap();
+}
