@@ -258,6 +258,36 @@ impl ForkdMcp {
     }
 
     #[tool(
+        description = "Pause a running sandbox to disk: it keeps its files, processes and Python state and costs no memory until resumed. Any later call on it (run_command, run_code, files) resumes it."
+    )]
+    async fn pause_sandbox(
+        &self,
+        Parameters(p): Parameters<SandboxId>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let path = format!("/v1/sandboxes/{}/pause", p.id);
+        match self.api(Method::POST, &path, None).await {
+            Ok(v) => text(format!(
+                "{} paused ({:.1} MiB stored)",
+                p.id,
+                v["stored_bytes"].as_f64().unwrap_or(0.0) / f64::from(1 << 20)
+            )),
+            Err(e) => failed(e),
+        }
+    }
+
+    #[tool(description = "Resume a paused sandbox, as it was when paused.")]
+    async fn resume_sandbox(
+        &self,
+        Parameters(p): Parameters<SandboxId>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let path = format!("/v1/sandboxes/{}/resume", p.id);
+        match self.api(Method::POST, &path, None).await {
+            Ok(_) => text(format!("{} runs", p.id)),
+            Err(e) => failed(e),
+        }
+    }
+
+    #[tool(
         description = "Run a shell command in a sandbox and wait for it. Returns its exit code, stdout and stderr."
     )]
     async fn run_command(
@@ -463,7 +493,8 @@ impl ServerHandler for ForkdMcp {
                 "forkd runs code in microVM sandboxes forked from warm snapshots. \
                  list_snapshots, then create_sandbox from one (python has pandas warm); \
                  run_command and run_code in it; branch_sandbox to snapshot a state and \
-                 fork it again; kill_sandbox when done.",
+                 fork it again; pause_sandbox to keep one for later at no memory cost \
+                 (any call resumes it); kill_sandbox when done.",
             )
     }
 }

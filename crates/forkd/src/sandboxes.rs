@@ -11,6 +11,15 @@ use std::io::{IsTerminal, Read, Write};
 use std::time::Instant;
 
 /// Arguments of `forkd fork`.
+/// What a child's timeout does.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+pub enum OnTimeout {
+    /// Stop it and remove its files.
+    Kill,
+    /// Pause it to disk.
+    Pause,
+}
+
 #[derive(clap::Args, Debug)]
 pub struct ForkArgs {
     /// The snapshot to fork.
@@ -23,9 +32,17 @@ pub struct ForkArgs {
     /// A label KEY=VALUE (repeatable), to find the children by.
     #[arg(long = "label", value_parser = crate::parse_key_val)]
     labels: Vec<(String, String)>,
-    /// Seconds after which the daemon stops each child.
+    /// Seconds after which the daemon stops each child (or pauses it: --on-timeout).
     #[arg(long)]
     timeout: Option<u64>,
+    /// What --timeout does: kill (stop and remove the child) or pause (write it to
+    /// disk; it resumes on its next request and stays until killed).
+    #[arg(long, value_enum, default_value = "kill")]
+    on_timeout: OnTimeout,
+    /// Pause each child after this many seconds without a request, exec or open
+    /// stream; its next request resumes it.
+    #[arg(long, value_name = "SECS")]
+    auto_pause_after: Option<u64>,
     /// Keep the children that start when others fail (each failure is printed, and the
     /// exit status is 1); by default a fork is all or nothing.
     #[arg(long)]
@@ -296,6 +313,14 @@ pub async fn fork_cmd(client: &Client, args: ForkArgs) -> Result<i32> {
     });
     if let Some(t) = args.timeout {
         body["timeout_s"] = t.into();
+    }
+    body["on_timeout"] = match args.on_timeout {
+        OnTimeout::Kill => "kill",
+        OnTimeout::Pause => "pause",
+    }
+    .into();
+    if let Some(t) = args.auto_pause_after {
+        body["auto_pause_after_s"] = t.into();
     }
     let mut limits = serde_json::Map::new();
     if let Some(m) = args.memory_limit {

@@ -69,13 +69,9 @@ fn a_paused_sandbox_has_no_vm_survives_a_restart_and_resumes_as_it_was() {
             !forkd_host::process::is_alive(u32::try_from(pid).unwrap()),
             "its QEMU (pid {pid}) is gone"
         );
-        // It takes no requests, and nothing that needs a VM, until it is resumed.
-        for (method, path, body) in [
-            (Method::POST, "exec", Some(json!({ "shell": "true" }))),
-            (Method::POST, "pause", None),
-            (Method::POST, "branch", Some(json!({}))),
-        ] {
-            let (s, v) = call(&c, method, &format!("/v1/sandboxes/{a}/{path}"), body).await;
+        // It is not paused twice, nor branched while paused.
+        for (path, body) in [("pause", None), ("branch", Some(json!({})))] {
+            let (s, v) = call(&c, Method::POST, &format!("/v1/sandboxes/{a}/{path}"), body).await;
             assert_eq!(s, StatusCode::CONFLICT, "{path}: {v}");
             assert!(
                 v["error"]["message"].as_str().unwrap().contains("paused"),
@@ -118,7 +114,14 @@ fn a_paused_sandbox_has_no_vm_survives_a_restart_and_resumes_as_it_was() {
             out.starts_with("mine-") && out.ends_with(" now\n"),
             "{out:?}"
         );
-        assert_eq!(stdout(&exec(&c, b, "cat /root/file").await), "other\n");
+        // A request that needs the VM resumes a paused sandbox on its own; requests
+        // that come together wait for one resume.
+        let (s, v) = verb(&c, b, "pause").await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        let (x, y) = tokio::join!(exec(&c, b, "cat /root/file"), exec(&c, b, "echo two"));
+        assert_eq!(stdout(&x), "other\n");
+        assert_eq!(stdout(&y), "two\n");
+        assert_eq!(sandbox(&c, b).await["status"], "running");
         // A resume of a running sandbox leaves it be.
         let (s, r) = verb(&c, a, "resume").await;
         assert_eq!(s, StatusCode::OK, "{r}");
@@ -185,4 +188,64 @@ fn damage(diff: &Path) {
     let mut b = [0u8; 1];
     f.read_exact_at(&mut b, at).unwrap();
     f.write_all_at(&[b[0] ^ 0xff], at).unwrap();
+}
+
+/// Waits (up to a minute) until sandbox `id` is paused.
+async fn until_paused(c: &Client, id: &str) {
+    for _ in 0..300 {
+        if sandbox(c, id).await["status"] == "paused" {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    panic!("{id} was not paused: {}", sandbox(c, id).await);
+}
+
+#[test]
+fn a_timeout_or_idleness_pauses_a_sandbox_that_asks_for_it() {
+    let d = Daemon::start(&[]);
+    d.link_snapshot("minimal", "mini");
+    runtime().block_on(async {
+        let c = d.unix();
+        let mut ids = Vec::new();
+        for body in [
+            json!({ "snapshot": "mini", "timeout_s": 3, "on_timeout": "pause" }),
+            json!({ "snapshot": "mini", "auto_pause_after_s": 3 }),
+        ] {
+            let (s, v) = call(&c, Method::POST, "/v1/sandboxes", Some(body)).await;
+            assert_eq!(s, StatusCode::CREATED, "{v}");
+            ids.push(v["sandboxes"][0]["id"].as_str().unwrap().to_owned());
+        }
+        let (timed, idle) = (&ids[0], &ids[1]);
+        for id in &ids {
+            exec(&c, id, "echo mine > /root/file").await;
+        }
+        until_paused(&c, timed).await;
+        until_paused(&c, idle).await;
+        // Resumed by the next request, with what they had; the one paused by its
+        // deadline has its timeout's length again.
+        for id in &ids {
+            assert_eq!(stdout(&exec(&c, id, "cat /root/file").await), "mine\n");
+            assert_eq!(sandbox(&c, id).await["status"], "running");
+        }
+        let left =
+            sandbox(&c, timed).await["timeout_at"].as_i64().unwrap() - forkd_daemon::unix_now();
+        assert!((0..=3).contains(&left), "{left}");
+        // Requests keep the idle one running; left alone, it pauses again.
+        for _ in 0..4 {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            exec(&c, idle, "true").await;
+            assert_eq!(sandbox(&c, idle).await["status"], "running");
+        }
+        until_paused(&c, idle).await;
+        // A bad idle time is refused.
+        let (s, v) = call(
+            &c,
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({ "snapshot": "mini", "auto_pause_after_s": 0 })),
+        )
+        .await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    });
 }

@@ -47,6 +47,11 @@ def test_the_async_client_drives_sandboxes_concurrently(snapshot: str) -> None:
             assert snap.info["parent"] == snapshot
             (child,) = await snap.fork(n=1)
             assert (await child.run_code("x")).text == "2"
+            await child.pause()
+            assert child.info.status == "paused"
+            again = await AsyncSandbox.connect(child.id, connection=conn)
+            assert again.info.status == "running"
+            assert (await again.run_code("x")).text == "2"
             await child.kill()
         finally:
             for s in pair:

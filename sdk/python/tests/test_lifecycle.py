@@ -94,3 +94,22 @@ def test_a_stopped_daemon_is_an_error_naming_the_url(tmp_path: Path) -> None:
         gone.files.read("/etc/hostname")
     with pytest.raises(UnreachableError):
         gone.commands.run("true", on_stdout=print)
+
+
+def test_pause_resume_and_connect(snapshot: str) -> None:
+    with Sandbox.create(snapshot=snapshot, timeout=600) as s:
+        s.run_code("kept = 41")
+        s.pause()
+        assert s.info.status == "paused"
+        with pytest.raises(ConflictError, match="paused"):
+            s.pause()
+        # Connecting resumes it, with its memory: the code context's variable.
+        again = Sandbox.connect(s.id)
+        assert again.info.status == "running"
+        assert again.run_code("kept + 1").text == "42"
+        # Paused again, any call resumes it.
+        s.pause()
+        assert s.commands.run("echo back").stdout == "back\n"
+        assert s.refresh().status == "running"
+        s.resume()
+        assert s.info.status == "running"

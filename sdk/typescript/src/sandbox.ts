@@ -514,6 +514,10 @@ export interface CreateOptions extends ConnectionOptions {
   limits?: Limits;
   /** Its egress policy (default: the snapshot's). */
   network?: Network;
+  /** What `timeout` does when it passes: `kill` (the default) or `pause`. */
+  onTimeout?: "kill" | "pause";
+  /** Pause it after this many seconds without a request; its next call resumes it. */
+  autoPauseAfter?: number;
   /** Reuse a connection. */
   connection?: Connection;
 }
@@ -535,6 +539,8 @@ function forkBody(snapshot: string, n: number, o: CreateOptions): Json {
     body.limits = limits;
   }
   if (o.network) body.network = networkBody(o.network);
+  if (o.onTimeout !== undefined) body.on_timeout = o.onTimeout;
+  if (o.autoPauseAfter !== undefined) body.auto_pause_after_s = o.autoPauseAfter;
   return body;
 }
 
@@ -618,8 +624,10 @@ export class Sandbox {
     return v.sandboxes.map((s) => new Sandbox(s, conn));
   }
 
+  /** The sandbox `id`, resumed first if it is paused. */
   static async connect(id: string, options: ConnectionOptions & { connection?: Connection } = {}): Promise<Sandbox> {
     const conn = connectionOf(options);
+    await conn.request("POST", `/v1/sandboxes/${id}/resume`);
     return new Sandbox(await conn.request<Json>("GET", `/v1/sandboxes/${id}`), conn);
   }
 
@@ -650,6 +658,20 @@ export class Sandbox {
   /** Stops the sandbox and removes its files. */
   async kill(): Promise<void> {
     await this.conn.request("DELETE", `/v1/sandboxes/${this.id}`);
+  }
+
+  /** Writes the sandbox to disk and ends its VM: it keeps its files, processes and
+   * memory and costs no memory until resumed (by `resume`, `Sandbox.connect` or any
+   * call that needs it). Pausing a paused sandbox rejects with ConflictError. */
+  async pause(): Promise<void> {
+    await this.conn.request("POST", `/v1/sandboxes/${this.id}/pause`);
+    await this.refresh();
+  }
+
+  /** Runs the paused sandbox again, as it was (a running one is left as it is). */
+  async resume(): Promise<void> {
+    await this.conn.request("POST", `/v1/sandboxes/${this.id}/resume`);
+    await this.refresh();
   }
 
   /** Ends the sandbox `timeout` seconds from now (null: never). */

@@ -181,6 +181,17 @@ describe("lifecycle", () => {
       await assert.rejects(source.branch({ tag }), ConflictError);
       const [child] = await snap.fork(1);
       assert.equal((await child.runCode("state")).text, "'kept'");
+      // Paused and back through connect, with its memory; paused again, a call resumes it.
+      await child.pause();
+      assert.equal(child.info.status, "paused");
+      await assert.rejects(child.pause(), ConflictError);
+      const back = await Sandbox.connect(child.id);
+      assert.equal(back.info.status, "running");
+      assert.equal((await back.runCode("state")).text, "'kept'");
+      await child.pause();
+      assert.equal((await child.commands.run("echo back")).stdout, "back\n");
+      await child.resume();
+      assert.equal(child.info.status, "running");
       await child.kill();
     } finally {
       await source.kill();

@@ -62,7 +62,7 @@ pub async fn read(
     PathParams(id): PathParams<String>,
     QueryParams(q): QueryParams<PathQuery>,
 ) -> Result<Response, ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
+    let sandbox = crate::service::sandbox::running(&app, &id).await?.sandbox;
     download(&sandbox, guest_path(&q.path)?.to_owned()).await
 }
 
@@ -124,7 +124,7 @@ pub async fn write(
     if super::declared_length(request.headers()).is_some_and(|n| n > MAX_UPLOAD) {
         return Err(too_large());
     }
-    let sandbox = app.registry.get(&id)?.sandbox;
+    let sandbox = crate::service::sandbox::running(&app, &id).await?.sandbox;
     let path = guest_path(&q.path)?.to_owned();
     let mode = match &q.mode {
         None => None,
@@ -172,7 +172,7 @@ pub async fn remove(
     PathParams(id): PathParams<String>,
     QueryParams(q): QueryParams<RemoveQuery>,
 ) -> Result<StatusCode, ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
+    let sandbox = crate::service::sandbox::running(&app, &id).await?.sandbox;
     let path = guest_path(&q.path)?.to_owned();
     sandbox
         .call(|a| async move { a.remove(&path, q.recursive).await })
@@ -189,7 +189,7 @@ pub async fn list(
     PathParams(id): PathParams<String>,
     QueryParams(q): QueryParams<PathQuery>,
 ) -> Result<Json<FileList>, ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
+    let sandbox = crate::service::sandbox::running(&app, &id).await?.sandbox;
     let path = guest_path(&q.path)?.to_owned();
     let entries = sandbox
         .call(|a| async move { a.list_dir(&path).await })
@@ -208,7 +208,7 @@ pub async fn stat(
     PathParams(id): PathParams<String>,
     QueryParams(q): QueryParams<PathQuery>,
 ) -> Result<Json<FileInfo>, ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
+    let sandbox = crate::service::sandbox::running(&app, &id).await?.sandbox;
     let path = guest_path(&q.path)?.to_owned();
     let st = sandbox.call(|a| async move { a.stat(&path).await }).await?;
     Ok(Json(st.into()))
@@ -225,7 +225,7 @@ pub async fn mkdir(
     PathParams(id): PathParams<String>,
     JsonBody(b): JsonBody<PathBody>,
 ) -> Result<Json<FileInfo>, ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
+    let sandbox = crate::service::sandbox::running(&app, &id).await?.sandbox;
     let path = guest_path(&b.path)?.to_owned();
     let st = sandbox
         .call(|a| async move { a.mkdir(&path).await })
@@ -244,7 +244,7 @@ pub async fn rename(
     PathParams(id): PathParams<String>,
     JsonBody(b): JsonBody<RenameBody>,
 ) -> Result<Json<FileInfo>, ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
+    let sandbox = crate::service::sandbox::running(&app, &id).await?.sandbox;
     let from = guest_path(&b.from)?.to_owned();
     let to = guest_path(&b.to)?.to_owned();
     let st = sandbox

@@ -25,7 +25,7 @@ async fn connect(app: &App, id: &str, port: u16) -> Result<tokio::net::TcpStream
     if port == 0 {
         return Err(ApiError::bad_request("port 0 is not a port"));
     }
-    let entry = app.registry.get(id)?;
+    let entry = crate::service::sandbox::running(app, id).await?;
     if entry.row.config.network.is_none() {
         return Err(ApiError::conflict(format!(
             "sandbox {id} has no NIC (its snapshot's template was built with network = \"none\"), so it has no ports to reach"

@@ -43,7 +43,7 @@ where
     F: FnOnce(AgentClient, u64) -> Fut,
     Fut: std::future::Future<Output = Result<ProcessInfo, AgentError>>,
 {
-    let sandbox = app.registry.get(id)?.sandbox;
+    let sandbox = crate::service::sandbox::running(app, id).await?.sandbox;
     let n = process_id(process)?;
     let p = sandbox.call(|a| f(a, n)).await?;
     Ok(Json(p.into()))
@@ -60,7 +60,7 @@ pub async fn start(
     PathParams(id): PathParams<String>,
     JsonBody(b): JsonBody<ProcessStartBody>,
 ) -> Result<(StatusCode, Json<ProcessBody>), ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
+    let sandbox = crate::service::sandbox::running(&app, &id).await?.sandbox;
     let mut req = exec_request(&ExecBody {
         cmd: b.cmd,
         shell: b.shell,
@@ -86,7 +86,7 @@ pub async fn list(
     State(app): State<App>,
     PathParams(id): PathParams<String>,
 ) -> Result<Json<Vec<ProcessBody>>, ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
+    let sandbox = crate::service::sandbox::running(&app, &id).await?.sandbox;
     let list = sandbox
         .call(|a| async move { a.list_processes().await })
         .await?;

@@ -155,7 +155,7 @@ pub async fn exec(
     PathParams(id): PathParams<String>,
     JsonBody(mut body): JsonBody<ExecBody>,
 ) -> Result<Response, ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
+    let sandbox = crate::service::sandbox::running(&app, &id).await?.sandbox;
     let req = exec_request(&body)?;
     let stdin = stdin_bytes(&mut body)?
         .map(|b| Box::new(std::io::Cursor::new(b)) as forkd_core::agent::Stdin);
@@ -284,7 +284,7 @@ pub async fn run_code(
     PathParams(id): PathParams<String>,
     JsonBody(body): JsonBody<RunCodeBody>,
 ) -> Result<Response, ApiError> {
-    let sandbox: Arc<Sandbox> = app.registry.get(&id)?.sandbox;
+    let sandbox: Arc<Sandbox> = crate::service::sandbox::running(&app, &id).await?.sandbox;
     let req = RunCodeRequest {
         code: body.code,
         timeout_ms: timeout_ms(body.timeout_s)?,
@@ -347,7 +347,7 @@ pub async fn list_contexts(
     State(app): State<App>,
     PathParams(id): PathParams<String>,
 ) -> Result<Json<Vec<ContextBody>>, ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
+    let sandbox = crate::service::sandbox::running(&app, &id).await?.sandbox;
     let list = sandbox
         .call(|a| async move { a.list_contexts().await })
         .await?;
@@ -365,7 +365,7 @@ pub async fn create_context(
     PathParams(id): PathParams<String>,
     JsonBody(body): JsonBody<CreateContextBody>,
 ) -> Result<(axum::http::StatusCode, Json<ContextBody>), ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
+    let sandbox = crate::service::sandbox::running(&app, &id).await?.sandbox;
     if let Some(cwd) = &body.cwd {
         super::guest_path(cwd)?;
     }
@@ -389,7 +389,7 @@ pub async fn reset_context(
     State(app): State<App>,
     PathParams((id, context)): PathParams<(String, String)>,
 ) -> Result<Json<ContextBody>, ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
+    let sandbox = crate::service::sandbox::running(&app, &id).await?.sandbox;
     context_id(&context)?;
     let c = sandbox
         .call(|a| async move { a.reset_context(&context).await })
@@ -405,7 +405,7 @@ pub async fn delete_context(
     State(app): State<App>,
     PathParams((id, context)): PathParams<(String, String)>,
 ) -> Result<axum::http::StatusCode, ApiError> {
-    let sandbox = app.registry.get(&id)?.sandbox;
+    let sandbox = crate::service::sandbox::running(&app, &id).await?.sandbox;
     context_id(&context)?;
     sandbox
         .call(|a| async move { a.delete_context(&context).await })

@@ -122,6 +122,8 @@ pub async fn create(
             memory_mib: req.memory_mib,
             limits: req.limits,
             egress,
+            on_timeout: req.on_timeout,
+            auto_pause_after_s: req.auto_pause_after_s,
         },
     )?;
     if !req.wait {

@@ -35,6 +35,16 @@ pub struct CreateSandboxes {
     #[serde(default)]
     #[schema(minimum = 1, maximum = 2592000)]
     pub timeout_s: Option<u64>,
+    /// What `timeout_s` does when it passes: `kill` (the default: stopped and removed)
+    /// or `pause` (paused to disk; it stays until deleted and resumes on its next
+    /// request).
+    #[serde(default)]
+    pub on_timeout: crate::state::OnTimeout,
+    /// Pause each child after this many seconds without an API request for it, an exec
+    /// or an open stream (none: never for idleness).
+    #[serde(default)]
+    #[schema(minimum = 1, maximum = 2592000)]
+    pub auto_pause_after_s: Option<u64>,
     /// Keep the children that start when others fail, and list each failure in
     /// `errors` (default: all or nothing).
     #[serde(default)]

@@ -1,6 +1,7 @@
-//! E2B's control plane: create, connect, list, get, kill, set a timeout, fork. A
-//! sandbox's `templateID` names a forkd snapshot (or an alias of one); its metadata are
-//! forkd labels; its timeout is forkd's.
+//! E2B's control plane: create, connect, list, get, kill, set a timeout, fork, pause
+//! and resume. A sandbox's `templateID` names a forkd snapshot (or an alias of one); its
+//! metadata are forkd labels; its timeout is forkd's; its pause is forkd's pause to
+//! disk, and a paused sandbox is E2B's `paused`.
 
 use super::{Shared, ENVD_VERSION};
 use crate::api::ApiError;
@@ -12,6 +13,7 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
+use forkd_core::lifecycle::SandboxState;
 use forkd_storage::snapshot::Tag;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -33,7 +35,7 @@ pub(super) fn routes() -> Router<Shared> {
         .route("/sandboxes/{id}/network", put(set_network))
         .route("/sandboxes/{id}/fork", post(fork))
         .route("/sandboxes/{id}/pause", post(pause))
-        .route("/sandboxes/{id}/resume", post(pause))
+        .route("/sandboxes/{id}/resume", post(resume))
 }
 
 /// An error as E2B's API answers it: `{"code": <status>, "message"}`. Capacity errors
@@ -87,8 +89,12 @@ struct NewSandbox {
     metadata: Option<BTreeMap<String, String>>,
     #[serde(default)]
     env_vars: Option<BTreeMap<String, String>>,
+    /// Pause (true) or kill (false) at the timeout.
     #[serde(default)]
     auto_pause: Option<bool>,
+    /// Whether a request resumes the sandbox once paused: forkd always resumes one.
+    #[serde(default)]
+    auto_resume: Option<AutoResume>,
     #[serde(
         default,
         rename = "allow_internet_access",
@@ -97,6 +103,12 @@ struct NewSandbox {
     allow_internet_access: Option<bool>,
     #[serde(default)]
     network: Option<super::network::NetworkConfig>,
+}
+
+/// `autoResume`: `{"enabled": bool}`.
+#[derive(Debug, Deserialize)]
+struct AutoResume {
+    enabled: bool,
 }
 
 fn timeout_s(t: Option<u64>) -> Result<u64, E2bError> {
@@ -148,6 +160,16 @@ fn rfc3339(unix: i64) -> String {
     forkd_image::timestamp::rfc3339_utc(t)
 }
 
+/// E2B's state of a sandbox: `running`, or `paused` for one without a VM (paused,
+/// being paused or resumed, or failed at a resume with its files kept).
+fn e2b_state(state: SandboxState) -> &'static str {
+    if state.holds_a_vm() && !matches!(state, SandboxState::Pausing | SandboxState::Resuming) {
+        "running"
+    } else {
+        "paused"
+    }
+}
+
 /// A sandbox as list and get answer it.
 fn listed(hv: &dyn forkd_hypervisor::Hypervisor, e: &Listed) -> Value {
     let r = &e.row;
@@ -162,7 +184,7 @@ fn listed(hv: &dyn forkd_hypervisor::Hypervisor, e: &Listed) -> Value {
         "cpuCount": r.config.vcpus,
         "memoryMB": r.config.memory_mib,
         "diskSizeMB": disk_mb,
-        "state": "running",
+        "state": e2b_state(r.state),
         "envdVersion": ENVD_VERSION,
         "metadata": r.labels,
     })
@@ -170,11 +192,16 @@ fn listed(hv: &dyn forkd_hypervisor::Hypervisor, e: &Listed) -> Value {
 
 async fn create(State(e2b): State<Shared>, bytes: axum::body::Bytes) -> Result<Response, E2bError> {
     let req: NewSandbox = body(&bytes)?;
-    if req.auto_pause == Some(true) {
+    if req.auto_resume.as_ref().is_some_and(|a| !a.enabled) {
         return Err(bad(
-            "autoPause is not supported: forkd does not pause sandboxes",
+            "autoResume disabled is not supported: forkd resumes a paused sandbox on its next request",
         ));
     }
+    let on_timeout = if req.auto_pause == Some(true) {
+        crate::state::OnTimeout::Pause
+    } else {
+        crate::state::OnTimeout::Kill
+    };
     let snap = snapshot_of(&e2b, &req.template_id)?;
     let network = req.network.unwrap_or_default();
     let egress = if snap.manifest.machine.nic {
@@ -199,6 +226,7 @@ async fn create(State(e2b): State<Shared>, bytes: axum::body::Bytes) -> Result<R
             env: req.env_vars.unwrap_or_default(),
             timeout_s: Some(timeout_s),
             egress: nic.then_some(egress),
+            on_timeout,
             ..ForkRequest::default()
         },
     )?;
@@ -215,23 +243,88 @@ struct TimeoutBody {
     timeout: Option<u64>,
 }
 
-/// Connecting to a running sandbox: it is there, and lives at least `timeout` more.
+/// The body of connect and resume: the sandbox's new timeout, and whether its memory is
+/// restored (`false`: E2B's reboot from the disk, which forkd does not do).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ConnectBody {
+    timeout: Option<u64>,
+    #[serde(default)]
+    memory: Option<bool>,
+    /// The legacy resume's, deprecated by E2B: ignored.
+    #[serde(default)]
+    #[allow(dead_code)]
+    auto_pause: Option<bool>,
+}
+
+/// Refuses a resume that would not restore the memory.
+fn check_memory(memory: Option<bool>) -> Result<(), E2bError> {
+    if memory == Some(false) {
+        return Err(bad(
+            "forkd resumes a paused sandbox with its memory; a reboot from its disk (memory: false) is not supported",
+        ));
+    }
+    Ok(())
+}
+
+/// Connecting to a sandbox: a paused one is resumed (201), a running one is there
+/// (200); either lives at least `timeout` more.
 async fn connect(
     State(e2b): State<Shared>,
     Path(id): Path<String>,
     bytes: axum::body::Bytes,
 ) -> Result<Response, E2bError> {
-    let req: TimeoutBody = body(&bytes)?;
+    let req: ConnectBody = body(&bytes)?;
+    check_memory(req.memory)?;
+    let was_paused = e2b_state(e2b.app.registry.describe(&id)?.row.state) == "paused";
+    if was_paused {
+        service::pause::resume(&e2b.app, &id).await?;
+    }
     if let Some(t) = req.timeout {
         service::sandbox::keep_alive(&e2b.app, &id, timeout_s(Some(t))?)?;
     }
     let e = e2b.app.registry.describe(&id)?;
-    Ok(Json(created(&e2b, &id, &e.row.snapshot)).into_response())
+    let status = if was_paused {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(created(&e2b, &id, &e.row.snapshot))).into_response())
+}
+
+/// E2B's legacy resume: a paused sandbox runs again (201); a running one is a conflict.
+async fn resume(
+    State(e2b): State<Shared>,
+    Path(id): Path<String>,
+    bytes: axum::body::Bytes,
+) -> Result<Response, E2bError> {
+    let req: ConnectBody = body(&bytes)?;
+    check_memory(req.memory)?;
+    if e2b_state(e2b.app.registry.describe(&id)?.row.state) != "paused" {
+        return Err(fail(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is running, not paused"),
+        ));
+    }
+    service::pause::resume(&e2b.app, &id).await?;
+    if let Some(t) = req.timeout {
+        service::sandbox::keep_alive(&e2b.app, &id, timeout_s(Some(t))?)?;
+    }
+    let e = e2b.app.registry.describe(&id)?;
+    Ok((
+        StatusCode::CREATED,
+        Json(created(&e2b, &id, &e.row.snapshot)),
+    )
+        .into_response())
 }
 
 async fn detail(State(e2b): State<Shared>, Path(id): Path<String>) -> Result<Response, E2bError> {
     let e = e2b.app.registry.describe(&id)?;
     let mut v = listed(e2b.app.registry.hypervisor().as_ref(), &e);
+    v["lifecycle"] = json!({
+        "onTimeout": e.row.lifecycle.on_timeout,
+        "autoResume": true,
+    });
     v["envdAccessToken"] = json!(e2b.access_token(&id));
     v["domain"] = json!(e2b.config.domain);
     Ok(Json(v).into_response())
@@ -266,16 +359,33 @@ async fn set_network(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// E2B's pause keeps a sandbox's memory for later; forkd's nearest facility is BRANCH,
-/// which the answer points to.
-async fn pause(Path(id): Path<String>) -> Response {
-    error(
-        StatusCode::NOT_IMPLEMENTED,
-        format!(
-            "forkd does not pause or resume sandboxes; to keep {id}'s state, fork it (sandbox.fork) \
-             or branch it through forkd's API"
-        ),
-    )
+/// The pause call's body: whether the memory is kept (E2B's `mode="full"`, the default)
+/// and whether the guest must be healthy (forkd pauses only a running sandbox anyway).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PauseBody {
+    #[serde(default)]
+    memory: Option<bool>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    require_healthy_guest: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/pause`: forkd's pause to disk (204); one paused already is a
+/// conflict (409), which the SDKs answer with `false`.
+async fn pause(
+    State(e2b): State<Shared>,
+    Path(id): Path<String>,
+    bytes: axum::body::Bytes,
+) -> Result<StatusCode, E2bError> {
+    let req: PauseBody = body(&bytes)?;
+    if req.memory == Some(false) {
+        return Err(bad(
+            "forkd pauses a sandbox with its memory (mode full); keeping its disk only (mode filesystem) is not supported",
+        ));
+    }
+    service::pause::pause(&e2b.app, &id).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// `GET /v2/sandboxes`: filters `metadata` (`k=v&...`, each part percent-encoded, as the
@@ -303,13 +413,6 @@ async fn list(State(e2b): State<Shared>, RawQuery(q): RawQuery) -> Result<Respon
             _ => {}
         }
     }
-    // forkd's sandboxes run until they are removed: none is ever paused.
-    if states
-        .as_ref()
-        .is_some_and(|s| !s.iter().any(|s| s == "running"))
-    {
-        return Ok(Json(json!([])).into_response());
-    }
     let matching: Vec<Listed> = e2b
         .app
         .registry
@@ -319,6 +422,10 @@ async fn list(State(e2b): State<Shared>, RawQuery(q): RawQuery) -> Result<Respon
             metadata
                 .iter()
                 .all(|(k, v)| e.row.labels.get(k).is_some_and(|have| have == v))
+        })
+        .filter(|e| {
+            let state = e2b_state(e.row.state);
+            states.as_ref().is_none_or(|s| s.iter().any(|s| s == state))
         })
         .collect();
     let total = matching.len();

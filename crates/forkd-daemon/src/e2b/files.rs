@@ -54,7 +54,7 @@ async fn read(
 ) -> Result<Response, E2bError> {
     let user = q.user(&headers)?;
     let path = resolve(&user, q.path.as_deref().unwrap_or(""))?;
-    let sandbox = e2b.sandbox(&t.id)?;
+    let sandbox = e2b.sandbox(&t.id).await?;
     readable_by(&sandbox, &user, &path).await?;
     Ok(crate::api::files::download(&sandbox, path).await?)
 }
@@ -120,7 +120,7 @@ async fn write(
             ));
         }
     }
-    let sandbox = e2b.sandbox(&t.id)?;
+    let sandbox = e2b.sandbox(&t.id).await?;
     let mut written = Vec::new();
     if !multipart {
         let path = q

@@ -116,7 +116,7 @@ impl<R: DeserializeOwned + Send> FromRequest<Shared> for Call<R> {
                 .map_err(|e| RpcError::new(Code::InvalidArgument, e.body_text()))?;
             Ok::<_, RpcError>(Call {
                 req: connect::unary_request(&body)?,
-                sandbox: e2b.sandbox(&t.id)?,
+                sandbox: e2b.sandbox(&t.id).await?,
                 user,
             })
         };

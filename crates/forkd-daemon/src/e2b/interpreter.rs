@@ -106,7 +106,7 @@ async fn execute(
                  sandbox, or os.environ in the code",
         ));
     }
-    let sandbox = e2b.sandbox(&t.id)?;
+    let sandbox = e2b.sandbox(&t.id).await?;
     let context = crate::api::run::pick_context(&sandbox, req.context_id).await?;
     let run = RunCodeRequest {
         code: req.code,
@@ -157,7 +157,7 @@ async fn create(
             .map_err(|e| fail(StatusCode::BAD_REQUEST, format!("the request body: {e}")))?
     };
     check_language(req.language.as_deref())?;
-    let sandbox = e2b.sandbox(&t.id)?;
+    let sandbox = e2b.sandbox(&t.id).await?;
     let spec = CreateContextRequest {
         language: Language::Python,
         cwd: req.cwd.clone(),
@@ -173,7 +173,7 @@ async fn list(
     State(e2b): State<Shared>,
     Extension(t): Extension<Target>,
 ) -> Result<Response, E2bError> {
-    let sandbox = e2b.sandbox(&t.id)?;
+    let sandbox = e2b.sandbox(&t.id).await?;
     let list = sandbox
         .call(|a| async move { a.list_contexts().await })
         .await?;
@@ -197,7 +197,7 @@ async fn context_call(
     call: ContextCall,
 ) -> Result<StatusCode, E2bError> {
     let context = crate::api::run::context_id(context)?.to_owned();
-    let sandbox = e2b.sandbox(&t.id)?;
+    let sandbox = e2b.sandbox(&t.id).await?;
     sandbox
         .call(|a| async move {
             match call {

@@ -263,7 +263,7 @@ async fn start_process(
         ));
     }
     let user = user_of(headers)?;
-    let sandbox = e2b.sandbox(&t.id)?;
+    let sandbox = e2b.sandbox(&t.id).await?;
     let p = &req.process;
     if p.cmd.is_empty() {
         return Err(RpcError::new(Code::InvalidArgument, "cmd is empty"));
@@ -385,7 +385,7 @@ async fn connect_call(
 }
 
 async fn list(State(e2b): State<Shared>, Extension(t): Extension<Target>) -> Response {
-    if let Err(e) = e2b.sandbox(&t.id) {
+    if let Err(e) = e2b.sandbox(&t.id).await {
         return e.into_response();
     }
     let procs: Vec<Value> = lock(&e2b.processes.procs)

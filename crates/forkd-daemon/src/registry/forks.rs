@@ -255,6 +255,7 @@ impl Registry {
                 config: config.clone(),
                 labels: spec.labels.clone(),
                 timeout_at: spec.timeout_at,
+                lifecycle: spec.lifecycle,
                 created_at: created_at.clone(),
                 state: SandboxState::Starting,
                 error: None,

@@ -234,9 +234,35 @@ impl Registry {
         Ok(entry)
     }
 
+    /// Records the length of a running sandbox's timeout (see
+    /// [`Lifecycle::timeout_s`](crate::state::Lifecycle::timeout_s)).
+    pub fn set_timeout_length(
+        &self,
+        id: &str,
+        timeout_s: Option<u64>,
+    ) -> Result<Option<Entry>, RegistryError> {
+        let mut slots = self.slots();
+        let Some(entry) = slots.live.get_mut(id) else {
+            return Ok(None);
+        };
+        let mut lifecycle = entry.row.lifecycle;
+        lifecycle.timeout_s = timeout_s;
+        self.state.set_lifecycle(id, &lifecycle)?;
+        entry.row.lifecycle = lifecycle;
+        Ok(Some(entry.clone()))
+    }
+
     /// Sets a sandbox's deadline (None: no deadline).
     pub fn set_timeout(&self, id: &str, timeout_at: Option<i64>) -> Result<Entry, RegistryError> {
         let mut slots = self.slots();
+        if let Some(r) = slots.paused.get(id) {
+            // No deadline runs while it is paused: it is set once it runs again.
+            return Err(SandboxError::NotReady {
+                id: id.to_owned(),
+                state: r.state,
+            }
+            .into());
+        }
         let entry = slots
             .live
             .get_mut(id)

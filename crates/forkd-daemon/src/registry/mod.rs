@@ -136,6 +136,8 @@ pub(crate) struct Slots {
     /// Without a VM: paused or resuming (their VM is on disk), or failed at a resume
     /// (their files kept until they are deleted).
     pub(crate) paused: HashMap<String, SandboxRow>,
+    /// When each live sandbox last served a request (see [`Registry::touch`]).
+    last_used: HashMap<String, Instant>,
     /// Cancellation of the forks in progress, by operation id.
     cancels: HashMap<String, tokio_util::sync::CancellationToken>,
     /// Children ready so far in the forks in progress, by operation id (kept in
@@ -168,8 +170,10 @@ pub struct CreateSpec {
     pub labels: BTreeMap<String, String>,
     /// Variables for the children's commands and contexts (see `ForkOptions::env`).
     pub env: BTreeMap<String, String>,
-    /// Unix time after which the daemon stops each child.
+    /// Unix time after which the daemon stops (or pauses) each child.
     pub timeout_at: Option<i64>,
+    /// What the children's deadline and idleness do.
+    pub lifecycle: crate::state::Lifecycle,
     /// Keep the children that start when others fail (else all or nothing).
     pub partial: bool,
     /// Limits of the children's QEMUs beyond the defaults. Children with limits of
@@ -192,6 +196,7 @@ impl CreateSpec {
             labels: BTreeMap::new(),
             env: BTreeMap::new(),
             timeout_at: None,
+            lifecycle: Default::default(),
             partial: false,
             limits: Default::default(),
             egress: Default::default(),

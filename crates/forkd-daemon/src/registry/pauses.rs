@@ -233,10 +233,12 @@ impl Registry {
         row.error = None;
         row.pid = process.0;
         row.start_time = process.1;
-        row.timeout_at = resumed
-            .record
-            .timeout_left_s
-            .map(|s| crate::unix_now() + i64::try_from(s).unwrap_or(i64::MAX / 2));
+        // What was left of its timeout; one paused by its deadline gets its length again.
+        let left = match resumed.record.timeout_left_s {
+            Some(0) => row.lifecycle.timeout_s,
+            left => left,
+        };
+        row.timeout_at = left.map(|s| crate::unix_now() + i64::try_from(s).unwrap_or(i64::MAX / 2));
         let recorded = self
             .state
             .set_config(id, &row.config)

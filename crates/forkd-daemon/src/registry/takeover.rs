@@ -153,8 +153,17 @@ impl Registry {
                         row: l.row.clone(),
                         sandbox: sb.clone(),
                     };
+                    let pause_at_deadline = l.row.lifecycle.on_timeout
+                        == crate::state::OnTimeout::Pause
+                        && l.row.state == SandboxState::Running;
                     if l.row.state == SandboxState::Pausing {
                         // Its pause ends it, or leaves it running.
+                        Ok(false)
+                    } else if expired.contains(&id) && pause_at_deadline && !sb.vm().exited() {
+                        tracing::info!(%id, "its timeout passed: pausing it");
+                        if let Err(e) = self.pause(&id).await {
+                            tracing::warn!(%id, "pausing at its timeout: {e}");
+                        }
                         Ok(false)
                     } else if expired.contains(&id) || sb.vm().exited() || sb.failure().is_some() {
                         if let Some(f) = sb.failure() {
@@ -182,7 +191,43 @@ impl Registry {
                 Err(e) => tracing::warn!(%id, "{e}"),
             }
         }
+        for id in self.idle() {
+            tracing::info!(%id, "idle for its auto-pause time: pausing it");
+            if let Err(e) = self.pause(&id).await {
+                tracing::warn!(%id, "pausing an idle sandbox: {e}");
+            }
+        }
         removed
+    }
+
+    /// Notes that the sandbox `id` serves a request now (its idleness starts again).
+    pub fn touch(&self, id: &str) {
+        self.slots().last_used.insert(id.to_owned(), Instant::now());
+    }
+
+    /// Running sandboxes with an auto-pause time that have served no request for that
+    /// long and hold no request or stream now. The registry holds one handle on each,
+    /// its resolver another: any more is a request in flight or an open stream.
+    fn idle(&self) -> Vec<String> {
+        let now = Instant::now();
+        let mut slots = self.slots();
+        let slots = &mut *slots;
+        slots.last_used.retain(|id, _| slots.live.contains_key(id));
+        let mut idle = Vec::new();
+        for (id, e) in &slots.live {
+            let Some(after) = e.row.lifecycle.auto_pause_after_s else {
+                continue;
+            };
+            let since = *slots.last_used.entry(id.clone()).or_insert(now);
+            let held = 1 + usize::from(slots.resolvers.contains_key(id));
+            if e.row.state == SandboxState::Running
+                && std::sync::Arc::strong_count(&e.sandbox) <= held
+                && now.duration_since(since) >= std::time::Duration::from_secs(after)
+            {
+                idle.push(id.clone());
+            }
+        }
+        idle
     }
 
     /// Persists what the watchdog sees: `unresponsive` while the agent is silent,

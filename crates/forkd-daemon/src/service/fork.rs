@@ -43,6 +43,10 @@ pub struct ForkRequest {
     pub limits: Option<LimitsBody>,
     /// What the children may reach; none: the snapshot's own policy.
     pub egress: Option<EgressPolicy>,
+    /// What their deadline does (default: kill).
+    pub on_timeout: crate::state::OnTimeout,
+    /// Pause each after this many seconds without a request, exec or open stream.
+    pub auto_pause_after_s: Option<u64>,
 }
 
 /// A fork under way, in a task of its own: a client that hangs up mid-fork must not
@@ -79,6 +83,13 @@ impl ForkRequest {
             )));
         }
         check_labels_and_env(&self.labels, &self.env)?;
+        if let Some(t) = self.auto_pause_after_s {
+            if !(1..=MAX_TIMEOUT_S).contains(&t) {
+                return Err(ApiError::bad_request(format!(
+                    "auto_pause_after_s = {t} is outside 1..={MAX_TIMEOUT_S}"
+                )));
+            }
+        }
         if let Some(p) = &self.egress {
             p.check()
                 .map_err(|e| ApiError::bad_request(format!("network: {e}")))?;
@@ -124,6 +135,11 @@ fn launch(
         egress,
         env: req.env,
         timeout_at,
+        lifecycle: crate::state::Lifecycle {
+            on_timeout: req.on_timeout,
+            auto_pause_after_s: req.auto_pause_after_s,
+            timeout_s: req.timeout_s,
+        },
         partial: req.partial,
         ..CreateSpec::new(req.count as usize)
     };

@@ -1,10 +1,28 @@
-//! What is done to one running sandbox as a whole: removing it, changing its deadline
-//! and its egress policy.
+//! What is done to one sandbox as a whole: finding it running (resumed if it was
+//! paused), removing it, changing its deadline and its egress policy.
 
 use super::ApiError;
 use crate::api::App;
 use crate::registry::Entry;
 use forkd_host::network::policy::EgressPolicy;
+
+/// The sandbox `id`, running: one that is paused (or being paused) is resumed first,
+/// transparently, for every request that needs its VM; requests that come while it
+/// resumes wait for that one resume.
+pub async fn running(app: &App, id: &str) -> Result<Entry, ApiError> {
+    use forkd_core::lifecycle::SandboxState as S;
+    app.registry.touch(id);
+    match app.registry.get(id) {
+        Err(forkd_core::SandboxError::NotReady {
+            state: S::Paused | S::Pausing | S::Resuming,
+            ..
+        }) => {
+            super::pause::resume(app, id).await?;
+            Ok(app.registry.get(id)?)
+        }
+        other => Ok(other?),
+    }
+}
 
 /// Stops the sandbox `id` and removes its files and its record.
 pub async fn delete(app: &App, id: &str) -> Result<(), ApiError> {
@@ -15,7 +33,11 @@ pub async fn delete(app: &App, id: &str) -> Result<(), ApiError> {
 /// stops the sandbox.
 pub fn set_timeout(app: &App, id: &str, timeout_s: Option<u64>) -> Result<Entry, ApiError> {
     let at = super::fork::deadline(timeout_s)?;
-    Ok(app.registry.set_timeout(id, at)?)
+    let entry = app.registry.set_timeout(id, at)?;
+    Ok(app
+        .registry
+        .set_timeout_length(id, timeout_s)?
+        .unwrap_or(entry))
 }
 
 /// Makes the sandbox live at least `timeout_s` more: a deadline sooner than that moves,

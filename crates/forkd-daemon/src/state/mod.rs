@@ -66,6 +66,9 @@ const MIGRATIONS: &[&str] = &[
         records     INTEGER NOT NULL,
         last_hash   TEXT NOT NULL
     );",
+    // 6: what ends a sandbox's deadline and its idleness (a pause or a kill), as JSON
+    // (NULL: kill at the deadline, never idle).
+    "ALTER TABLE sandboxes ADD COLUMN lifecycle TEXT;",
 ];
 
 /// The schema version that has the audit log's head.
@@ -161,6 +164,34 @@ pub struct SandboxRow {
     pub timeout_at: Option<i64>,
     /// RFC 3339.
     pub created_at: String,
+    /// What its deadline and its idleness do.
+    pub lifecycle: Lifecycle,
+}
+
+/// What a sandbox's deadline does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum OnTimeout {
+    /// Stop it and remove its files.
+    #[default]
+    Kill,
+    /// Pause it to disk (it stays until deleted, and resumes on its next request).
+    Pause,
+}
+
+/// What ends a sandbox's deadline and its idleness.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lifecycle {
+    /// What its deadline does.
+    #[serde(default)]
+    pub on_timeout: OnTimeout,
+    /// Pause it after this many seconds without a request, exec or open stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_pause_after_s: Option<u64>,
+    /// The length of its timeout as last asked (at the fork or since): a sandbox paused
+    /// by its deadline gets that much again when it resumes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<u64>,
 }
 
 impl OperationRow {
@@ -309,8 +340,8 @@ impl State {
                 claim.execute(params![row.id])?;
             }
             let mut stmt = tx.prepare(
-                "INSERT INTO sandboxes (id, snapshot, pid, start_time, config, labels, timeout_at, created_at, state, error)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+                "INSERT INTO sandboxes (id, snapshot, pid, start_time, config, labels, timeout_at, created_at, state, error, lifecycle)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
             )?;
             for row in rows {
                 stmt.execute(params![
@@ -323,7 +354,8 @@ impl State {
                     row.timeout_at,
                     row.created_at,
                     row.state.as_str(),
-                    row.error
+                    row.error,
+                    serde_json::to_string(&row.lifecycle)?,
                 ])?;
             }
         }
@@ -407,6 +439,14 @@ impl State {
         Ok(self.conn().execute(
             "UPDATE sandboxes SET timeout_at = ?2 WHERE id = ?1",
             params![id, timeout_at],
+        )? > 0)
+    }
+
+    /// Replaces what a sandbox's deadline and idleness do.
+    pub fn set_lifecycle(&self, id: &str, lifecycle: &Lifecycle) -> Result<bool, StateError> {
+        Ok(self.conn().execute(
+            "UPDATE sandboxes SET lifecycle = ?2 WHERE id = ?1",
+            params![id, serde_json::to_string(lifecycle)?],
         )? > 0)
     }
 
@@ -738,7 +778,7 @@ fn operation_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OperationRow> {
 }
 
 const SANDBOX_COLUMNS: &str =
-    "id, snapshot, pid, start_time, config, labels, timeout_at, created_at, state, error";
+    "id, snapshot, pid, start_time, config, labels, timeout_at, created_at, state, error, lifecycle";
 
 fn bad_state(s: &str) -> StateError {
     StateError::Row(serde::de::Error::custom(format!(
@@ -758,6 +798,7 @@ struct RawSandbox {
     created_at: String,
     state: String,
     error: Option<String>,
+    lifecycle: Option<String>,
 }
 
 fn raw_sandbox(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSandbox> {
@@ -772,6 +813,7 @@ fn raw_sandbox(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSandbox> {
         created_at: r.get(7)?,
         state: r.get(8)?,
         error: r.get(9)?,
+        lifecycle: r.get(10)?,
     })
 }
 
@@ -788,6 +830,10 @@ impl RawSandbox {
             created_at: self.created_at,
             state: SandboxState::parse(&self.state).ok_or_else(|| bad_state(&self.state))?,
             error: self.error,
+            lifecycle: match self.lifecycle {
+                Some(l) => serde_json::from_str(&l)?,
+                None => Lifecycle::default(),
+            },
         })
     }
 }

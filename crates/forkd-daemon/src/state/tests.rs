@@ -34,6 +34,7 @@ fn row(id: &str, timeout_at: Option<i64>) -> SandboxRow {
         created_at: "2026-01-01T00:00:00Z".into(),
         state: SandboxState::Running,
         error: None,
+        lifecycle: Default::default(),
     }
 }
 
@@ -57,6 +58,14 @@ fn rows_round_trip_and_survive_reopening() {
     assert!(s.set_timeout("sb-2", None).unwrap());
     assert!(!s.set_timeout("sb-9", None).unwrap());
     assert!(s.expired(1000).unwrap().is_empty());
+    // What its deadline and idleness do is kept with it.
+    let lifecycle = Lifecycle {
+        on_timeout: OnTimeout::Pause,
+        auto_pause_after_s: Some(60),
+        timeout_s: Some(100),
+    };
+    assert!(s.set_lifecycle("sb-2", &lifecycle).unwrap());
+    assert_eq!(s.sandbox("sb-2").unwrap().unwrap().lifecycle, lifecycle);
     assert!(s.delete_sandbox("sb-1").unwrap());
     assert!(!s.delete_sandbox("sb-1").unwrap());
     assert_eq!(s.sandbox("sb-1").unwrap(), None);

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import hashlib
 import os
+import time
 
 from e2b import (
     AsyncSandbox,
@@ -15,6 +16,7 @@ from e2b import (
     Sandbox,
     SandboxException,
     SandboxQuery,
+    SandboxState,
 )
 from e2b_code_interpreter import (  # type: ignore[import-untyped]
     AsyncSandbox as AsyncCodeInterpreter,
@@ -144,6 +146,39 @@ for f in forks:
     assert f.commands.run("echo $GREETING").stdout == "hi\n"
     f.kill()
 assert sbx.files.read("state.txt") == "after the fork"
+
+# Pause and resume: written to disk, listed paused, back as it was (files and a
+# running process) through connect; a paused sandbox's next call resumes it too. (A
+# command whose output a caller streams ends at the pause, as forkd's exec streams do;
+# a process of the guest's own goes on.)
+sbx.commands.run("sleep 600 >/dev/null 2>&1 & echo $! > /tmp/sleeper")
+assert sbx.pause() is True
+assert Sandbox.pause(sbx.sandbox_id) is False, "already paused"
+assert sbx.get_info().state == SandboxState.PAUSED
+paused = Sandbox.list(query=SandboxQuery(metadata={"suite": run}, state=[SandboxState.PAUSED]))
+assert [s.sandbox_id for s in paused.next_items()] == [sbx.sandbox_id]
+running = Sandbox.list(query=SandboxQuery(metadata={"suite": run}, state=[SandboxState.RUNNING]))
+assert running.next_items() == []
+back = Sandbox.connect(sbx.sandbox_id, timeout=900)
+assert back.get_info().state == SandboxState.RUNNING
+assert back.files.read("state.txt") == "after the fork"
+assert back.commands.run("kill -0 $(cat /tmp/sleeper) && echo alive").stdout == "alive\n"
+assert sbx.pause() is True
+assert sbx.files.read("state.txt") == "after the fork", "a call resumes it"
+assert sbx.get_info().state == SandboxState.RUNNING
+
+# A timeout that pauses, and a resume through connect.
+timed = Sandbox.create(
+    template, timeout=2, lifecycle={"on_timeout": "pause", "auto_resume": True}
+)
+timed.files.write("t.txt", "kept")
+for _ in range(150):
+    if timed.get_info().state == SandboxState.PAUSED:
+        break
+    time.sleep(0.2)
+assert timed.get_info().state == SandboxState.PAUSED
+assert Sandbox.connect(timed.sandbox_id, timeout=60).files.read("t.txt") == "kept"
+timed.kill()
 
 sbx.kill()
 assert Sandbox.kill(sbx.sandbox_id) is False

@@ -40,7 +40,7 @@ async def main() -> None:
             want = {
                 "list_snapshots", "create_sandbox", "list_sandboxes", "kill_sandbox",
                 "run_command", "run_code", "read_file", "write_file", "list_files",
-                "branch_sandbox",
+                "branch_sandbox", "pause_sandbox", "resume_sandbox",
             }
             assert want <= tools, tools
 
@@ -77,6 +77,14 @@ async def main() -> None:
             assert text(r) == "mcp-branch", text(r)
             child = text(await s.call_tool("create_sandbox", {"snapshot": "mcp-branch"})).strip()
             assert "41" in text(await s.call_tool("run_code", {"id": child, "code": "x"}))
+
+            # Paused, then resumed by the next call, with its Python state.
+            r = await s.call_tool("pause_sandbox", {"id": child})
+            assert not r.is_error and "paused" in text(r), text(r)
+            assert "paused" in text(await s.call_tool("list_sandboxes", {}))
+            assert "41" in text(await s.call_tool("run_code", {"id": child, "code": "x"}))
+            r = await s.call_tool("resume_sandbox", {"id": child})
+            assert not r.is_error, text(r)
 
             # Failures come back as tool errors the model can read.
             r = await s.call_tool("run_command", {"id": "sb-000000000000", "command": "true"})

@@ -85,8 +85,14 @@ def fork_body(
     envs: Optional[Mapping[str, str]] = None,
     limits: Optional[Limits] = None,
     network: Optional[Network] = None,
+    on_timeout: Optional[str] = None,
+    auto_pause_after: Optional[int] = None,
 ) -> Dict[str, Any]:
     body: Dict[str, Any] = {"snapshot": snapshot, "n": n}
+    if on_timeout is not None:
+        body["on_timeout"] = on_timeout
+    if auto_pause_after is not None:
+        body["auto_pause_after_s"] = auto_pause_after
     if limits is not None:
         body["limits"] = limits.to_api()
     if network is not None:

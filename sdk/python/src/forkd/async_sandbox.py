@@ -276,11 +276,23 @@ class AsyncSandbox:
         env: Optional[Mapping[str, str]] = None,
         limits: Optional[Limits] = None,
         network: Optional[Network] = None,
+        on_timeout: Optional[str] = None,
+        auto_pause_after: Optional[int] = None,
     ) -> List["AsyncSandbox"]:
         # ``envs`` as in E2B's SDK and ``commands.run``; ``env`` as the REST API names it.
         merged = {**(env or {}), **(envs or {})}
         body = _api.fork_body(
-            snapshot, n, timeout, labels, vcpus, memory_mib, merged, limits, network
+            snapshot,
+            n,
+            timeout,
+            labels,
+            vcpus,
+            memory_mib,
+            merged,
+            limits,
+            network,
+            on_timeout,
+            auto_pause_after,
         )
         v = await conn.request("POST", "/v1/sandboxes", body)
         return [cls(s, conn) for s in v["sandboxes"]]
@@ -316,7 +328,9 @@ class AsyncSandbox:
     async def connect(
         cls, sandbox_id: str, connection: Optional[AsyncConnection] = None
     ) -> "AsyncSandbox":
+        """The sandbox ``sandbox_id``, resumed first if it is paused."""
         conn = connection or AsyncConnection()
+        await conn.request("POST", f"/v1/sandboxes/{sandbox_id}/resume")
         return cls(await conn.request("GET", f"/v1/sandboxes/{sandbox_id}"), conn)
 
     @classmethod
@@ -342,6 +356,16 @@ class AsyncSandbox:
 
     async def kill(self) -> None:
         await self._conn.request("DELETE", f"/v1/sandboxes/{self.id}")
+
+    async def pause(self) -> None:
+        """Writes the sandbox to disk and ends its VM (see :meth:`forkd.Sandbox.pause`)."""
+        await self._conn.request("POST", f"/v1/sandboxes/{self.id}/pause")
+        await self.refresh()
+
+    async def resume(self) -> None:
+        """Runs the paused sandbox again, as it was."""
+        await self._conn.request("POST", f"/v1/sandboxes/{self.id}/resume")
+        await self.refresh()
 
     async def set_timeout(self, timeout: Optional[int]) -> None:
         await self._conn.request(

@@ -292,11 +292,23 @@ class Sandbox:
         env: Optional[Mapping[str, str]] = None,
         limits: Optional[Limits] = None,
         network: Optional[Network] = None,
+        on_timeout: Optional[str] = None,
+        auto_pause_after: Optional[int] = None,
     ) -> List["Sandbox"]:
         # ``envs`` as in E2B's SDK and ``commands.run``; ``env`` as the REST API names it.
         merged = {**(env or {}), **(envs or {})}
         body = _api.fork_body(
-            snapshot, n, timeout, labels, vcpus, memory_mib, merged, limits, network
+            snapshot,
+            n,
+            timeout,
+            labels,
+            vcpus,
+            memory_mib,
+            merged,
+            limits,
+            network,
+            on_timeout,
+            auto_pause_after,
         )
         v = conn.request("POST", "/v1/sandboxes", body)
         return [cls(s, conn) for s in v["sandboxes"]]
@@ -316,7 +328,10 @@ class Sandbox:
         which has the template's name). ``timeout`` is its lifetime in seconds; ``envs``
         are environment variables its commands and code contexts get; ``limits`` (a
         :class:`Limits`) bounds its QEMU and ``network`` (a :class:`Network`) is its
-        egress policy (default: the snapshot's)."""
+        egress policy (default: the snapshot's). ``on_timeout="pause"`` pauses it
+        when ``timeout`` passes instead of killing it; ``auto_pause_after`` pauses it
+        after that many seconds without a request. A paused sandbox resumes on its
+        next call."""
         conn = connection or Connection()
         return cls._fork(conn, snapshot or template, 1, timeout, labels, envs=envs, **options)[0]
 
@@ -329,7 +344,9 @@ class Sandbox:
 
     @classmethod
     def connect(cls, sandbox_id: str, connection: Optional[Connection] = None) -> "Sandbox":
+        """The sandbox ``sandbox_id``, resumed first if it is paused."""
         conn = connection or Connection()
+        conn.request("POST", f"/v1/sandboxes/{sandbox_id}/resume")
         return cls(conn.request("GET", f"/v1/sandboxes/{sandbox_id}"), conn)
 
     @classmethod
@@ -356,6 +373,19 @@ class Sandbox:
     def kill(self) -> None:
         """Stops the sandbox and removes its files."""
         self._conn.request("DELETE", f"/v1/sandboxes/{self.id}")
+
+    def pause(self) -> None:
+        """Writes the sandbox to disk and ends its VM: it keeps its files, processes
+        and memory and costs no memory until resumed (by :meth:`resume`,
+        :meth:`connect` or any call that needs it). Pausing a paused sandbox raises
+        :class:`ConflictError`."""
+        self._conn.request("POST", f"/v1/sandboxes/{self.id}/pause")
+        self.refresh()
+
+    def resume(self) -> None:
+        """Runs the paused sandbox again, as it was (a running one is left as it is)."""
+        self._conn.request("POST", f"/v1/sandboxes/{self.id}/resume")
+        self.refresh()
 
     def set_timeout(self, timeout: Optional[int]) -> None:
         """Ends the sandbox ``timeout`` seconds from now (None: never)."""

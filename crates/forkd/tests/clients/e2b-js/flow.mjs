@@ -81,6 +81,21 @@ await assert.rejects(
   AuthenticationError,
 )
 
+// Pause and resume: listed paused, back as it was through connect, and resumed by
+// its next call when paused again.
+await sbx.commands.run('sleep 600 >/dev/null 2>&1 & echo $! > /tmp/sleeper')
+assert.equal(await sbx.pause(), true)
+assert.equal(await Sandbox.pause(sbx.sandboxId), false)
+assert.equal((await sbx.getInfo()).state, 'paused')
+const pausedList = Sandbox.list({ query: { metadata: { suite: run }, state: ['paused'] } })
+assert.deepEqual((await pausedList.nextItems()).map((s) => s.sandboxId), [sbx.sandboxId])
+const back = await Sandbox.connect(sbx.sandboxId, { timeoutMs: 900_000 })
+assert.equal((await back.getInfo()).state, 'running')
+assert.equal((await back.commands.run('kill -0 $(cat /tmp/sleeper) && echo alive')).stdout, 'alive\n')
+assert.equal(await sbx.pause(), true)
+assert.equal(await sbx.files.exists('notes'), true)
+assert.equal((await sbx.getInfo()).state, 'running')
+
 await sbx.kill()
 assert.equal(await Sandbox.kill(sbx.sandboxId), false)
 
