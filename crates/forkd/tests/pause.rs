@@ -249,3 +249,69 @@ fn a_timeout_or_idleness_pauses_a_sandbox_that_asks_for_it() {
         assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
     });
 }
+
+/// The QEMU processes running for the sandbox directory `dir`.
+fn vms_in(dir: &Path) -> usize {
+    forkd_host::process::find_inside(dir).len()
+}
+
+#[test]
+fn a_daemon_killed_at_any_point_of_a_pause_or_resume_leaves_the_sandbox_whole() {
+    use std::os::unix::process::ExitStatusExt;
+    let mut d = Daemon::start(&[]);
+    d.link_snapshot("minimal", "mini");
+    let rt = runtime();
+    let c = d.unix();
+    let id = rt.block_on(async {
+        let id = create(&c, "mini", 1).await.remove(0);
+        assert_eq!(stdout(&exec(&c, &id, SET_UP).await), "started\n");
+        id
+    });
+    let dir = d.home.path().join("run/sandboxes").join(&id);
+    // Each crash point, with the verb that reaches it and what the sandbox is after.
+    for (failpoint, verb_reaching_it, then) in [
+        ("pause.at_instant", "pause", "running"),
+        ("pause.after_image", "pause", "paused"),
+        ("resume.after_memory", "resume", "paused"),
+        ("resume.after_vm_start", "resume", "paused"),
+    ] {
+        if verb_reaching_it == "resume" {
+            rt.block_on(async {
+                let (s, v) = verb(&c, &id, "pause").await;
+                assert_eq!(s, StatusCode::OK, "{v}");
+            });
+        }
+        d.kill9();
+        d.respawn_with_env(&[(forkd_host::failpoint::ENV, failpoint)]);
+        rt.block_on(async {
+            // The daemon aborts before it answers.
+            let path = format!("/v1/sandboxes/{id}/{verb_reaching_it}");
+            assert!(c.call(Method::POST, &path, None).await.is_err());
+        });
+        let status = d.wait_exit(120);
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGABRT),
+            "{failpoint}: {}",
+            d.log()
+        );
+        d.respawn_with_env(&[]);
+        rt.block_on(async {
+            let v = sandbox(&c, &id).await;
+            assert_eq!(v["status"], then, "after {failpoint}: {v}");
+            let vms = vms_in(&dir);
+            assert_eq!(vms, usize::from(then == "running"), "after {failpoint}");
+            // Whole: its file, and the value its background shell holds (read once,
+            // at the end, since reading it ends that shell).
+            assert_eq!(stdout(&exec(&c, &id, "cat /root/file").await), "kept\n");
+            assert_eq!(sandbox(&c, &id).await["status"], "running");
+        });
+    }
+    rt.block_on(async {
+        let out = stdout(&exec(&c, &id, READ_BACK).await);
+        assert!(
+            out.starts_with("mine-") && out.ends_with(" now\n"),
+            "{out:?}"
+        );
+    });
+}
