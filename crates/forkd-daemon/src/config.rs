@@ -55,6 +55,9 @@ pub struct DaemonConfig {
     /// Networks closed to sandboxes by default that the operator opened on purpose
     /// (`--egress-open`; see [`forkd_host::network::closed`]).
     pub egress_open: Vec<forkd_host::network::policy::Network>,
+    /// Pause the running sandboxes when the daemon stops (they resume on their next
+    /// request after it starts again), instead of leaving their VMs running.
+    pub pause_on_stop: bool,
     /// Start a new audit chain when the log is found broken (`--audit-reset`), after
     /// moving the broken one aside; without it the daemon refuses to start.
     pub audit_reset: bool,
@@ -141,6 +144,7 @@ impl DaemonConfig {
             dns_upstream: crate::resolver::default_upstream(),
             import_dirs: Default::default(),
             egress_open: Vec::new(),
+            pause_on_stop: false,
             audit_reset: false,
         }
     }

@@ -83,6 +83,11 @@ pub struct DaemonArgs {
     /// refusing to start.
     #[arg(long)]
     audit_reset: bool,
+    /// When stopped (SIGTERM, systemd), pause the running sandboxes to disk instead of
+    /// leaving their VMs running: they resume on their next request once the daemon
+    /// runs again, and survive a reboot of the host.
+    #[arg(long)]
+    pause_on_stop: bool,
 }
 
 fn parse_token_file(s: &str) -> Result<(String, PathBuf), String> {
@@ -149,6 +154,7 @@ pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
     config.import_dirs = forkd_daemon::import_dirs::ImportDirs::new(&args.import_dir)?;
     config.egress_open = args.egress_open;
     config.audit_reset = args.audit_reset;
+    config.pause_on_stop = args.pause_on_stop;
     if let Some(k) = args.fork_parallelism {
         config.fork_parallelism = k as usize;
     }

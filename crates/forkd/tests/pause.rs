@@ -202,7 +202,7 @@ async fn until_paused(c: &Client, id: &str) {
 }
 
 #[test]
-fn a_timeout_or_idleness_pauses_a_sandbox_that_asks_for_it() {
+fn a_timeout_idleness_or_a_stop_pauses_a_sandbox_that_asks_for_it() {
     let d = Daemon::start(&[]);
     d.link_snapshot("minimal", "mini");
     runtime().block_on(async {
@@ -247,6 +247,29 @@ fn a_timeout_or_idleness_pauses_a_sandbox_that_asks_for_it() {
         )
         .await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    });
+    // A daemon stopped with --pause-on-stop pauses what runs; it resumes after.
+    let mut d = d;
+    d.restart(&["--pause-on-stop"]);
+    let id = runtime().block_on(async {
+        let c = d.unix();
+        let id = create(&c, "mini", 1).await.remove(0);
+        exec(&c, &id, "echo before-the-stop > /root/file").await;
+        id
+    });
+    d.stop();
+    let dir = d.home.path().join("run/sandboxes").join(&id);
+    assert_eq!(
+        forkd_host::process::find_inside(&dir).len(),
+        0,
+        "no VM left"
+    );
+    d.start_again(&[]);
+    runtime().block_on(async {
+        let c = d.unix();
+        assert_eq!(sandbox(&c, &id).await["status"], "paused");
+        let out = stdout(&exec(&c, &id, "cat /root/file").await);
+        assert_eq!(out, "before-the-stop\n");
     });
 }
 

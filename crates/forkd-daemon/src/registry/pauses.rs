@@ -271,6 +271,33 @@ impl Registry {
         })
     }
 
+    /// Pauses every running sandbox, a few at a time (a daemon stopping with
+    /// `--pause-on-stop`). Returns how many were paused and how many could not be.
+    pub async fn pause_all(&self) -> (usize, usize) {
+        use futures::StreamExt;
+        let ids: Vec<String> = self
+            .list()
+            .into_iter()
+            .filter(|l| l.row.state == SandboxState::Running)
+            .map(|l| l.row.id)
+            .collect();
+        let results: Vec<bool> = futures::stream::iter(ids)
+            .map(|id| async move {
+                match self.pause(&id).await {
+                    Ok(_) => true,
+                    Err(e) => {
+                        tracing::warn!(%id, "not paused at the stop: {e}");
+                        false
+                    }
+                }
+            })
+            .buffer_unordered(self.fork_parallel.max(1))
+            .collect()
+            .await;
+        let paused = results.iter().filter(|ok| **ok).count();
+        (paused, results.len() - paused)
+    }
+
     /// The pause image of a sandbox without a VM, if it has one.
     pub fn pause_record(&self, id: &str) -> Option<PauseRecord> {
         let dir = self.slots().paused.get(id)?.config.dir.clone();

@@ -292,7 +292,11 @@ pub async fn run(
             },
         }
     }
-    tracing::info!("shutting down: no new connections; sandboxes keep running");
+    if config.pause_on_stop {
+        tracing::info!("shutting down: no new connections; pausing the running sandboxes");
+    } else {
+        tracing::info!("shutting down: no new connections; sandboxes keep running");
+    }
     drop(unix);
     let _ = std::fs::remove_file(&config.socket);
     if tokio::time::timeout(DRAIN, graceful.shutdown())
@@ -307,6 +311,10 @@ pub async fn run(
     failed_auth.abort();
     append_failed_authentications(&failures, &audit);
     app.registry.drain_all_pools().await;
+    if config.pause_on_stop {
+        let (paused, failed) = app.registry.pause_all().await;
+        tracing::info!("paused {paused} sandboxes; {failed} could not be paused and run on");
+    }
     Ok(())
 }
 
