@@ -32,6 +32,11 @@ pub enum BenchCommand {
     /// A network of its own against none, through the daemon's API: single forks, a fork
     /// of N, and memory per child, for one template built both ways.
     Network(crate::bench_network::NetworkArgs),
+    /// Pause to disk and resume through the daemon's API: the guest's stall, bytes
+    /// stored against memory dirtied, resume to first exec against a cold boot, the
+    /// state after the resume; with --density, N sandboxes mostly paused, each resumed
+    /// in turn and checked.
+    Persist(crate::bench_persist::PersistArgs),
 }
 
 /// Arguments of `forkd bench fork`.
@@ -102,6 +107,7 @@ pub async fn run(home: &Home, cmd: BenchCommand) -> Result<()> {
         BenchCommand::Fork(args) => fork(home, args).await,
         BenchCommand::Scale(args) => crate::bench_scale::run(home, args).await,
         BenchCommand::Branch(args) => crate::bench_branch::run(home, args).await,
+        BenchCommand::Persist(args) => crate::bench_persist::run(home, args).await,
         BenchCommand::Archive(args) => crate::bench_archive::run(home, args).await,
         BenchCommand::Network(args) => crate::bench_network::run(home, args).await,
     }

@@ -5,6 +5,7 @@ mod bench;
 mod bench_archive;
 mod bench_branch;
 mod bench_network;
+mod bench_persist;
 mod bench_scale;
 mod branch;
 mod daemon;
