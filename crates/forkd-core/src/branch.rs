@@ -145,6 +145,130 @@ pub async fn branch(
         }
     })?;
 
+    let link = Link {
+        source: source.id().to_owned(),
+        mode,
+        pause_ms: stats.pause.as_secs_f64() * 1000.0,
+        transferred: stats.transferred,
+        freeze_ms: u64::try_from(stats.copy.as_millis()).unwrap_or(u64::MAX),
+        contexts,
+    };
+    let (snapshot, diff) = publish_link(hv, staging, base, tag, link, t0).await?;
+    Ok(Branched {
+        snapshot,
+        stats,
+        diff,
+        total: t0.elapsed(),
+    })
+}
+
+/// Branches a paused sandbox (in `dir`, whose disk and memory build on `base`) into a
+/// snapshot `tag` from its pause image, without running it: the image's memory (its RAM
+/// file with its own pages over it), its device state, and a copy of its top disk layer
+/// (the sandbox writes that layer again once resumed). The pause image is checked
+/// against its digests first.
+pub async fn branch_paused(
+    store: &Store,
+    hv: &dyn Hypervisor,
+    dir: &Path,
+    id: &str,
+    base: &Snapshot,
+    tag: &Tag,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<Branched, SandboxError> {
+    let t0 = Instant::now();
+    let damaged = |detail: String| SandboxError::PauseImage {
+        id: id.to_owned(),
+        detail,
+    };
+    let record =
+        crate::pause::read_record(dir)?.ok_or_else(|| damaged("it has no pause image".into()))?;
+    let image = crate::pause::image_dir(dir);
+    let layer_size = std::fs::metadata(&record.disk_top).map_or(0, |m| m.len());
+    forkd_host::space::ensure_room(
+        store.root(),
+        record.memory_size * 2 + layer_size + (64 << 20),
+        &format!("branching paused sandbox {id} into snapshot {tag}"),
+    )?;
+    let state = image.join(crate::pause::STATE);
+    let (state_sha, _) = forkd_storage::snapshot::sha256_file(&state)?;
+    if state_sha != record.state_sha256 {
+        return Err(damaged("its device state does not match its digest".into()));
+    }
+    let mut staging = store.stage(tag)?;
+    staging.link_assets_from(base)?;
+    let io = |context: String| move |source| SandboxError::Io { context, source };
+    std::fs::hard_link(&state, staging.part(parts::STATE))
+        .map_err(io(format!("linking {}", state.display())))?;
+    progress(&format!("copying {id}'s disk layer"));
+    std::fs::copy(&record.disk_top, staging.part(parts::DISK))
+        .map_err(io(format!("copying {}", record.disk_top.display())))?;
+    progress(&format!("writing {id}'s memory image"));
+    let (ram_file, diff, out) = (
+        record.memory_base.clone(),
+        image.join(crate::pause::MEMORY_DIFF),
+        staging.part(parts::MEMORY),
+    );
+    let size = record.memory_size;
+    let diff_sha = tokio::task::spawn_blocking(move || {
+        memory_diff::copy_sparse(&ram_file, &out)?;
+        let f = std::fs::OpenOptions::new().write(true).open(&out)?;
+        use std::os::unix::fs::FileExt;
+        memory_diff::apply(&diff, size, &mut |at, pages| f.write_all_at(pages, at))?;
+        f.sync_all()?;
+        memory_diff::sha256_sparse(&diff)
+    })
+    .await
+    .map_err(|e| SandboxError::Io {
+        context: "writing the memory image".into(),
+        source: std::io::Error::other(e.to_string()),
+    })?
+    .map_err(|e| damaged(format!("its memory: {e}")))?;
+    if diff_sha != record.memory_sha256 {
+        return Err(damaged("its memory does not match its digest".into()));
+    }
+    let link = Link {
+        source: id.to_owned(),
+        mode: record.mode,
+        pause_ms: record.stall_ms,
+        transferred: record.transferred,
+        freeze_ms: 0,
+        contexts: base.manifest.contexts.clone(),
+    };
+    let (snapshot, diff) = publish_link(hv, staging, base, tag, link, t0).await?;
+    Ok(Branched {
+        snapshot,
+        stats: BranchStats {
+            frozen_layer: record.disk_top,
+            pause: Duration::ZERO,
+            copy: Duration::ZERO,
+            transferred: record.transferred,
+        },
+        diff,
+        total: t0.elapsed(),
+    })
+}
+
+/// What a chain link records of the capture that made it.
+struct Link {
+    source: String,
+    mode: BranchMode,
+    pause_ms: f64,
+    transferred: u64,
+    freeze_ms: u64,
+    contexts: Vec<forkd_proto::context::ContextInfo>,
+}
+
+/// Publishes a staged chain link whose memory image, device state and disk are in
+/// place: writes its memory diff against `base`'s image and its manifest.
+async fn publish_link(
+    hv: &dyn Hypervisor,
+    mut staging: forkd_storage::snapshot::Staging,
+    base: &Snapshot,
+    tag: &Tag,
+    link: Link,
+    t0: Instant,
+) -> Result<(Snapshot, DiffStats), SandboxError> {
     let parent_memory = base.part(parts::MEMORY);
     let image = staging.part(parts::MEMORY);
     let diff_path = staging.part(parts::MEMORY_DIFF);
@@ -179,18 +303,18 @@ pub async fn branch(
         parent: Some(base.tag.to_string()),
         parent_digest: Some(parent_digest),
         branch: Some(BranchInfo {
-            source: source.id().to_owned(),
-            mode,
-            pause_ms: stats.pause.as_secs_f64() * 1000.0,
-            transferred: stats.transferred,
+            source: link.source,
+            mode: link.mode,
+            pause_ms: link.pause_ms,
+            transferred: link.transferred,
             pages_changed: diff.pages,
         }),
         machine: base.manifest.machine.clone(),
         versions,
         parts: Default::default(),
-        contexts,
+        contexts: link.contexts,
         build: BuildTimes {
-            freeze_ms: u64::try_from(stats.copy.as_millis()).unwrap_or(u64::MAX),
+            freeze_ms: link.freeze_ms,
             total_ms: u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX),
             ..Default::default()
         },
@@ -203,12 +327,7 @@ pub async fn branch(
             context: "publishing the branch".into(),
             source: std::io::Error::other(e.to_string()),
         })??;
-    Ok(Branched {
-        snapshot,
-        stats,
-        diff,
-        total: t0.elapsed(),
-    })
+    Ok((snapshot, diff))
 }
 
 /// The source's disk layers (`root.qcow2`, `root.N.qcow2`), each with its number (0 for

@@ -75,7 +75,7 @@ pub enum SandboxError {
         /// The id asked for.
         id: String,
     },
-    #[error("sandbox {id} is gone: its VM is no longer running (its files were removed)")]
+    #[error("sandbox {id} is gone: its VM is no longer running")]
     Gone {
         /// The sandbox.
         id: String,

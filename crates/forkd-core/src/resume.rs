@@ -79,20 +79,30 @@ pub async fn resume(
     config.detached = true;
     let guard = DirGuard::keep(&config.dir)?;
 
+    let diff = image.join(pause::MEMORY_DIFF);
+    // The diff's digest is taken on another thread while its pages are written.
+    let hashing = {
+        let diff = diff.clone();
+        tokio::task::spawn_blocking(move || memory_diff::sha256_sparse(&diff))
+    };
     let prepared = hv.prepare_restore(&config, &state).await?;
     let written = async {
         let mut ram = prepared.ram_writer()?;
-        let diff = image.join(pause::MEMORY_DIFF);
         let size = record.memory_size;
-        let sha = tokio::task::spawn_blocking(move || {
+        let joined = |e: tokio::task::JoinError| SandboxError::Io {
+            context: "writing the memory".into(),
+            source: std::io::Error::other(e.to_string()),
+        };
+        tokio::task::spawn_blocking(move || {
             memory_diff::apply(&diff, size, &mut |at, pages| ram.write_at(at, pages))
         })
         .await
-        .map_err(|e| SandboxError::Io {
-            context: "writing the memory".into(),
-            source: std::io::Error::other(e.to_string()),
-        })?
+        .map_err(joined)?
         .map_err(|e| damaged(format!("its memory: {e}")))?;
+        let sha = hashing
+            .await
+            .map_err(joined)?
+            .map_err(|e| damaged(format!("its memory: {e}")))?;
         if sha != record.memory_sha256 {
             return Err(damaged(format!(
                 "its memory does not match its digest (sha256 {sha}, recorded {})",

@@ -288,8 +288,8 @@ impl Sandbox {
 
     /// Reattaches to a sandbox another process started detached (the daemon before a
     /// restart), from what that process recorded: the VM `config`, and its process as
-    /// `pid` and `start_time`. Fails with [`SandboxError::Gone`] (after removing its
-    /// files) when that process has died.
+    /// `pid` and `start_time`. Fails with [`SandboxError::Gone`] when that process has
+    /// died (its files are left to the caller).
     pub async fn attach(
         hv: &dyn Hypervisor,
         config: VmConfig,
@@ -301,7 +301,6 @@ impl Sandbox {
         let vm = match hv.adopt(&config, pid, start_time).await {
             Ok(vm) => vm,
             Err(forkd_hypervisor::HypervisorError::NotRunning { .. }) => {
-                let _ = remove_dir(&config.dir);
                 return Err(SandboxError::Gone { id });
             }
             Err(e) => return Err(e.into()),
@@ -311,7 +310,6 @@ impl Sandbox {
         let agent = tokio::select! {
             res = ready_agent(&socket, None, opts.boot_timeout, FirstCall::Ping) => res?,
             _ = vm.wait_exit() => {
-                let _ = remove_dir(&config.dir);
                 return Err(SandboxError::Gone { id });
             }
         };
@@ -665,8 +663,11 @@ async fn watch(inner: std::sync::Weak<Inner>) {
                         return;
                     }
                     // Clean up before reporting, so a caller that sees the failure finds
-                    // nothing left behind.
-                    let _ = std::fs::remove_dir_all(&i.config.dir);
+                    // nothing left behind; a detached sandbox's files are its owner's
+                    // to keep (the daemon keeps a failed sandbox's disk until deleted).
+                    if i.owned {
+                        let _ = std::fs::remove_dir_all(&i.config.dir);
+                    }
                     i.set_failure(Failure::Exited(reason, console));
                 }
                 return;
@@ -701,7 +702,9 @@ async fn watch(inner: std::sync::Weak<Inner>) {
             let console = i.vm.console_tail(30);
             i.vm.kill();
             i.vm.wait_exit().await;
-            let _ = std::fs::remove_dir_all(&i.config.dir);
+            if i.owned {
+                let _ = std::fs::remove_dir_all(&i.config.dir);
+            }
             i.set_failure(Failure::Exited(format!("the guest is {st:?}"), console));
             return;
         }

@@ -43,10 +43,27 @@ pub struct BranchOutcome {
 pub struct Accepted {
     /// The operation, recorded `running`.
     pub op: OperationRow,
-    source: Arc<forkd_core::Sandbox>,
+    source: Source,
     base: Snapshot,
     tag: Tag,
     mode: BranchMode,
+}
+
+/// What a branch captures.
+enum Source {
+    /// A running sandbox, captured live (or stopped for the copy).
+    Running(Arc<forkd_core::Sandbox>),
+    /// A paused sandbox, branched from its pause image without running it.
+    Paused(Box<crate::state::SandboxRow>),
+}
+
+impl Source {
+    fn id(&self) -> &str {
+        match self {
+            Source::Running(s) => s.id(),
+            Source::Paused(r) => &r.id,
+        }
+    }
 }
 
 impl Registry {
@@ -60,6 +77,15 @@ impl Registry {
         tag: Tag,
         mode: Option<BranchMode>,
     ) -> Result<Accepted, RegistryError> {
+        let paused = self
+            .slots()
+            .paused
+            .get(id)
+            .filter(|r| r.state == SandboxState::Paused)
+            .cloned();
+        if let Some(row) = paused {
+            return self.accept_paused_branch(row, tag);
+        }
         let entry = self.get(id)?;
         if entry.row.state != SandboxState::Running {
             return Err(SandboxError::NotReady {
@@ -84,20 +110,60 @@ impl Registry {
             (Some(mode), _) => mode,
             (None, Ok(())) => BranchMode::Live,
         };
-        if self.store().exists(&tag) {
+        let base = self.branch_base(&entry.row, &tag)?;
+        self.record_branch(Source::Running(entry.sandbox), base, tag, mode)
+    }
+
+    /// [`Registry::accept_branch`] of a paused sandbox: branched from its pause image,
+    /// in the mode its pause copied it.
+    fn accept_paused_branch(
+        &self,
+        row: crate::state::SandboxRow,
+        tag: Tag,
+    ) -> Result<Accepted, RegistryError> {
+        let record = forkd_core::pause::read_record(&row.config.dir)?.ok_or_else(|| {
+            SandboxError::PauseImage {
+                id: row.id.clone(),
+                detail: "it has no pause image".into(),
+            }
+        })?;
+        let base = self.branch_base(&row, &tag)?;
+        self.record_branch(Source::Paused(Box::new(row)), base, tag, record.mode)
+    }
+
+    /// The snapshot a branch of the sandbox `row` into `tag` builds on; refused if `tag`
+    /// exists.
+    fn branch_base(
+        &self,
+        row: &crate::state::SandboxRow,
+        tag: &Tag,
+    ) -> Result<Snapshot, RegistryError> {
+        if self.store().exists(tag) {
             return Err(SandboxError::from(SnapshotError::Exists {
                 tag: tag.to_string(),
             })
             .into());
         }
-        let base_tag = forkd_core::branch::base_of(entry.sandbox.dir(), &entry.row.snapshot);
-        let base = Tag::parse(&base_tag)
+        let base_tag = forkd_core::branch::base_of(&row.config.dir, &row.snapshot);
+        Tag::parse(&base_tag)
             .and_then(|t| self.store().open(&t))
             .map_err(|source| RegistryError::BaseUnavailable {
-                id: id.to_owned(),
+                id: row.id.clone(),
                 base: base_tag.clone(),
                 source: Box::new(source),
-            })?;
+            })
+    }
+
+    /// Claims the source for the branch and records its operation.
+    fn record_branch(
+        &self,
+        source: Source,
+        base: Snapshot,
+        tag: Tag,
+        mode: BranchMode,
+    ) -> Result<Accepted, RegistryError> {
+        let id = source.id().to_owned();
+        let id = id.as_str();
         let op = OperationRow::running(
             "branch",
             tag.as_str(),
@@ -125,7 +191,7 @@ impl Registry {
         }
         Ok(Accepted {
             op,
-            source: entry.sandbox,
+            source,
             base,
             tag,
             mode,
@@ -135,17 +201,34 @@ impl Registry {
     /// Runs an accepted branch to its end and records the end in its operation.
     pub async fn run_branch(&self, a: Accepted) -> Result<BranchOutcome, RegistryError> {
         let id = a.source.id().to_owned();
-        let r = forkd_core::branch::branch(
-            self.hypervisor().as_ref(),
-            self.home(),
-            self.store(),
-            &a.source,
-            &a.base,
-            &a.tag,
-            a.mode,
-            &|m| tracing::info!(op = %a.op.id, "{m}"),
-        )
-        .await;
+        let progress = |m: &str| tracing::info!(op = %a.op.id, "{m}");
+        let r = match &a.source {
+            Source::Running(sandbox) => {
+                forkd_core::branch::branch(
+                    self.hypervisor().as_ref(),
+                    self.home(),
+                    self.store(),
+                    sandbox,
+                    &a.base,
+                    &a.tag,
+                    a.mode,
+                    &progress,
+                )
+                .await
+            }
+            Source::Paused(row) => {
+                forkd_core::branch::branch_paused(
+                    self.store(),
+                    self.hypervisor().as_ref(),
+                    &row.config.dir,
+                    &row.id,
+                    &a.base,
+                    &a.tag,
+                    &progress,
+                )
+                .await
+            }
+        };
         self.slots().branching.remove(&id);
         // A source deleted (or failed) under the branch: say so, not how QEMU went.
         let r = r.map_err(|e| match self.get(&id) {
@@ -155,6 +238,10 @@ impl Registry {
             {
                 RegistryError::from(e)
             }
+            Err(SandboxError::NotReady {
+                state: SandboxState::Paused,
+                ..
+            }) if matches!(a.source, Source::Paused(_)) => RegistryError::from(e),
             _ => RegistryError::StoppedDuringBranch {
                 id: id.clone(),
                 source: e,

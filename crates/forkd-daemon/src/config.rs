@@ -12,6 +12,10 @@ pub const MIN_TOKEN_LEN: usize = 32;
 /// Default ceiling on live sandboxes.
 pub const DEFAULT_MAX_SANDBOXES: usize = 64;
 
+/// The default most sandboxes kept paused at once: a paused one holds only its memory
+/// diff and disk layer on disk, so many more than run.
+pub const DEFAULT_MAX_PAUSED: usize = 4096;
+
 /// The daemon's configuration.
 #[derive(Debug, Clone)]
 pub struct DaemonConfig {
@@ -37,6 +41,8 @@ pub struct DaemonConfig {
     pub insecure_plaintext: bool,
     /// Most live sandboxes; creating more answers 503.
     pub max_sandboxes: usize,
+    /// The most sandboxes kept paused at once.
+    pub max_paused: usize,
     /// Most children a fork restores at once.
     pub fork_parallelism: usize,
     /// Forks are admitted while their children's estimated cost fits in the host's
@@ -137,6 +143,7 @@ impl DaemonConfig {
             tokens: Vec::new(),
             insecure_plaintext: false,
             max_sandboxes: DEFAULT_MAX_SANDBOXES,
+            max_paused: DEFAULT_MAX_PAUSED,
             fork_parallelism: forkd_core::fork::default_parallel(),
             memory_overcommit: 1.0,
             e2b: None,

@@ -317,27 +317,21 @@ async fn density(
     let mut ids: Vec<String> = Vec::new();
     let mut pause_ms = Vec::new();
     let mut stored = 0u64;
-    // Made in batches of at most `running`; all but the last `running` are paused.
+    // Made in batches of at most `running`, each paused before the next is made: all
+    // but the last batch end paused.
     while ids.len() < n as usize {
+        for id in &ids[pause_ms.len()..] {
+            let t = Instant::now();
+            let p = post(c, id, "pause").await?;
+            pause_ms.push(ms(t.elapsed()));
+            stored += p["stored_bytes"].as_u64().unwrap_or(0);
+        }
         let batch = running.min(n - u32::try_from(ids.len())?);
         let (made, _) = fork_and_exec(c, tag, batch, Mode::Fresh).await?;
         for r in futures::future::join_all(made.iter().map(|id| shell(c, id, SET_UP))).await {
             r?;
         }
         ids.extend(made);
-        let to_pause = ids.len().saturating_sub(running as usize);
-        for id in &ids[..to_pause] {
-            let v: Value = c
-                .json(Method::GET, &format!("/v1/sandboxes/{id}"), None)
-                .await?;
-            if v["status"] == "paused" {
-                continue;
-            }
-            let t = Instant::now();
-            let p = post(c, id, "pause").await?;
-            pause_ms.push(ms(t.elapsed()));
-            stored += p["stored_bytes"].as_u64().unwrap_or(0);
-        }
         say(&format!(
             "{} of {n} made, {} paused",
             ids.len(),

@@ -38,6 +38,10 @@ pub struct DaemonArgs {
     /// Most sandboxes at once; more answer 503.
     #[arg(long, default_value_t = forkd_daemon::config::DEFAULT_MAX_SANDBOXES)]
     max_sandboxes: usize,
+    /// Most sandboxes kept paused at once (they hold disk, not memory); a pause beyond
+    /// it answers 503 and the sandbox runs on.
+    #[arg(long, default_value_t = forkd_daemon::config::DEFAULT_MAX_PAUSED)]
+    max_paused: usize,
     /// Most children a fork restores at once; the rest wait their turn (default: one per
     /// host CPU).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
@@ -146,6 +150,7 @@ pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
     config.listen = args.listen;
     config.insecure_plaintext = args.insecure_plaintext;
     config.max_sandboxes = args.max_sandboxes;
+    config.max_paused = args.max_paused;
     config.memory_overcommit = args.memory_overcommit;
     config.registries.insecure = args.insecure_registry;
     if let Some(up) = args.dns_upstream {

@@ -227,7 +227,7 @@ fn api_round_trip_over_unix_socket_and_tcp_with_a_token() {
 }
 
 #[test]
-fn a_restarted_daemon_adopts_live_sandboxes_and_clears_dead_ones() {
+fn a_restarted_daemon_adopts_live_sandboxes_and_keeps_dead_ones_failed() {
     let mut d = Daemon::start(&[]);
     let ids = runtime().block_on(async {
         let c = d.unix();
@@ -278,7 +278,7 @@ fn a_restarted_daemon_adopts_live_sandboxes_and_clears_dead_ones() {
             .iter()
             .map(|s| s["id"].as_str().unwrap())
             .collect();
-        assert_eq!(listed.len(), 2, "{v}");
+        assert_eq!(listed.len(), 3, "{v}");
         for (i, id) in ids[..2].iter().enumerate() {
             assert!(listed.contains(&id.as_str()));
             let v = exec(&c, id, "cat /state").await;
@@ -288,10 +288,36 @@ fn a_restarted_daemon_adopts_live_sandboxes_and_clears_dead_ones() {
                 "{id} kept its state"
             );
         }
-        let (s, _) = call(&c, Method::GET, &format!("/v1/sandboxes/{}", ids[2]), None).await;
-        assert_eq!(s, StatusCode::NOT_FOUND);
+        // The one whose VM died is failed, saying why, its disk kept until it is deleted.
+        let (s, v) = call(&c, Method::GET, &format!("/v1/sandboxes/{}", ids[2]), None).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["status"], "failed", "{v}");
+        assert!(
+            v["error"].as_str().unwrap().contains("no longer running"),
+            "{v}"
+        );
+        assert!(dead_dir.join("root.qcow2").exists());
+        let (s, _) = call(
+            &c,
+            Method::POST,
+            &format!("/v1/sandboxes/{}/exec", ids[2]),
+            Some(serde_json::json!({"shell": "true"})),
+        )
+        .await;
+        assert_eq!(s, StatusCode::CONFLICT);
+        let (s, v) = call(
+            &c,
+            Method::DELETE,
+            &format!("/v1/sandboxes/{}", ids[2]),
+            None,
+        )
+        .await;
+        assert!(s.is_success(), "{v}");
     });
-    assert!(!dead_dir.exists(), "the dead sandbox's files were removed");
+    assert!(
+        !dead_dir.exists(),
+        "the dead sandbox's files went with its deletion"
+    );
 }
 
 #[test]

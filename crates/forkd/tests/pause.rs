@@ -36,7 +36,7 @@ const READ_BACK: &str = "echo now > /tmp/go; for i in 1 2 3 4 5 6 7 8 9 10; do \
 
 #[test]
 fn a_paused_sandbox_has_no_vm_survives_a_restart_and_resumes_as_it_was() {
-    let mut d = Daemon::start(&[]);
+    let mut d = Daemon::start(&["--max-paused", "1"]);
     d.link_snapshot("minimal", "mini");
     let (ids, pid, dir) = runtime().block_on(async {
         let c = d.unix();
@@ -69,15 +69,36 @@ fn a_paused_sandbox_has_no_vm_survives_a_restart_and_resumes_as_it_was() {
             !forkd_host::process::is_alive(u32::try_from(pid).unwrap()),
             "its QEMU (pid {pid}) is gone"
         );
-        // It is not paused twice, nor branched while paused.
-        for (path, body) in [("pause", None), ("branch", Some(json!({})))] {
-            let (s, v) = call(&c, Method::POST, &format!("/v1/sandboxes/{a}/{path}"), body).await;
-            assert_eq!(s, StatusCode::CONFLICT, "{path}: {v}");
-            assert!(
-                v["error"]["message"].as_str().unwrap().contains("paused"),
-                "{v}"
-            );
-        }
+        // It is not paused twice.
+        let (s, v) = verb(&c, a, "pause").await;
+        assert_eq!(s, StatusCode::CONFLICT, "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("paused"),
+            "{v}"
+        );
+        // Branched while paused, without running: the branch's child starts where it
+        // was paused.
+        let (s, v) = call(
+            &c,
+            Method::POST,
+            &format!("/v1/sandboxes/{a}/branch"),
+            Some(json!({ "tag": "from-paused" })),
+        )
+        .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        assert_eq!(v["parent"], "mini", "{v}");
+        assert_eq!(sandbox(&c, a).await["status"], "paused");
+        let child = create(&c, "from-paused", 1).await.remove(0);
+        assert_eq!(stdout(&exec(&c, &child, "cat /root/file").await), "kept\n");
+        let out = stdout(&exec(&c, &child, READ_BACK).await);
+        assert!(
+            out.starts_with("mine-") && out.ends_with(" now\n"),
+            "{out:?}"
+        );
+        let (s, v) = call(&c, Method::DELETE, &format!("/v1/sandboxes/{child}"), None).await;
+        assert!(s.is_success(), "{v}");
+        let (s, v) = call(&c, Method::DELETE, "/v1/snapshots/from-paused", None).await;
+        assert!(s.is_success(), "{v}");
         let (_, metrics) = call(&c, Method::GET, "/metrics", None).await;
         let metrics = metrics.as_str().unwrap().to_owned();
         assert!(
@@ -86,6 +107,17 @@ fn a_paused_sandbox_has_no_vm_survives_a_restart_and_resumes_as_it_was() {
         );
         let dir = d.home.path().join("run/sandboxes").join(a);
         assert!(dir.join("paused").is_dir());
+        // One paused is the most this daemon keeps: the other runs on.
+        let (s, v) = verb(&c, b, "pause").await;
+        assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("--max-paused"),
+            "{v}"
+        );
+        assert_eq!(sandbox(&c, b).await["status"], "running");
         (ids, pid, dir)
     });
 

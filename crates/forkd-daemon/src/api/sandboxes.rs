@@ -25,6 +25,11 @@ impl From<RegistryError> for ApiError {
                 "at_capacity",
                 e.to_string(),
             ),
+            RegistryError::PausedAtCapacity { .. } => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "at_capacity",
+                e.to_string(),
+            ),
             RegistryError::Memory(_) => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "insufficient_memory",

@@ -62,6 +62,8 @@ pub enum RegistryError {
     StoppedDuringBranch { id: String, source: SandboxError },
     #[error("sandbox {id} is being branched (into {into}); pause it once the branch is written")]
     PauseDuringBranch { id: String, into: String },
+    #[error("{paused} sandboxes are paused, the most this daemon keeps (--max-paused); delete some or resume them")]
+    PausedAtCapacity { paused: usize },
 }
 
 /// A sandbox the daemon holds a handle on.
@@ -99,6 +101,8 @@ pub struct Registry {
     store: Store,
     state: Arc<State>,
     max: usize,
+    /// The most sandboxes kept paused at once.
+    max_paused: usize,
     agent_timeout: Duration,
     fork_parallel: usize,
     memory_overcommit: f64,
@@ -242,6 +246,7 @@ impl Registry {
             store,
             state,
             max,
+            max_paused: crate::config::DEFAULT_MAX_PAUSED,
             agent_timeout: SandboxOptions::default().agent_timeout,
             fork_parallel: forkd_core::fork::default_parallel(),
             memory_overcommit: 1.0,
@@ -249,6 +254,12 @@ impl Registry {
             slots: Mutex::new(Slots::default()),
             pool_wakeup: tokio::sync::Notify::new(),
         }
+    }
+
+    /// The most sandboxes kept paused at once (a pause beyond it is refused).
+    pub fn with_max_paused(mut self, n: usize) -> Registry {
+        self.max_paused = n;
+        self
     }
 
     /// Most restores in flight at once in a fork (see [`ForkOptions::parallel`]).

@@ -59,7 +59,7 @@ impl Registry {
                     into: into.clone(),
                 });
             }
-            let Some(e) = slots.live.get_mut(id) else {
+            let Some(e) = slots.live.get(id) else {
                 drop(slots);
                 // Not live: say what it is (paused, starting...), or that it is unknown.
                 return Err(match self.get(id) {
@@ -74,6 +74,20 @@ impl Registry {
                 }
                 .into());
             }
+            // Those being paused count: each will be paused in a moment.
+            let pausing = slots
+                .live
+                .values()
+                .filter(|e| e.row.state == SandboxState::Pausing)
+                .count();
+            if slots.paused.len() + pausing >= self.max_paused {
+                return Err(RegistryError::PausedAtCapacity {
+                    paused: slots.paused.len(),
+                });
+            }
+            let Some(e) = slots.live.get_mut(id) else {
+                return Err(SandboxError::NotFound { id: id.to_owned() }.into());
+            };
             // Claimed in memory first: a second pause, a branch or a request sees it now.
             e.row.state = SandboxState::Pausing;
             e.clone()
@@ -144,7 +158,10 @@ impl Registry {
         let row = loop {
             let claimed = {
                 let mut slots = self.slots();
+                let branching = slots.branching.contains_key(id);
                 match slots.paused.get_mut(id) {
+                    // A branch reads its pause image: resumed once it is written.
+                    Some(r) if r.state == SandboxState::Paused && branching => None,
                     Some(r) if r.state == SandboxState::Paused => {
                         r.state = SandboxState::Resuming;
                         Some(Ok(r.clone()))

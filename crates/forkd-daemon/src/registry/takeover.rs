@@ -25,6 +25,27 @@ impl Registry {
             matches!(r.state, SandboxState::Running | SandboxState::Unresponsive)
                 && forkd_host::process::is_running(r.pid, r.start_time)
         });
+        let (died, drop): (Vec<SandboxRow>, Vec<SandboxRow>) = drop.into_iter().partition(|r| {
+            matches!(
+                r.state,
+                SandboxState::Running | SandboxState::Unresponsive | SandboxState::Failed
+            )
+        });
+        for row in died {
+            // Handed out, its VM gone while the daemon was away (a crash, a reboot):
+            // shown failed, its disk kept until it is deleted.
+            let why = row.error.clone().unwrap_or_else(|| {
+                "its VM was no longer running when the daemon started (a crash or a reboot of the host?)".into()
+            });
+            tracing::info!(id = %row.id, "a sandbox the last daemon ran is failed: {why}");
+            let _ = tokio::task::spawn_blocking({
+                let (pid, start, dir) = (row.pid, row.start_time, row.config.dir.clone());
+                move || forkd_host::process::kill_vm(pid, start, &dir)
+            })
+            .await;
+            self.keep_failed(&row, why)?;
+            gone.push(row.id);
+        }
         for row in drop {
             tracing::info!(id = %row.id, state = %row.state, "removing a sandbox the last daemon left");
             self.remove_row(&row).await?;
@@ -49,14 +70,39 @@ impl Registry {
                     adopted.push(id);
                 }
                 // Proof that it is gone: its process no longer runs.
-                Err(_) if !forkd_host::process::is_running(row.pid, row.start_time) => {
-                    self.remove_row(&row).await?;
-                    gone.push(row.id);
+                Err(e) if !forkd_host::process::is_running(row.pid, row.start_time) => {
+                    let id = row.id.clone();
+                    self.keep_failed(
+                        &row,
+                        format!("its VM exited as the daemon took it over: {e}"),
+                    )?;
+                    gone.push(id);
                 }
                 Err(e) => self.unattached(row, &e)?,
             }
         }
         Ok((adopted, gone))
+    }
+
+    /// Records the sandbox of `row`, whose VM is gone, `failed` with `why` and keeps it,
+    /// with its files, among the sandboxes without a VM until it is deleted.
+    pub(super) fn keep_failed(&self, row: &SandboxRow, why: String) -> Result<(), RegistryError> {
+        if row.state != SandboxState::Failed {
+            self.state
+                .set_state(&row.id, SandboxState::Failed, Some(&why), Some((0, 0)))?;
+        }
+        remove_cgroup(&row.id);
+        let mut row = row.clone();
+        row.state = SandboxState::Failed;
+        row.error = Some(why);
+        row.pid = 0;
+        row.start_time = 0;
+        let mut slots = self.slots();
+        slots.live.remove(&row.id);
+        slots.resolvers.remove(&row.id);
+        slots.unattached.remove(&row.id);
+        slots.paused.insert(row.id.clone(), row);
+        Ok(())
     }
 
     pub(super) fn adopted(&self, mut row: SandboxRow, sb: Sandbox) -> Result<(), RegistryError> {
@@ -165,11 +211,14 @@ impl Registry {
                             tracing::warn!(%id, "pausing at its timeout: {e}");
                         }
                         Ok(false)
-                    } else if expired.contains(&id) || sb.vm().exited() || sb.failure().is_some() {
-                        if let Some(f) = sb.failure() {
-                            tracing::info!(%id, "sandbox failed: {f}");
-                        }
+                    } else if expired.contains(&id) {
                         self.remove(&entry).await.map(|()| true)
+                    } else if sb.vm().exited() || sb.failure().is_some() {
+                        let why = sb
+                            .failure()
+                            .map_or_else(|| "its VM exited".to_owned(), |f| f.to_string());
+                        tracing::info!(%id, "sandbox failed (its files are kept until it is deleted): {why}");
+                        self.keep_failed(&entry.row, why).map(|()| false)
                     } else {
                         self.sync_health(&entry).map(|()| false)
                     }
@@ -255,9 +304,16 @@ impl Registry {
         expired: bool,
     ) -> Result<bool, RegistryError> {
         let alive = forkd_host::process::is_running(row.pid, row.start_time);
-        if expired || !alive {
+        if expired {
             self.remove_row(row).await?;
             return Ok(true);
+        }
+        if !alive {
+            self.keep_failed(
+                row,
+                "its VM exited before the daemon could take it over".into(),
+            )?;
+            return Ok(false);
         }
         let due = self
             .slots()

@@ -112,6 +112,7 @@ async fn start_registry(
         state,
         config.max_sandboxes,
     )
+    .with_max_paused(config.max_paused)
     .with_fork_parallelism(config.fork_parallelism)
     .with_memory_overcommit(config.memory_overcommit)
     .with_dns_upstream(config.dns_upstream);
