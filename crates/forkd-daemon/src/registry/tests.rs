@@ -221,13 +221,20 @@ async fn a_silent_agent_makes_a_sandbox_unresponsive_until_it_answers() {
 }
 
 #[tokio::test]
-async fn a_vm_that_dies_is_reaped_and_a_deadline_ends_a_sandbox() {
+async fn a_vm_that_dies_is_kept_failed_and_a_deadline_ends_a_sandbox() {
     let w = world();
     let r = w.registry(4);
     let mut two = r.create(&w.snap, spec(2)).await.unwrap().entries;
     let (a, b) = (two.remove(0), two.remove(0));
     forkd_host::process::kill(a.row.pid, a.row.start_time);
     reap_until(&r, |r| r.get(&a.row.id).is_err()).await;
+    // Failed, saying why, its files kept until it is deleted; it holds no slot.
+    assert_eq!(db_state(&w, &a.row.id), Some(SandboxState::Failed));
+    let failed = r.describe(&a.row.id).unwrap();
+    assert!(failed.row.error.is_some() && failed.sandbox.is_none());
+    assert!(a.row.config.dir.exists());
+    assert_eq!(r.running(), 1);
+    r.delete(&a.row.id).await.unwrap();
     assert_eq!(db_state(&w, &a.row.id), None);
     assert!(!a.row.config.dir.exists());
     r.set_timeout(&b.row.id, Some(crate::unix_now() - 1))
@@ -239,7 +246,7 @@ async fn a_vm_that_dies_is_reaped_and_a_deadline_ends_a_sandbox() {
 }
 
 #[tokio::test]
-async fn a_restart_adopts_live_children_and_removes_what_a_crash_left() {
+async fn a_restart_adopts_live_children_keeps_dead_ones_and_removes_what_a_crash_left() {
     let w = world();
     let first = w.registry(8);
     let mut kids = first.create(&w.snap, spec(3)).await.unwrap().entries;
@@ -292,7 +299,10 @@ async fn a_restart_adopts_live_children_and_removes_what_a_crash_left() {
     assert!(!forkd_host::process::is_alive(stopping.row.pid));
     assert!(!forkd_host::process::is_alive(orphan.id()));
     assert!(!orphan.wait().unwrap().success(), "killed, not ended");
-    assert!(!orphan_dir.exists() && !dead.row.config.dir.exists());
+    assert!(!orphan_dir.exists());
+    // The one whose VM died while the daemon was away is failed, its files kept.
+    assert!(dead.row.config.dir.exists());
+    assert_eq!(db_state(&w, &dead.row.id), Some(SandboxState::Failed));
     assert_eq!(second.prune_unowned(), vec!["sb-5ca7".to_string()]);
     assert!(live.row.config.dir.exists());
     assert_eq!(second.running(), 1);
@@ -300,10 +310,12 @@ async fn a_restart_adopts_live_children_and_removes_what_a_crash_left() {
     assert_eq!(echo(&e).await.unwrap().stdout, b"hi\n");
     assert_eq!(
         w.state.sandboxes().unwrap().len(),
-        1,
+        2,
         "nothing double-counted"
     );
     second.delete(&live.row.id).await.unwrap();
+    second.delete(&dead.row.id).await.unwrap();
+    assert!(!dead.row.config.dir.exists());
 }
 
 #[tokio::test]
