@@ -42,7 +42,7 @@ pub struct BranchArgs {
 }
 
 /// Above this many dirtied MiB the 1 GiB template is used.
-const LARGE_DIRTY_MIB: u32 = 200;
+pub(crate) const LARGE_DIRTY_MIB: u32 = 200;
 
 #[derive(Debug, Serialize)]
 struct BranchRow {
@@ -88,25 +88,7 @@ pub async fn run(home: &Home, args: BranchArgs) -> Result<()> {
     };
     let daemon = BenchDaemon::start(home, 16).await?;
     let c = &daemon.client;
-    let mut templates = vec![(512u32, "python".to_owned())];
-    if args.dirty_mib.iter().any(|&d| d > LARGE_DIRTY_MIB) {
-        let text = forkd_core::template::BUILTIN
-            .iter()
-            .find(|(n, _)| *n == "python")
-            .map(|(_, t)| *t)
-            .context("the python recipe")?
-            .replace("memory_mib = 512", "memory_mib = 1024");
-        let path = daemon.dir.join("python-1g.toml");
-        std::fs::write(&path, text)?;
-        templates.push((1024, path.to_string_lossy().into_owned()));
-    }
-    let mut tags = Vec::new();
-    for (mib, t) in &templates {
-        say(&format!("building the {mib} MiB template"));
-        let info =
-            crate::snapshots::build_template(c, t, Some(&format!("bench-{mib}")), false).await?;
-        tags.push((*mib, info["tag"].as_str().context("no tag")?.to_owned()));
-    }
+    let tags = python_templates(&daemon, &args.dirty_mib, &say).await?;
     let info: Value = c
         .json(Method::GET, &format!("/v1/snapshots/{}", tags[0].1), None)
         .await?;
@@ -114,11 +96,7 @@ pub async fn run(home: &Home, args: BranchArgs) -> Result<()> {
 
     let mut rows = Vec::new();
     for &dirty in &args.dirty_mib {
-        let (mib, tag) = tags
-            .iter()
-            .find(|(m, _)| (dirty > LARGE_DIRTY_MIB) == (*m > 512))
-            .cloned()
-            .context("a template for the size")?;
+        let (mib, tag) = template_for(&tags, dirty)?;
         for mode in ["pause", "live"] {
             let row = branch_once(c, &tag, mib, dirty, mode).await?;
             say(&format!(
@@ -159,6 +137,49 @@ pub async fn run(home: &Home, args: BranchArgs) -> Result<()> {
         print_report(&report);
     }
     Ok(())
+}
+
+/// Builds the python template (512 MiB) as `bench-512` and, when a size of `dirty_mib`
+/// is above [`LARGE_DIRTY_MIB`], a 1 GiB copy of it as `bench-1024`. Returns (MiB, tag)
+/// of each.
+pub(crate) async fn python_templates(
+    daemon: &BenchDaemon,
+    dirty_mib: &[u32],
+    say: &dyn Fn(&str),
+) -> Result<Vec<(u32, String)>> {
+    let mut templates = vec![(512u32, "python".to_owned())];
+    if dirty_mib.iter().any(|&d| d > LARGE_DIRTY_MIB) {
+        let text = forkd_core::template::BUILTIN
+            .iter()
+            .find(|(n, _)| *n == "python")
+            .map(|(_, t)| *t)
+            .context("the python recipe")?
+            .replace("memory_mib = 512", "memory_mib = 1024");
+        let path = daemon.dir.join("python-1g.toml");
+        std::fs::write(&path, text)?;
+        templates.push((1024, path.to_string_lossy().into_owned()));
+    }
+    let mut tags = Vec::new();
+    for (mib, t) in &templates {
+        say(&format!("building the {mib} MiB template"));
+        let info = crate::snapshots::build_template(
+            &daemon.client,
+            t,
+            Some(&format!("bench-{mib}")),
+            false,
+        )
+        .await?;
+        tags.push((*mib, info["tag"].as_str().context("no tag")?.to_owned()));
+    }
+    Ok(tags)
+}
+
+/// The template of `tags` (see [`python_templates`]) a child dirtying `dirty` MiB uses.
+pub(crate) fn template_for(tags: &[(u32, String)], dirty: u32) -> Result<(u32, String)> {
+    tags.iter()
+        .find(|(m, _)| (dirty > LARGE_DIRTY_MIB) == (*m > 512))
+        .cloned()
+        .context("a template for the size")
 }
 
 /// A fresh child of `tag` dirties `dirty` MiB, is branched in `mode`, and the branch's

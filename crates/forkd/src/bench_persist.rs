@@ -17,7 +17,8 @@
 )]
 
 use crate::bench::{median, ms};
-use crate::bench_scale::{delete_all, fork_and_exec, BenchDaemon, Mode};
+use crate::bench_branch::{python_templates, template_for};
+use crate::bench_scale::{cold_boots, delete_all, fork_and_exec, BenchDaemon, Mode};
 use anyhow::{bail, Context, Result};
 use forkd_daemon::client::Client;
 use forkd_image::Home;
@@ -46,9 +47,6 @@ pub struct PersistArgs {
     #[arg(long)]
     json: bool,
 }
-
-/// Above this many dirtied MiB the 1 GiB template is used.
-const LARGE_DIRTY_MIB: u32 = 200;
 
 #[derive(Debug, Serialize)]
 struct PauseRow {
@@ -108,33 +106,13 @@ pub async fn run(home: &Home, args: PersistArgs) -> Result<()> {
         crate::bench::template_parts(home, "python", forkd_hypervisor::AccelChoice::Auto).await?;
     let accel = forkd_hypervisor::accel::resolve(opts.accel)?;
     let hv = forkd_qemu::hypervisor();
-    let mut cold = Vec::new();
-    for i in 0..args.runs {
-        let t = Instant::now();
-        let sb = forkd_core::Sandbox::boot(hv.as_ref(), home, &assets, &opts)
-            .await
-            .with_context(|| format!("cold boot {}", i + 1))?;
-        cold.push(ms(t.elapsed()));
-        sb.destroy().await?;
-    }
+    let cold = cold_boots(home, &assets, &opts, args.runs, &say).await?;
     let median_cold_boot_ms = median(cold);
     say(&format!("median cold boot: {median_cold_boot_ms:.0} ms"));
 
     let daemon = BenchDaemon::start(home, args.running as usize + 8).await?;
     let c = &daemon.client;
-    let mut tags = vec![(512u32, build(c, "python", "bench-512", &say).await?)];
-    if args.dirty_mib.iter().any(|&d| d > LARGE_DIRTY_MIB) {
-        let text = forkd_core::template::BUILTIN
-            .iter()
-            .find(|(n, _)| *n == "python")
-            .map(|(_, t)| *t)
-            .context("the python recipe")?
-            .replace("memory_mib = 512", "memory_mib = 1024");
-        let path = daemon.dir.join("python-1g.toml");
-        std::fs::write(&path, text)?;
-        let recipe = path.to_string_lossy().into_owned();
-        tags.push((1024, build(c, &recipe, "bench-1024", &say).await?));
-    }
+    let tags = python_templates(&daemon, &args.dirty_mib, &say).await?;
 
     // What a child that dirtied nothing stores: its share of the runtime's own pages.
     let (ids, _) = fork_and_exec(c, &tags[0].1, 1, Mode::Fresh).await?;
@@ -148,11 +126,7 @@ pub async fn run(home: &Home, args: PersistArgs) -> Result<()> {
 
     let mut pauses = Vec::new();
     for &dirty in &args.dirty_mib {
-        let (mib, tag) = tags
-            .iter()
-            .find(|(m, _)| (dirty > LARGE_DIRTY_MIB) == (*m > 512))
-            .cloned()
-            .context("a template for the size")?;
+        let (mib, tag) = template_for(&tags, dirty)?;
         let row = pause_once(c, &tag, mib, dirty, idle_stored_bytes, median_cold_boot_ms).await?;
         say(&format!(
             "{dirty} MiB dirtied: stall {:.1} ms, pause {:.0} ms, {:.1} MiB stored ({:.2} x dirtied beyond idle), resume to exec {:.0} ms ({:.3} x cold boot), state kept: {}",

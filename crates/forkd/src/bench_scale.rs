@@ -131,23 +131,7 @@ pub async fn run(home: &Home, args: ScaleArgs) -> Result<()> {
         crate::bench::template_parts(home, &args.template, forkd_hypervisor::AccelChoice::Auto)
             .await?;
     let accel = forkd_hypervisor::accel::resolve(opts.accel)?;
-    let mut cold = Vec::new();
-    let hv = forkd_qemu::hypervisor();
-    for i in 0..args.runs {
-        // What `forkd run` does before its command: a disk layer, QEMU, the agent.
-        let t = Instant::now();
-        let sb = forkd_core::Sandbox::boot(hv.as_ref(), home, &assets, &opts)
-            .await
-            .with_context(|| format!("cold boot {}", i + 1))?;
-        cold.push(ms(t.elapsed()));
-        sb.destroy().await?;
-        say(&format!(
-            "cold boot {}/{}: {:.0} ms",
-            i + 1,
-            args.runs,
-            cold[cold.len() - 1]
-        ));
-    }
+    let cold = cold_boots(home, &assets, &opts, args.runs, &say).await?;
     let median_cold = median(cold.clone());
 
     let most = args.counts.iter().copied().max().unwrap_or(1) as usize;
@@ -323,6 +307,34 @@ async fn timed_fork(c: &Client, tag: &str, count: u32, mode: Mode) -> Result<(Ve
 /// their ids once every one has answered, and how long the create request took. In pool
 /// mode the pool is then set to 0 before
 /// the execs: its refill is not the children's work, and must not be measured as such.
+/// `runs` cold boots of `assets` one after the other, each from the call to the agent's
+/// first answer (what `forkd run` does before its command: a disk layer, QEMU, the
+/// agent), in ms.
+pub(crate) async fn cold_boots(
+    home: &Home,
+    assets: &forkd_image::GuestAssets,
+    opts: &forkd_core::SandboxOptions,
+    runs: u32,
+    say: &dyn Fn(&str),
+) -> Result<Vec<f64>> {
+    let hv = forkd_qemu::hypervisor();
+    let mut cold = Vec::new();
+    for i in 0..runs {
+        let t = Instant::now();
+        let sb = forkd_core::Sandbox::boot(hv.as_ref(), home, assets, opts)
+            .await
+            .with_context(|| format!("cold boot {}", i + 1))?;
+        cold.push(ms(t.elapsed()));
+        sb.destroy().await?;
+        say(&format!(
+            "cold boot {}/{runs}: {:.0} ms",
+            i + 1,
+            cold[cold.len() - 1]
+        ));
+    }
+    Ok(cold)
+}
+
 pub(crate) async fn fork_and_exec(
     c: &Client,
     tag: &str,

@@ -257,16 +257,6 @@ struct ConnectBody {
     auto_pause: Option<bool>,
 }
 
-/// Refuses a resume that would not restore the memory.
-fn check_memory(memory: Option<bool>) -> Result<(), E2bError> {
-    if memory == Some(false) {
-        return Err(bad(
-            "forkd resumes a paused sandbox with its memory; a reboot from its disk (memory: false) is not supported",
-        ));
-    }
-    Ok(())
-}
-
 /// Connecting to a sandbox: a paused one is resumed (201), a running one is there
 /// (200); either lives at least `timeout` more.
 async fn connect(
@@ -274,22 +264,7 @@ async fn connect(
     Path(id): Path<String>,
     bytes: axum::body::Bytes,
 ) -> Result<Response, E2bError> {
-    let req: ConnectBody = body(&bytes)?;
-    check_memory(req.memory)?;
-    let was_paused = e2b_state(e2b.app.registry.describe(&id)?.row.state) == "paused";
-    if was_paused {
-        service::pause::resume(&e2b.app, &id).await?;
-    }
-    if let Some(t) = req.timeout {
-        service::sandbox::keep_alive(&e2b.app, &id, timeout_s(Some(t))?)?;
-    }
-    let e = e2b.app.registry.describe(&id)?;
-    let status = if was_paused {
-        StatusCode::CREATED
-    } else {
-        StatusCode::OK
-    };
-    Ok((status, Json(created(&e2b, &id, &e.row.snapshot))).into_response())
+    run_again(&e2b, &id, &bytes, false).await
 }
 
 /// E2B's legacy resume: a paused sandbox runs again (201); a running one is a conflict.
@@ -298,24 +273,43 @@ async fn resume(
     Path(id): Path<String>,
     bytes: axum::body::Bytes,
 ) -> Result<Response, E2bError> {
-    let req: ConnectBody = body(&bytes)?;
-    check_memory(req.memory)?;
-    if e2b_state(e2b.app.registry.describe(&id)?.row.state) != "paused" {
+    run_again(&e2b, &id, &bytes, true).await
+}
+
+/// Resumes sandbox `id` if it is paused (else, with `paused_only`, refuses it), extends
+/// its timeout as the body asks, and answers with it: 201 when it was resumed.
+async fn run_again(
+    e2b: &Shared,
+    id: &str,
+    bytes: &[u8],
+    paused_only: bool,
+) -> Result<Response, E2bError> {
+    let req: ConnectBody = body(bytes)?;
+    if req.memory == Some(false) {
+        return Err(bad(
+            "forkd resumes a paused sandbox with its memory; a reboot from its disk (memory: false) is not supported",
+        ));
+    }
+    let was_paused = e2b_state(e2b.app.registry.describe(id)?.row.state) == "paused";
+    if paused_only && !was_paused {
         return Err(fail(
             StatusCode::CONFLICT,
             format!("sandbox {id} is running, not paused"),
         ));
     }
-    service::pause::resume(&e2b.app, &id).await?;
-    if let Some(t) = req.timeout {
-        service::sandbox::keep_alive(&e2b.app, &id, timeout_s(Some(t))?)?;
+    if was_paused {
+        service::pause::resume(&e2b.app, id).await?;
     }
-    let e = e2b.app.registry.describe(&id)?;
-    Ok((
-        StatusCode::CREATED,
-        Json(created(&e2b, &id, &e.row.snapshot)),
-    )
-        .into_response())
+    if let Some(t) = req.timeout {
+        service::sandbox::keep_alive(&e2b.app, id, timeout_s(Some(t))?)?;
+    }
+    let e = e2b.app.registry.describe(id)?;
+    let status = if was_paused {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(created(e2b, id, &e.row.snapshot))).into_response())
 }
 
 async fn detail(State(e2b): State<Shared>, Path(id): Path<String>) -> Result<Response, E2bError> {
