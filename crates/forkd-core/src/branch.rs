@@ -320,6 +320,7 @@ async fn publish_link(
         },
         pool: 0,
         egress: base.manifest.egress.clone(),
+        lifecycle: base.manifest.lifecycle,
     };
     let snapshot = tokio::task::spawn_blocking(move || staging.publish(manifest, &|_| {}))
         .await

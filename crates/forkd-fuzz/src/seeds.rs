@@ -220,6 +220,7 @@ fn snapshot_archive() -> Vec<u8> {
         build: BuildTimes::default(),
         pool: 0,
         egress: None,
+        lifecycle: Default::default(),
     };
     let config = serde_json::to_vec(&manifest).expect("a manifest serializes");
     let mut blobs = vec![config.clone()];

@@ -36,9 +36,10 @@ pub struct ForkArgs {
     #[arg(long)]
     timeout: Option<u64>,
     /// What --timeout does: kill (stop and remove the child) or pause (write it to
-    /// disk; it resumes on its next request and stays until killed).
-    #[arg(long, value_enum, default_value = "kill")]
-    on_timeout: OnTimeout,
+    /// disk; it resumes on its next request and stays until killed). Default: the
+    /// template's recipe's `on_timeout`, else kill.
+    #[arg(long, value_enum)]
+    on_timeout: Option<OnTimeout>,
     /// Pause each child after this many seconds without a request, exec or open
     /// stream; its next request resumes it.
     #[arg(long, value_name = "SECS")]
@@ -314,11 +315,13 @@ pub async fn fork_cmd(client: &Client, args: ForkArgs) -> Result<i32> {
     if let Some(t) = args.timeout {
         body["timeout_s"] = t.into();
     }
-    body["on_timeout"] = match args.on_timeout {
-        OnTimeout::Kill => "kill",
-        OnTimeout::Pause => "pause",
+    if let Some(t) = args.on_timeout {
+        body["on_timeout"] = match t {
+            OnTimeout::Kill => "kill",
+            OnTimeout::Pause => "pause",
+        }
+        .into();
     }
-    .into();
     if let Some(t) = args.auto_pause_after {
         body["auto_pause_after_s"] = t.into();
     }

@@ -252,6 +252,22 @@ fn a_timeout_idleness_or_a_stop_pauses_a_sandbox_that_asks_for_it() {
         for id in &ids {
             exec(&c, id, "echo mine > /root/file").await;
         }
+        // A template whose recipe says so pauses its children at their timeout when
+        // their fork does not say.
+        let recipe = "image = \"minimal\"\nmemory_mib = 512\non_timeout = \"pause\"";
+        let (s, op) = common::build_recipe(&c, "mini-pausing", recipe).await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{op}");
+        common::wait_operation(&c, op["id"].as_str().unwrap()).await;
+        let (s, v) = call(
+            &c,
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({ "snapshot": "mini-pausing", "timeout_s": 2 })),
+        )
+        .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        let by_recipe = v["sandboxes"][0]["id"].as_str().unwrap().to_owned();
+        until_paused(&c, &by_recipe).await;
         until_paused(&c, timed).await;
         until_paused(&c, idle).await;
         // Resumed by the next request, with what they had; the one paused by its

@@ -193,6 +193,10 @@ pub async fn build(
         },
         pool: recipe.pool,
         egress: recipe.egress.clone(),
+        lifecycle: forkd_storage::snapshot::manifest::ChildLifecycle {
+            on_timeout: recipe.on_timeout.unwrap_or_default(),
+            auto_pause_after_s: recipe.auto_pause_after,
+        },
     };
     progress("hashing and publishing the snapshot");
     // Hashing reads hundreds of MiB: off the async threads.

@@ -70,6 +70,14 @@ pub struct Recipe {
     /// API can change it).
     #[serde(default)]
     pub pool: u32,
+    /// What a child's timeout does when its fork does not say: `kill` (the default) or
+    /// `pause`.
+    #[serde(default)]
+    pub on_timeout: Option<forkd_storage::snapshot::manifest::OnTimeout>,
+    /// Pause a child after this many seconds without a request, when its fork does not
+    /// say.
+    #[serde(default)]
+    pub auto_pause_after: Option<u64>,
     /// Whether the parent, and so every child, has a NIC.
     #[serde(default)]
     pub network: NetworkChoice,
@@ -230,6 +238,15 @@ impl Recipe {
         }
         if let Some(cpu) = r.cpu.as_deref().filter(|c| !is_cpu_model_name(c)) {
             return Err(bad(format!("cpu = {cpu:?} is not a QEMU CPU model name")));
+        }
+        // As the API's auto_pause_after_s (30 days at most).
+        if r.auto_pause_after
+            .is_some_and(|t| !(1..=2_592_000).contains(&t))
+        {
+            return Err(bad(format!(
+                "auto_pause_after = {} is outside 1..=2592000 seconds",
+                r.auto_pause_after.unwrap_or(0)
+            )));
         }
         if r.pool as usize > crate::fork::MAX_POOL {
             return Err(bad(format!(
@@ -426,6 +443,24 @@ mod tests {
         }
         let py = Recipe::find("python", &[]).unwrap();
         assert!(py.contexts[0].preload.contains("import pandas"));
+    }
+
+    #[test]
+    fn a_recipe_sets_what_its_children_s_timeout_and_idleness_do() {
+        let r = Recipe::parse(
+            "t",
+            "image = \"minimal\"\non_timeout = \"pause\"\nauto_pause_after = 600",
+        )
+        .unwrap();
+        assert_eq!(
+            r.on_timeout,
+            Some(forkd_storage::snapshot::manifest::OnTimeout::Pause)
+        );
+        assert_eq!(r.auto_pause_after, Some(600));
+        for bad in ["on_timeout = \"sleep\"", "auto_pause_after = 0"] {
+            let text = format!("image = \"minimal\"\n{bad}");
+            assert!(Recipe::parse("t", &text).is_err(), "{bad}");
+        }
     }
 
     #[test]

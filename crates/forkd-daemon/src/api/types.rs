@@ -38,10 +38,13 @@ pub struct CreateSandboxes {
     /// What `timeout_s` does when it passes: `kill` (the default: stopped and removed)
     /// or `pause` (paused to disk; it stays until deleted and resumes on its next
     /// request).
+    /// (Default: the snapshot's recipe's `on_timeout`, else `kill`.)
     #[serde(default)]
-    pub on_timeout: crate::state::OnTimeout,
+    #[schema(value_type = Option<String>, example = "pause")]
+    pub on_timeout: Option<crate::state::OnTimeout>,
     /// Pause each child after this many seconds without an API request for it, an exec
-    /// or an open stream (none: never for idleness).
+    /// or an open stream (default: the snapshot's recipe's `auto_pause_after`, else
+    /// never for idleness).
     #[serde(default)]
     #[schema(minimum = 1, maximum = 2592000)]
     pub auto_pause_after_s: Option<u64>,

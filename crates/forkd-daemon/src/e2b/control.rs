@@ -197,11 +197,13 @@ async fn create(State(e2b): State<Shared>, bytes: axum::body::Bytes) -> Result<R
             "autoResume disabled is not supported: forkd resumes a paused sandbox on its next request",
         ));
     }
-    let on_timeout = if req.auto_pause == Some(true) {
-        crate::state::OnTimeout::Pause
-    } else {
-        crate::state::OnTimeout::Kill
-    };
+    let on_timeout = req.auto_pause.map(|pause| {
+        if pause {
+            crate::state::OnTimeout::Pause
+        } else {
+            crate::state::OnTimeout::Kill
+        }
+    });
     let snap = snapshot_of(&e2b, &req.template_id)?;
     let network = req.network.unwrap_or_default();
     let egress = if snap.manifest.machine.nic {

@@ -80,6 +80,7 @@ fn fake_snapshot(home: &Home, tag: &str) -> Snapshot {
         build: BuildTimes::default(),
         pool: 0,
         egress: None,
+        lifecycle: Default::default(),
     };
     staging.publish(manifest, &|_| {}).unwrap()
 }

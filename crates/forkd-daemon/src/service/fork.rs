@@ -43,9 +43,10 @@ pub struct ForkRequest {
     pub limits: Option<LimitsBody>,
     /// What the children may reach; none: the snapshot's own policy.
     pub egress: Option<EgressPolicy>,
-    /// What their deadline does (default: kill).
-    pub on_timeout: crate::state::OnTimeout,
-    /// Pause each after this many seconds without a request, exec or open stream.
+    /// What their deadline does (default: the snapshot's, else kill).
+    pub on_timeout: Option<crate::state::OnTimeout>,
+    /// Pause each after this many seconds without a request, exec or open stream
+    /// (default: the snapshot's).
     pub auto_pause_after_s: Option<u64>,
 }
 
@@ -136,8 +137,10 @@ fn launch(
         env: req.env,
         timeout_at,
         lifecycle: crate::state::Lifecycle {
-            on_timeout: req.on_timeout,
-            auto_pause_after_s: req.auto_pause_after_s,
+            on_timeout: req.on_timeout.unwrap_or(snap.manifest.lifecycle.on_timeout),
+            auto_pause_after_s: req
+                .auto_pause_after_s
+                .or(snap.manifest.lifecycle.auto_pause_after_s),
             timeout_s: req.timeout_s,
         },
         partial: req.partial,

@@ -168,16 +168,7 @@ pub struct SandboxRow {
     pub lifecycle: Lifecycle,
 }
 
-/// What a sandbox's deadline does.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum OnTimeout {
-    /// Stop it and remove its files.
-    #[default]
-    Kill,
-    /// Pause it to disk (it stays until deleted, and resumes on its next request).
-    Pause,
-}
+pub use forkd_storage::snapshot::manifest::OnTimeout;
 
 /// What ends a sandbox's deadline and its idleness.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -45,6 +45,7 @@ fn manifest(tag: &str, parent: Option<(&str, String)>) -> Manifest {
         build: BuildTimes::default(),
         pool: 0,
         egress: None,
+        lifecycle: Default::default(),
     }
 }
 

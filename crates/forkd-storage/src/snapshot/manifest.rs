@@ -77,6 +77,38 @@ pub struct Manifest {
     /// none: nothing (egress `deny`, empty allow-list).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<forkd_host::network::policy::EgressPolicy>,
+    /// What its children's deadline and idleness do when a fork does not say (its
+    /// recipe's `on_timeout` and `auto_pause_after`).
+    #[serde(default, skip_serializing_if = "ChildLifecycle::is_default")]
+    pub lifecycle: ChildLifecycle,
+}
+
+/// What a sandbox's deadline does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnTimeout {
+    /// Stop it and remove its files.
+    #[default]
+    Kill,
+    /// Pause it to disk (it stays until deleted, and resumes on its next request).
+    Pause,
+}
+
+/// What a snapshot's children's deadline and idleness do, unless their fork says.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChildLifecycle {
+    /// What a child's deadline does.
+    #[serde(default)]
+    pub on_timeout: OnTimeout,
+    /// Pause a child after this many seconds without a request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_pause_after_s: Option<u64>,
+}
+
+impl ChildLifecycle {
+    fn is_default(&self) -> bool {
+        *self == ChildLifecycle::default()
+    }
 }
 
 impl Manifest {
