@@ -175,6 +175,10 @@ pub async fn pause(
         memory_size * 2 + (64 << 20),
         &format!("pausing sandbox {id}"),
     )?;
+    // An image a resume did not get to remove (its daemon died after recording the
+    // sandbox running) is older than the sandbox's disk: it must never be taken for
+    // this pause's.
+    discard_image(sandbox.dir());
     discard_partial(sandbox.dir());
     let partial = sandbox.dir().join(PARTIAL_DIR);
     std::fs::create_dir(&partial).map_err(|source| SandboxError::Io {
@@ -216,7 +220,11 @@ pub async fn pause(
             source,
         })?;
     forkd_host::failpoint::hit("pause.after_image");
-    sandbox.end_paused().await?;
+    if let Err(e) = sandbox.end_paused().await {
+        // Paused all the same: the image is complete. Its QEMU must not run on.
+        tracing::warn!(id = %sandbox.id(), "ending the paused VM: {e}; killing it");
+        sandbox.vm().kill();
+    }
     Ok(Paused {
         record,
         total: t0.elapsed(),

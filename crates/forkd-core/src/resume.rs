@@ -117,7 +117,16 @@ pub async fn resume(
     }
     forkd_host::failpoint::hit("resume.after_memory");
     let vm = prepared.finish().await?;
-    let sandbox = Sandbox::launch(hv, config, Launch::Resumed { vm }, opts, guard).await?;
+    // From here the guest has run: it may have written to its disk, which its image no
+    // longer matches. A resume that fails now must not leave it to be resumed again
+    // from that image: it is failed, its files kept.
+    let sandbox = Sandbox::launch(hv, config, Launch::Resumed { vm }, opts, guard)
+        .await
+        .map_err(|e| {
+            damaged(format!(
+                "its VM started but did not come up ({e}); its disk may have moved past its image"
+            ))
+        })?;
     Ok(Resumed {
         sandbox,
         record,

@@ -326,10 +326,10 @@ impl Registry {
     /// into it, and branches in progress that read it.
     pub(crate) fn branch_users_of(&self, tag: &str) -> Vec<String> {
         let mut users = Vec::new();
+        // Every recorded sandbox: a paused one's disk builds on its branch as well.
         for l in self.list() {
-            let Some(sb) = &l.sandbox else { continue };
             if l.row.snapshot != tag
-                && forkd_core::branch::base_of(sb.dir(), &l.row.snapshot) == tag
+                && forkd_core::branch::base_of(&l.row.config.dir, &l.row.snapshot) == tag
             {
                 users.push(format!("{} (branched into it)", l.row.id));
             }

@@ -56,16 +56,26 @@ fn parse_map_line(line: &str) -> Option<Mapping> {
 }
 
 /// The start and length of the mapping of the file (`dev`, `ino`) from its offset 0 in
-/// a maps listing, if there is exactly one.
+/// a maps listing, if there is exactly one: by its inode, and by its device too when
+/// the inode alone names several. The device `stat` gives is not always the one maps
+/// shows (a btrfs subvolume, a file under overlayfs), so it only breaks a tie.
 fn find_mapping(maps: &str, dev: (u64, u64), ino: u64) -> Option<(usize, u64)> {
-    let mut found = maps
+    let by_inode: Vec<Mapping> = maps
         .lines()
         .filter_map(parse_map_line)
-        .filter(|m| m.offset == 0 && m.dev == dev && m.inode == ino);
-    let m = found.next()?;
-    if found.next().is_some() {
-        return None;
-    }
+        .filter(|m| m.offset == 0 && m.inode == ino)
+        .collect();
+    let m = match by_inode.as_slice() {
+        [one] => one,
+        _ => {
+            let mut same_dev = by_inode.iter().filter(|m| m.dev == dev);
+            let m = same_dev.next()?;
+            if same_dev.next().is_some() {
+                return None;
+            }
+            m
+        }
+    };
     Some((m.start, u64::try_from(m.end - m.start).ok()?))
 }
 
@@ -152,7 +162,17 @@ mod tests {
             Some((0x7f00_0000_0000, 0x2000_0000))
         );
         assert_eq!(find_mapping(MAPS, (0, 0x2a), 778), None);
-        assert_eq!(find_mapping(MAPS, (8, 1), 777), None);
+        // A device number maps shows otherwise than stat (btrfs, overlayfs).
+        assert_eq!(
+            find_mapping(MAPS, (8, 1), 777),
+            Some((0x7f00_0000_0000, 0x2000_0000))
+        );
+        // The same inode number on two devices: the device decides.
+        let other = format!("{MAPS}7f0040000000-7f0040001000 rw-p 00000000 00:2b 777 /y\n");
+        assert_eq!(
+            find_mapping(&other, (0, 0x2a), 777),
+            Some((0x7f00_0000_0000, 0x2000_0000))
+        );
         let twice = format!("{MAPS}7f0040000000-7f0040001000 rw-p 00000000 00:2a 777 /x\n");
         assert_eq!(find_mapping(&twice, (0, 0x2a), 777), None, "ambiguous");
     }

@@ -148,8 +148,24 @@ fn a_paused_sandbox_has_no_vm_survives_a_restart_and_resumes_as_it_was() {
         );
         // A request that needs the VM resumes a paused sandbox on its own; requests
         // that come together wait for one resume.
+        // (Branched first: its disk then builds on the branch, which cannot be removed
+        // while it is paused.)
+        let (s, v) = call(
+            &c,
+            Method::POST,
+            &format!("/v1/sandboxes/{b}/branch"),
+            Some(json!({ "tag": "b-branch" })),
+        )
+        .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
         let (s, v) = verb(&c, b, "pause").await;
         assert_eq!(s, StatusCode::OK, "{v}");
+        let (s, v) = call(&c, Method::DELETE, "/v1/snapshots/b-branch", None).await;
+        assert_eq!(s, StatusCode::CONFLICT, "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(b.as_str()),
+            "{v}"
+        );
         let (x, y) = tokio::join!(exec(&c, b, "cat /root/file"), exec(&c, b, "echo two"));
         assert_eq!(stdout(&x), "other\n");
         assert_eq!(stdout(&y), "two\n");

@@ -74,16 +74,20 @@ impl Registry {
                 }
                 .into());
             }
-            // Those being paused count: each will be paused in a moment.
+            // Those being paused count: each will be paused in a moment. (Failed ones
+            // kept with their files do not.)
             let pausing = slots
                 .live
                 .values()
                 .filter(|e| e.row.state == SandboxState::Pausing)
                 .count();
-            if slots.paused.len() + pausing >= self.max_paused {
-                return Err(RegistryError::PausedAtCapacity {
-                    paused: slots.paused.len(),
-                });
+            let paused = slots
+                .paused
+                .values()
+                .filter(|r| r.state != SandboxState::Failed)
+                .count();
+            if paused + pausing >= self.max_paused {
+                return Err(RegistryError::PausedAtCapacity { paused });
             }
             let Some(e) = slots.live.get_mut(id) else {
                 return Err(SandboxError::NotFound { id: id.to_owned() }.into());
@@ -119,9 +123,15 @@ impl Registry {
             }
         };
         let mut row = entry.row.clone();
-        self.state
-            .set_state(id, SandboxState::Paused, None, Some((0, 0)))?;
-        self.state.set_timeout(id, None)?;
+        // Paused whatever the database says now: a restart finds a `pausing` row with a
+        // complete image paused too.
+        let recorded = self
+            .state
+            .set_state(id, SandboxState::Paused, None, Some((0, 0)))
+            .and_then(|_| self.state.set_timeout(id, None));
+        if let Err(e) = recorded {
+            tracing::warn!(%id, "recording the sandbox paused: {e}");
+        }
         row.state = SandboxState::Paused;
         row.pid = 0;
         row.start_time = 0;
@@ -239,11 +249,11 @@ impl Registry {
         };
         let resumed = forkd_core::resume::resume(self.hv.as_ref(), &row.config, &opts).await?;
         let sandbox = resumed.sandbox;
-        let process = sandbox
-            .vm()
-            .pid()
-            .zip(sandbox.vm().start_time())
-            .ok_or_else(|| SandboxError::Gone { id: id.to_owned() })?;
+        let Some(process) = sandbox.vm().pid().zip(sandbox.vm().start_time()) else {
+            // A detached VM outlives its handle: it must not run beside the image.
+            sandbox.vm().kill();
+            return Err(SandboxError::Gone { id: id.to_owned() }.into());
+        };
         let mut row = row.clone();
         row.config = sandbox.config().clone();
         row.state = SandboxState::Running;

@@ -224,6 +224,10 @@ impl Registry {
                     }
                 }
                 None if l.row.state == SandboxState::Starting => Ok(false),
+                // A failed sandbox kept with its files goes at its deadline.
+                None if l.row.state == SandboxState::Failed && expired.contains(&id) => {
+                    self.remove_row(&l.row).await.map(|()| true)
+                }
                 // On disk, without a VM: no deadline runs while paused.
                 None if matches!(
                     l.row.state,
