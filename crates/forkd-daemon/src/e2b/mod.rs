@@ -141,20 +141,10 @@ impl E2b {
     /// running, not as a missing file or process.
     /// A paused sandbox is resumed first (see [`crate::service::sandbox::running`]).
     async fn sandbox(&self, id: &str) -> Result<Arc<forkd_core::Sandbox>, RpcError> {
-        use forkd_core::lifecycle::SandboxState as S;
         use forkd_core::SandboxError as E;
-        self.app.registry.touch(id);
-        let resumed = match self.app.registry.get(id) {
-            Err(E::NotReady {
-                state: S::Paused | S::Pausing | S::Resuming,
-                ..
-            }) => crate::service::pause::resume(&self.app, id)
-                .await
-                .map(drop)
-                .map_err(|e| RpcError::new(Code::Unavailable, e.message)),
-            _ => Ok(()),
-        };
-        resumed?;
+        crate::service::sandbox::resume_if_paused(&self.app, id)
+            .await
+            .map_err(|e| RpcError::new(Code::Unavailable, e.message))?;
         match self.app.registry.get(id) {
             Ok(e) => Ok(e.sandbox),
             Err(E::NotFound { .. } | E::Gone { .. } | E::Destroyed { .. }) => Err(RpcError::new(

@@ -13,7 +13,6 @@
 use super::{Entry, Registry, RegistryError};
 use crate::state::SandboxRow;
 use forkd_core::lifecycle::SandboxState;
-use forkd_core::pause::PauseRecord;
 use forkd_core::{SandboxError, SandboxOptions};
 use forkd_storage::snapshot::Tag;
 use serde::Serialize;
@@ -323,12 +322,6 @@ impl Registry {
             .await;
         let paused = results.iter().filter(|ok| **ok).count();
         (paused, results.len() - paused)
-    }
-
-    /// The pause image of a sandbox without a VM, if it has one.
-    pub fn pause_record(&self, id: &str) -> Option<PauseRecord> {
-        let dir = self.slots().paused.get(id)?.config.dir.clone();
-        forkd_core::pause::read_record(&dir).ok().flatten()
     }
 
     /// Bytes the pause images of the sandboxes without a VM hold.

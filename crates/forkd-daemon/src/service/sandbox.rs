@@ -10,18 +10,24 @@ use forkd_host::network::policy::EgressPolicy;
 /// transparently, for every request that needs its VM; requests that come while it
 /// resumes wait for that one resume.
 pub async fn running(app: &App, id: &str) -> Result<Entry, ApiError> {
+    resume_if_paused(app, id).await?;
+    Ok(app.registry.get(id)?)
+}
+
+/// Notes a request for the sandbox `id` (its idleness starts again) and, if it is
+/// paused, being paused or resumed, waits until it runs. Every front door's requests
+/// that need a VM come through here.
+pub async fn resume_if_paused(app: &App, id: &str) -> Result<(), ApiError> {
     use forkd_core::lifecycle::SandboxState as S;
     app.registry.touch(id);
-    match app.registry.get(id) {
-        Err(forkd_core::SandboxError::NotReady {
-            state: S::Paused | S::Pausing | S::Resuming,
-            ..
-        }) => {
-            super::pause::resume(app, id).await?;
-            Ok(app.registry.get(id)?)
-        }
-        other => Ok(other?),
+    if let Err(forkd_core::SandboxError::NotReady {
+        state: S::Paused | S::Pausing | S::Resuming,
+        ..
+    }) = app.registry.get(id)
+    {
+        super::pause::resume(app, id).await?;
     }
+    Ok(())
 }
 
 /// Stops the sandbox `id` and removes its files and its record.
