@@ -457,6 +457,43 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn what_forkd_cannot_pause_or_resume_is_refused_before_any_sandbox_is_touched() {
+        let dir = tempfile::tempdir().unwrap();
+        let (r, _) = listener(dir.path());
+        let post = |path: &str, body: &str| {
+            axum::http::Request::post(path)
+                .header("x-api-key", KEY)
+                .header("content-type", "application/json")
+                .body(Body::from(body.to_owned()))
+                .unwrap()
+        };
+        for (path, body, said) in [
+            (
+                "/sandboxes/sb-000000000001/pause",
+                r#"{"memory": false}"#,
+                "mode filesystem",
+            ),
+            (
+                "/v2/sandboxes/sb-000000000001/connect",
+                r#"{"memory": false}"#,
+                "reboot",
+            ),
+            (
+                "/v2/sandboxes",
+                r#"{"templateID": "python", "autoResume": {"enabled": false}}"#,
+                "autoResume",
+            ),
+        ] {
+            let (s, v) = send(&r, post(path, body)).await;
+            assert_eq!(s, StatusCode::BAD_REQUEST, "{path}: {v}");
+            assert!(v["message"].as_str().unwrap().contains(said), "{v}");
+        }
+        // A sandbox that is not there: 404, which the SDKs raise as not found.
+        let (s, v) = send(&r, post("/sandboxes/sb-000000000001/pause", "{}")).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    }
+
+    #[tokio::test]
     async fn the_control_plane_needs_the_api_key() {
         let dir = tempfile::tempdir().unwrap();
         let (r, _) = listener(dir.path());
