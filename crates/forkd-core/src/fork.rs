@@ -341,6 +341,7 @@ impl PlannedChild {
         let vm = hv.restore(&self.config, &snap.part(parts::STATE)).await?;
         let no_env = BTreeMap::new();
         let socket = self.config.agent_socket();
+        let unmeasured = forkd_hypervisor::startup::StepClock::new();
         let warm = async {
             let agent = tokio::select! {
                 res = crate::sandbox::ready_agent(
@@ -352,6 +353,7 @@ impl PlannedChild {
                         env: &no_env,
                         settle: true,
                     },
+                    &unmeasured,
                 ) => res?,
                 reason = vm.wait_exit() => {
                     return Err(SandboxError::GuestExited {

@@ -54,13 +54,16 @@ impl Default for SandboxOptions {
 }
 
 /// Timings of a sandbox's start, measured from the hypervisor process's start.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct BootTimings {
     /// Until QEMU's control socket answered.
     pub hypervisor_ready: Duration,
     /// Until the guest agent's first answer: the handshake plus one ping for a boot, plus
     /// the resume hook for a restored child.
     pub first_answer: Duration,
+    /// Each step until then, in order: the hypervisor's (for a VM this process started),
+    /// then the agent's greeting and first answer.
+    pub steps: Vec<forkd_hypervisor::startup::Step>,
 }
 
 /// A running sandbox. Dropping it kills the VM and removes its files; [`Sandbox::destroy`]
@@ -233,6 +236,14 @@ impl Sandbox {
                 (vm, Some(agent))
             }
         };
+        let mut steps = match warmed {
+            // Its start-up steps were taken before it waited in the pool.
+            Some(_) => vec![forkd_hypervisor::startup::Step {
+                name: "vCPUs resumed",
+                took: started.elapsed(),
+            }],
+            None => vm.startup_steps(),
+        };
         forkd_host::failpoint::hit(match (&snapshot, continuing) {
             (_, true) => "resume.after_vm_start",
             (None, false) => "build.after_boot",
@@ -249,8 +260,9 @@ impl Sandbox {
             },
             (None, false) => FirstCall::Ping,
         };
+        let agent_steps = forkd_hypervisor::startup::StepClock::new();
         let agent = tokio::select! {
-            res = ready_agent(&agent_socket, warmed, opts.boot_timeout, first) => match res {
+            res = ready_agent(&agent_socket, warmed, opts.boot_timeout, first, &agent_steps) => match res {
                 Ok(a) => a,
                 Err(AgentError::HandshakeTimeout { .. }) => {
                     vm.kill();
@@ -270,6 +282,7 @@ impl Sandbox {
             }
         };
         let first_answer = started.elapsed();
+        steps.extend(agent_steps.steps());
         let claim = guard.disarm();
         let sandbox = Sandbox::assemble(
             config,
@@ -278,6 +291,7 @@ impl Sandbox {
             BootTimings {
                 hypervisor_ready,
                 first_answer,
+                steps,
             },
             opts.agent_timeout,
             claim,
@@ -307,8 +321,9 @@ impl Sandbox {
         };
         let started = Instant::now();
         let socket = config.agent_socket();
+        let steps = forkd_hypervisor::startup::StepClock::new();
         let agent = tokio::select! {
-            res = ready_agent(&socket, None, opts.boot_timeout, FirstCall::Ping) => res?,
+            res = ready_agent(&socket, None, opts.boot_timeout, FirstCall::Ping, &steps) => res?,
             _ = vm.wait_exit() => {
                 return Err(SandboxError::Gone { id });
             }
@@ -321,6 +336,7 @@ impl Sandbox {
             BootTimings {
                 hypervisor_ready: Duration::ZERO,
                 first_answer: t,
+                steps: steps.steps(),
             },
             opts.agent_timeout,
             None,
@@ -459,7 +475,7 @@ impl Sandbox {
 
     /// How long the start took.
     pub fn timings(&self) -> BootTimings {
-        self.inner.timings
+        self.inner.timings.clone()
     }
 
     /// The VM, for pausing and status queries.
@@ -742,13 +758,16 @@ pub(crate) async fn ready_agent(
     warmed: Option<AgentClient>,
     timeout: Duration,
     first: FirstCall<'_>,
+    steps: &forkd_hypervisor::startup::StepClock,
 ) -> Result<AgentClient, AgentError> {
-    let t = Instant::now();
     let agent = match warmed {
         Some(agent) => agent,
-        None => AgentClient::connect(socket, timeout).await?,
+        None => {
+            let agent = AgentClient::connect(socket, timeout).await?;
+            steps.end("agent greeting");
+            agent
+        }
     };
-    tracing::debug!("agent handshake in {:?}", t.elapsed());
     let wall_clock_ns = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
@@ -781,10 +800,11 @@ pub(crate) async fn ready_agent(
                 .map_err(|_| AgentError::HandshakeTimeout {
                     secs: timeout.as_secs(),
                 })??;
-            tracing::debug!("agent handshake and resume hook in {:?}", t.elapsed());
+            steps.end("resume hook");
         }
         None => {
             agent.ping().await?;
+            steps.end("first answer");
         }
     }
     // (The handshake checked the protocol; the resume hook's answer is the first one.)

@@ -13,6 +13,7 @@ pub mod config;
 pub mod error;
 #[cfg(feature = "fake")]
 pub mod fake;
+pub mod startup;
 
 pub use accel::{Accel, AccelChoice};
 pub use clock::GuestClock;
@@ -353,6 +354,11 @@ pub trait Vm: Send + Sync {
 
     /// The last lines the guest printed on its serial console (for error messages).
     fn console_tail(&self, lines: usize) -> String;
+
+    /// How long each step of this VM's start took, for a VM this process started.
+    fn startup_steps(&self) -> Vec<startup::Step> {
+        Vec::new()
+    }
 
     /// The cgroup version and what the VM's own cgroup counts now, if it runs in one.
     fn cgroup(

@@ -4,6 +4,7 @@
 use crate::vm::{Owner, QemuVm, Start, INCOMING_FD};
 use crate::{cmdline, console, jail, qcow2, version, MAX_SOCKET_PATH};
 use forkd_host::cgroup::Cgroups;
+use forkd_hypervisor::startup::StepClock;
 use forkd_hypervisor::{HypervisorError, Vm, VmConfig};
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::Path;
@@ -19,6 +20,7 @@ impl QemuVm {
         config: &VmConfig,
         start: Start,
     ) -> Result<QemuVm, HypervisorError> {
+        let steps = StepClock::new();
         clear_sockets(config)?;
         let log_path = config.hypervisor_log();
         let log = std::fs::File::create(&log_path)
@@ -26,6 +28,7 @@ impl QemuVm {
         let (disk, top_rw, top_ro) = open_disk_chain(config).await?;
         let version = version::current_version(binary).map_err(HypervisorError::Config)?;
         let hardening = jail::hardening(config, version)?;
+        steps.end("disk chain and jail");
         // A receiver never runs its guest: its NIC needs no link behind it.
         let network = match (&config.network, &start) {
             (Some(net), Start::Boot | Start::Restore(_)) => {
@@ -34,6 +37,7 @@ impl QemuVm {
             _ => None,
         };
         let tap = network.is_some();
+        steps.end("network");
         let (args, incoming) = match start {
             Start::Boot => (cmdline::build(config, &disk, &hardening, tap), None),
             Start::Restore(file) => (
@@ -63,7 +67,11 @@ impl QemuVm {
             })?),
             _ => None,
         };
+        if lifeline.is_some() {
+            steps.end("lifeline");
+        }
         let cgroup = make_cgroup(config)?;
+        steps.end("cgroup");
         let mut cmd = command(binary, config, &args, log, lifeline.is_none());
         let keep = match hardening.jail {
             Some(_) => forkd_host::caps::JAILED,
@@ -101,11 +109,22 @@ impl QemuVm {
             }
         };
         drop(incoming);
+        steps.end("spawn");
         let pid = child.id().unwrap_or(0);
         let placed = cgroup.and_then(|_| PlacedCgroup::of(config));
         let (console, console_done) = read_console(config);
         let (exit, kill) = watch_exit(child, lifeline, placed, console_done);
-        let vm = QemuVm::connect(binary, config, pid, exit, Owner::Spawned(kill), console).await?;
+        let vm = QemuVm::connect(
+            binary,
+            config,
+            pid,
+            exit,
+            Owner::Spawned(kill),
+            console,
+            steps,
+        )
+        .await?;
+        vm.steps.end("QEMU up (control socket)");
         if tap
             && config.network.as_ref().map(|n| n.policy.egress)
                 == Some(forkd_host::network::policy::EgressMode::Off)

@@ -177,6 +177,7 @@ impl forkd_hypervisor::Hypervisor for Qemu {
             vm.wait_exit().await;
             return Err(vm.explain_exit(e));
         }
+        vm.steps.end("migration set-up");
         Ok(Box::new(PreparedQemu(vm)))
     }
 

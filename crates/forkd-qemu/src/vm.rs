@@ -5,6 +5,7 @@ use crate::launch::{cpu_model_error, read_console, vm_cgroups, PlacedCgroup};
 use crate::qmp::Qmp;
 use crate::{branch, cmdline, console, version, QMP_TIMEOUT};
 use async_trait::async_trait;
+use forkd_hypervisor::startup::{Step, StepClock};
 use forkd_hypervisor::{HypervisorError, Vm, VmConfig, VmStatus};
 use serde_json::json;
 use std::os::fd::AsFd;
@@ -45,6 +46,8 @@ pub struct QemuVm {
     pub(crate) qmp: Qmp,
     pub(crate) exit: watch::Receiver<Option<String>>,
     pub(crate) owner: Owner,
+    /// How long each step of its start took (empty for an adopted QEMU).
+    pub(crate) steps: StepClock,
     /// Copies the console to its capped log while this handle lives.
     _console: console::Reader,
 }
@@ -85,6 +88,7 @@ impl QemuVm {
             exit,
             Owner::Adopted { start_time },
             console,
+            StepClock::new(),
         )
         .await
     }
@@ -96,6 +100,7 @@ impl QemuVm {
         exit: watch::Receiver<Option<String>>,
         owner: Owner,
         console: console::Reader,
+        steps: StepClock,
     ) -> Result<QemuVm, HypervisorError> {
         let log_path = config.hypervisor_log();
         let exit_probe = exit.clone();
@@ -119,6 +124,7 @@ impl QemuVm {
                 qmp,
                 exit,
                 owner,
+                steps,
                 _console: console,
             }),
             Err(e) => {
@@ -175,7 +181,10 @@ impl QemuVm {
         if status != "completed" {
             return Err(self.migration_failed("incoming state", &status).await);
         }
-        self.qmp.execute("cont", None).await.map(drop)
+        self.steps.end("device state");
+        self.qmp.execute("cont", None).await?;
+        self.steps.end("vCPUs started");
+        Ok(())
     }
 
     /// Waits for the migration under way to end and returns its final status
@@ -451,6 +460,10 @@ impl Vm for QemuVm {
 
     fn console_tail(&self, lines: usize) -> String {
         forkd_host::capped_log::tail(&self.config.console_log(), lines)
+    }
+
+    fn startup_steps(&self) -> Vec<Step> {
+        self.steps.steps()
     }
 
     fn cgroup(

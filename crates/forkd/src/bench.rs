@@ -215,6 +215,8 @@ struct ForkReport {
     template_build: forkd_storage::snapshot::manifest::BuildTimes,
     median_fork_one_ms: f64,
     fork_one_runs_ms: Vec<f64>,
+    /// Where a single fork's time went: the median of each step over the runs.
+    fork_one_steps: Vec<StepMedian>,
     count: u32,
     /// From the fork call to the moment every child had answered.
     fork_n_all_answered_ms: f64,
@@ -227,6 +229,31 @@ struct ForkReport {
     ratio_fork_one_to_cold_boot: f64,
     ratio_fork_n_to_fork_one: f64,
     ratio_sum_pss_to_template_resident: f64,
+}
+
+#[derive(Serialize)]
+struct StepMedian {
+    step: &'static str,
+    median_ms: f64,
+}
+
+/// The median of each step over `runs` (steps in the order of the first run).
+fn step_medians(runs: &[Vec<forkd_hypervisor::startup::Step>]) -> Vec<StepMedian> {
+    let Some(first) = runs.first() else {
+        return Vec::new();
+    };
+    first
+        .iter()
+        .map(|step| StepMedian {
+            step: step.name,
+            median_ms: median(
+                runs.iter()
+                    .flat_map(|r| r.iter().filter(|s| s.name == step.name))
+                    .map(|s| ms(s.took))
+                    .collect(),
+            ),
+        })
+        .collect()
 }
 
 #[derive(Serialize)]
@@ -286,7 +313,7 @@ async fn fork(home: &Home, args: ForkArgs) -> Result<()> {
         * 512;
     let result = fork_measurements(home, &snap, &args, &say).await;
     let removed = store.remove(&tag, &[]);
-    let (one, n_wall, n_first, memory) = result?;
+    let (one, one_steps, n_wall, n_first, memory) = result?;
     removed?;
 
     let median_cold_boot_ms = median(cold.iter().map(|r| r.first_answer_ms).collect());
@@ -301,6 +328,7 @@ async fn fork(home: &Home, args: ForkArgs) -> Result<()> {
         template_build: snap.manifest.build.clone(),
         median_fork_one_ms,
         fork_one_runs_ms: one,
+        fork_one_steps: step_medians(&one_steps),
         count: args.count,
         fork_n_all_answered_ms: n_wall,
         fork_n_first_answer_ms: n_first,
@@ -318,7 +346,13 @@ async fn fork(home: &Home, args: ForkArgs) -> Result<()> {
     Ok(())
 }
 
-type ForkFigures = (Vec<f64>, f64, Vec<f64>, Vec<ChildMemory>);
+type ForkFigures = (
+    Vec<f64>,
+    Vec<Vec<forkd_hypervisor::startup::Step>>,
+    f64,
+    Vec<f64>,
+    Vec<ChildMemory>,
+);
 
 /// Single forks (each destroyed before the next), then N at once with their memory.
 async fn fork_measurements(
@@ -329,7 +363,9 @@ async fn fork_measurements(
 ) -> Result<ForkFigures> {
     use forkd_core::fork::{fork, ForkOptions};
     let hv = forkd_qemu::hypervisor();
-    let mut one = Vec::new();
+    // As the daemon does: namespaces made ahead for forks (the first fork makes its own).
+    forkd_host::network::spares::keep(2);
+    let (mut one, mut one_steps) = (Vec::new(), Vec::new());
     for i in 0..args.runs {
         let opts = ForkOptions {
             count: 1,
@@ -346,6 +382,7 @@ async fn fork_measurements(
             args.runs
         ));
         one.push(t);
+        one_steps.push(child.timings().steps);
         child.destroy().await?;
     }
     say(&format!("forking {} children at once", args.count));
@@ -381,7 +418,7 @@ async fn fork_measurements(
     for c in children {
         c.destroy().await?;
     }
-    Ok((one, n_wall, n_first, memory))
+    Ok((one, one_steps, n_wall, n_first, memory))
 }
 
 fn print_fork_report(r: &ForkReport) {
@@ -402,6 +439,9 @@ fn print_fork_report(r: &ForkReport) {
         "  fork of one child to first answer (median) {:>6.0} ms",
         r.median_fork_one_ms
     );
+    for step in &r.fork_one_steps {
+        println!("    {:36} {:>9.1} ms", step.step, step.median_ms);
+    }
     println!(
         "  fork of {} children until all answered  {:>7.0} ms",
         r.count, r.fork_n_all_answered_ms

@@ -522,6 +522,10 @@ fn open_audit_log(config: &DaemonConfig, state: &Arc<State>) -> Result<AuditLog>
     }
 }
 
+/// Sandbox network namespaces kept made ahead of forks (see
+/// [`forkd_host::network::spares`]): two, one per restore a 2-core host runs at once.
+const SPARE_NETWORKS: usize = 2;
+
 /// The networks closed to sandboxes: the operator's `--egress-open` (recorded in the
 /// audit log, since it opens what is closed by default) and the host's routes now.
 async fn close_networks(config: &DaemonConfig, audit: &AuditLog) -> Result<()> {
@@ -557,6 +561,8 @@ async fn close_networks(config: &DaemonConfig, audit: &AuditLog) -> Result<()> {
         .map(|n| n.to_string())
         .collect();
     tracing::info!("host networks closed to sandboxes: {}", host.join(", "));
+    // A fork the warm pool cannot serve then finds its network made.
+    forkd_host::network::spares::keep(SPARE_NETWORKS);
     Ok(())
 }
 

@@ -21,6 +21,7 @@ pub mod closed;
 mod links;
 pub mod policy;
 pub mod rules;
+pub mod spares;
 
 use nix::sched::CloneFlags;
 use policy::EgressPolicy;
@@ -132,9 +133,21 @@ pub async fn create(policy: &EgressPolicy) -> Result<SandboxNetwork, NetworkErro
         )));
     }
     let policy = policy.clone();
-    on_own_thread(move || create_blocking(&policy))
-        .await
-        .map_err(|e| NetworkError(format!("making its network: {e}")))
+    let Some(spare) = spares::take() else {
+        return on_own_thread(move || create_blocking(&policy))
+            .await
+            .map_err(|e| NetworkError(format!("making its network: {e}")));
+    };
+    if policy == EgressPolicy::default() {
+        return Ok(spare);
+    }
+    on_own_thread(move || {
+        nix::sched::setns(spare.netns.as_fd(), CloneFlags::CLONE_NEWNET)?;
+        nft(&rules::replace_egress(&policy))?;
+        Ok(spare)
+    })
+    .await
+    .map_err(|e| NetworkError(format!("setting the egress policy of its network: {e}")))
 }
 
 /// Replaces the egress policy in the namespace of the process `pid` (a sandbox's QEMU).
@@ -246,6 +259,8 @@ pub async fn refresh_closed() -> std::io::Result<bool> {
     if !closed::refresh_host()? {
         return Ok(false);
     }
+    // Spares carry the closed networks of their making.
+    spares::discard();
     if HOST_READY.get().is_some_and(Result::is_ok) {
         on_own_thread(|| nft(&rules::host())).await?;
     }
