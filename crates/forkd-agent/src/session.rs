@@ -89,9 +89,15 @@ pub async fn serve_channel<C: Channel>(mut io: C, router: Router, label: &str) {
             },
             () = stale_hello(&tail) => ("a new greeting arrived".to_string(), true),
         };
-        eprintln!("forkd-agent: {label}: session {count} ended: {why}");
         if rescan {
             pending = tail.bytes();
+        }
+        // A host that greets again takes the channel over (every restored child's first
+        // greeting ends the session its snapshot was taken in): that end is expected,
+        // and a line on the console costs a restore real time under TCG.
+        let greeted = find_hello(&pending).is_some() || hello_keep(&pending) >= HELLO_PREFIX.len();
+        if !(rescan && greeted) {
+            eprintln!("forkd-agent: {label}: session {count} ended: {why}");
         }
     }
 }

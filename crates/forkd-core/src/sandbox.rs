@@ -378,6 +378,9 @@ impl Sandbox {
     /// state to `state` (see [`Vm::save_state`]). The VM stays paused: this is the last
     /// thing a template does before it is stopped.
     pub(crate) async fn freeze(&self, state: &Path) -> Result<(), SandboxError> {
+        // Dirty pages and an open journal transaction left in the parent would be
+        // written back by every child, into its own disk layer, in its first seconds.
+        self.call(|agent| async move { agent.sync().await }).await?;
         if let Some(w) = lock(&self.inner.watchdog).take() {
             w.abort();
         }
@@ -768,11 +771,32 @@ pub(crate) async fn ready_agent(
             agent
         }
     };
+    match resume_request(first) {
+        Some(req) => {
+            tokio::time::timeout(timeout, agent.resume(&req))
+                .await
+                .map_err(|_| AgentError::HandshakeTimeout {
+                    secs: timeout.as_secs(),
+                })??;
+            steps.end("resume hook");
+        }
+        None => {
+            agent.ping().await?;
+            steps.end("first answer");
+        }
+    }
+    // (The handshake checked the protocol; the resume hook's answer is the first one.)
+    Ok(agent)
+}
+
+/// The resume hook's request for `first` (none for a ping): the host's clock, and for a
+/// new child fresh entropy, its hostname and variables.
+pub(crate) fn resume_request(first: FirstCall<'_>) -> Option<forkd_proto::context::ResumeRequest> {
     let wall_clock_ns = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
         .unwrap_or(0);
-    let req = match first {
+    match first {
         FirstCall::Ping => None,
         FirstCall::NewChild { id, env, settle } => Some(forkd_proto::context::ResumeRequest {
             wall_clock_ns,
@@ -792,23 +816,7 @@ pub(crate) async fn ready_agent(
             settle: false,
             continuing: true,
         }),
-    };
-    match req {
-        Some(req) => {
-            tokio::time::timeout(timeout, agent.resume(&req))
-                .await
-                .map_err(|_| AgentError::HandshakeTimeout {
-                    secs: timeout.as_secs(),
-                })??;
-            steps.end("resume hook");
-        }
-        None => {
-            agent.ping().await?;
-            steps.end("first answer");
-        }
     }
-    // (The handshake checked the protocol; the resume hook's answer is the first one.)
-    Ok(agent)
 }
 
 /// A fresh sandbox id and its runtime directory, created and guarded: if the guard is

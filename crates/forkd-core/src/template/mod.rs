@@ -135,7 +135,10 @@ pub async fn build(
     let config = parent.config().clone();
     let boot = t0.elapsed();
     let t_warm = Instant::now();
-    let warmed = warm(&parent, recipe, progress).await;
+    let warmed = match seed_parent(&parent).await {
+        Ok(()) => warm(&parent, recipe, progress).await,
+        Err(e) => Err(e),
+    };
     let contexts = match warmed {
         Ok(c) => c,
         Err(e) => {
@@ -280,6 +283,25 @@ pub(crate) async fn boot_vm(
         env: Default::default(),
     };
     Sandbox::launch(hv, config, Launch::Boot, &sopts, guard).await
+}
+
+/// Gives the parent's kernel RNG entropy from the host, and its clock, before anything
+/// warms up: the RNG is then initialised in the snapshot. Otherwise every child's resume
+/// hook is the guest's first credit of entropy, and the kernel switches its
+/// `crng_is_ready` static key there: code patching that, under TCG, throws away
+/// translated code on every fresh restore. (Each child still gets entropy of its own.)
+async fn seed_parent(parent: &Sandbox) -> Result<(), SandboxError> {
+    let no_env = std::collections::BTreeMap::new();
+    let req = crate::sandbox::resume_request(crate::sandbox::FirstCall::NewChild {
+        id: parent.id(),
+        env: &no_env,
+        settle: false,
+    })
+    .expect("a new child's first call is the resume hook");
+    parent
+        .call(|agent| async move { agent.resume(&req).await })
+        .await?;
+    Ok(())
 }
 
 /// Runs the warm-up commands and starts the contexts; returns the contexts.

@@ -68,7 +68,7 @@ pub(super) fn take() -> Option<SandboxNetwork> {
     taken
 }
 
-/// Starts making a spare if fewer are ready than wanted and none is being made.
+/// Starts making spares if fewer are ready than wanted and none are being made.
 fn refill() {
     let generation = {
         let mut s = lock();
@@ -78,31 +78,40 @@ fn refill() {
         s.making = true;
         s.generation
     };
+    // This thread stays in the host's namespace: each spare is made on a thread of its
+    // own, which the making moves into the new namespace (a thread started from there
+    // would make its namespace's uplink inside the previous one).
     let made = std::thread::Builder::new()
-        .name("forkd-netns".into())
-        .spawn(move || {
-            let net = super::create_blocking(&EgressPolicy::default());
-            let more = {
-                let mut s = lock();
-                s.making = false;
-                match net {
-                    Ok(net) if s.generation == generation && s.ready.len() < s.wanted => {
-                        s.ready.push(net);
-                        true
-                    }
-                    Ok(_) => s.generation != generation,
-                    Err(e) => {
-                        tracing::warn!("making a spare sandbox network failed: {e}");
-                        false
-                    }
+        .name("forkd-spares".into())
+        .spawn(move || loop {
+            let net = std::thread::Builder::new()
+                .name("forkd-netns".into())
+                .spawn(|| super::create_blocking(&EgressPolicy::default()))
+                .map_err(|e| e.to_string())
+                .and_then(|t| {
+                    t.join()
+                        .map_err(|_| "the thread panicked".to_string())?
+                        .map_err(|e| e.to_string())
+                });
+            let mut s = lock();
+            match net {
+                Ok(net) if s.generation == generation && s.ready.len() < s.wanted => {
+                    s.ready.push(net);
                 }
-            };
-            if more {
-                refill();
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!("making a spare sandbox network failed: {e}");
+                    s.making = false;
+                    return;
+                }
+            }
+            if s.generation != generation || s.ready.len() >= s.wanted {
+                s.making = false;
+                return;
             }
         });
     if let Err(e) = made {
-        tracing::warn!("starting the thread of a spare sandbox network failed: {e}");
+        tracing::warn!("starting the thread of spare sandbox networks failed: {e}");
         lock().making = false;
     }
 }
@@ -143,14 +152,16 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_spare_taken_with_another_policy_has_the_rules_of_one_made_with_it() {
+    async fn spares_are_made_ahead_in_the_host_namespace_and_take_the_policy_of_their_fork() {
         if let Some(why) = unavailable() {
             eprintln!("skipped: {why}");
             return;
         }
-        keep(1);
-        let first = create(&EgressPolicy::default()).await.expect("first network");
-        wait_ready(1).await;
+        keep(2);
+        let first = create(&EgressPolicy::default())
+            .await
+            .expect("first network");
+        wait_ready(2).await;
         let policy = EgressPolicy {
             egress: EgressMode::Allow,
             allow: Vec::new(),
@@ -166,8 +177,22 @@ mod tests {
         .expect("a namespace made with the policy");
         assert_eq!(ruleset(&taken), ruleset(&made));
         assert_ne!(ruleset(&taken), ruleset(&first));
-        // Taking one made another; a change of the closed networks drops it.
-        wait_ready(1).await;
+        // Every uplink's peer is in the host's namespace: spares made one after another
+        // on the same background thread too.
+        wait_ready(2).await;
+        let second = create(&EgressPolicy::default()).await.expect("a spare");
+        let third = create(&EgressPolicy::default()).await.expect("a spare");
+        for net in [&first, &taken, &made, &second, &third] {
+            assert!(
+                std::path::Path::new("/sys/class/net")
+                    .join(&net.host_link)
+                    .exists(),
+                "{} is not in the host's namespace",
+                net.host_link
+            );
+        }
+        // A change of the closed networks drops the spares.
+        wait_ready(2).await;
         discard();
         assert_eq!(ready(), 0);
         keep(0);
