@@ -94,7 +94,6 @@ fn run_pid1() -> ExitCode {
         let children = children::Children::new();
         tokio::spawn(pid1::reaper(children.clone()));
         let state = AppState::new(Mode::Pid1, children);
-        let router = server::router(state);
         let port = loop {
             match port::PortIo::open().await {
                 Ok(p) => break p,
@@ -108,7 +107,7 @@ fn run_pid1() -> ExitCode {
             forkd_proto::AGENT_VERSION,
             port.path().display()
         ));
-        session::serve_channel(port, router, "port").await;
+        session::serve_channel(port, state, "port").await;
     });
     pid1::die("the agent port went away for good")
 }
@@ -147,15 +146,14 @@ async fn listen(path: &Path) -> std::io::Result<()> {
         path.display()
     );
     let state = AppState::new(Mode::Dev, children::Children::new());
-    let router = server::router(state);
     let mut n: u64 = 0;
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
                 n += 1;
-                let router = router.clone();
+                let state = state.clone();
                 tokio::spawn(async move {
-                    session::serve_channel(stream, router, &format!("connection {n}")).await;
+                    session::serve_channel(stream, state, &format!("connection {n}")).await;
                 });
             }
             Err(e) => {

@@ -250,7 +250,7 @@ impl AsyncWrite for PortIo {
 mod tests {
     use super::*;
     use crate::children::Children;
-    use crate::server::{router, AppState, Mode};
+    use crate::server::{AppState, Mode};
     use forkd_proto::handshake::{find_ready, hello, ReadyScan};
     use http_body_util::{BodyExt, Empty};
     use nix::sys::termios;
@@ -268,7 +268,7 @@ mod tests {
             .expect("slave path");
         let port = PortIo::open_path(&slave_path).expect("open the pty as the port");
         let state = AppState::new(Mode::Dev, Children::new());
-        tokio::spawn(crate::session::serve_channel(port, router(state), "test"));
+        tokio::spawn(crate::session::serve_channel(port, state, "test"));
 
         let mut host =
             PortIo::from_file(File::from(pty.master), Path::new("ptmx")).expect("master");

@@ -30,6 +30,11 @@ pub async fn resume(
     body: Bytes,
 ) -> Result<Json<ResumeResponse>, ApiError> {
     let req: ResumeRequest = parse_json(&body)?;
+    apply(&state, req).await.map(Json)
+}
+
+/// Runs the resume hook (from `POST /v1/resume`, or from the greeting that carried it).
+pub async fn apply(state: &AppState, req: ResumeRequest) -> Result<ResumeResponse, ApiError> {
     let own_machine = state.mode == crate::server::Mode::Pid1;
     if req.continuing {
         // The clock stood still while the machine was paused; nothing else of it changes.
@@ -38,10 +43,10 @@ pub async fn resume(
         } else {
             0
         };
-        return Ok(Json(ResumeResponse {
+        return Ok(ResumeResponse {
             clock_step_ms,
             contexts_reseeded: 0,
-        }));
+        });
     }
     let entropy = hex::decode(&req.entropy_hex)
         .map_err(|e| ApiError::invalid(format!("entropy_hex is not a hex string: {e}")))?;
@@ -72,10 +77,10 @@ pub async fn resume(
         .contexts
         .reseed_all(RESEED_WAIT, &req.env, req.settle)
         .await;
-    Ok(Json(ResumeResponse {
+    Ok(ResumeResponse {
         clock_step_ms,
         contexts_reseeded,
-    }))
+    })
 }
 
 /// Sets CLOCK_REALTIME; returns the step in milliseconds.

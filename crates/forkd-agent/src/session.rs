@@ -12,8 +12,12 @@
 //!   the old session too. (Uploaded data that ends in a well-formed greeting and is
 //!   followed by that much silence would trip it: the host would see its session reset.)
 
+use crate::server::AppState;
 use axum::Router;
-use forkd_proto::handshake::{find_hello, hello_keep, ready, HELLO_PREFIX, NONCE_LEN};
+use forkd_proto::context::{ResumeOutcome, ResumeRequest};
+use forkd_proto::handshake::{
+    hello_keep, ready, ready_with, scan_hello, Hello, HelloScan, HELLO_PREFIX, MAX_BODY,
+};
 use forkd_proto::io::Rewind;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
@@ -31,8 +35,9 @@ use tokio::sync::Notify;
 const STREAM_WINDOW: u32 = 4 << 20;
 const CONNECTION_WINDOW: u32 = 16 << 20;
 
-/// How many of the last bytes a session read are kept for a rescan.
-const TAIL_KEEP: usize = 4096;
+/// How many of the last bytes a session read are kept for a rescan: a whole greeting,
+/// body included.
+const TAIL_KEEP: usize = MAX_BODY + 1024;
 
 /// Silence after a greeting that ends the session it arrived in.
 pub const HELLO_QUIET: Duration = Duration::from_millis(200);
@@ -51,7 +56,8 @@ impl Channel for tokio::net::UnixStream {
 }
 
 /// Serves sessions on `io` until it is gone for good (never, for the virtio port).
-pub async fn serve_channel<C: Channel>(mut io: C, router: Router, label: &str) {
+pub async fn serve_channel<C: Channel>(mut io: C, state: Arc<AppState>, label: &str) {
+    let router: Router = crate::server::router(state.clone());
     let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     builder
         .initial_stream_window_size(STREAM_WINDOW)
@@ -62,10 +68,10 @@ pub async fn serve_channel<C: Channel>(mut io: C, router: Router, label: &str) {
     let mut pending = Vec::new();
     let mut count: u64 = 0;
     loop {
-        let Some((nonce, rest)) = scan(&mut io, std::mem::take(&mut pending)).await else {
+        let Some((hello, rest)) = scan(&mut io, std::mem::take(&mut pending)).await else {
             return;
         };
-        if let Err(e) = answer(&mut io, &nonce).await {
+        if let Err(e) = answer(&mut io, &hello, &state).await {
             eprintln!("forkd-agent: {label}: answering the greeting failed: {e}");
             if !io.idle().await {
                 return;
@@ -95,24 +101,32 @@ pub async fn serve_channel<C: Channel>(mut io: C, router: Router, label: &str) {
         // A host that greets again takes the channel over (every restored child's first
         // greeting ends the session its snapshot was taken in): that end is expected,
         // and a line on the console costs a restore real time under TCG.
-        let greeted = find_hello(&pending).is_some() || hello_keep(&pending) >= HELLO_PREFIX.len();
+        let greeted = !matches!(scan_hello(&pending), HelloScan::Absent)
+            || hello_keep(&pending) >= HELLO_PREFIX.len();
         if !(rescan && greeted) {
             eprintln!("forkd-agent: {label}: session {count} ended: {why}");
         }
     }
 }
 
-/// Reads until a greeting shows up; returns its nonce and the bytes after it. `buf`
-/// holds bytes to look at first. Returns `None` once the stream is gone for good.
-async fn scan<C: Channel>(io: &mut C, mut buf: Vec<u8>) -> Option<(String, Vec<u8>)> {
+/// Reads until a greeting shows up; returns it and the bytes after it. `buf` holds bytes
+/// to look at first. Returns `None` once the stream is gone for good.
+async fn scan<C: Channel>(io: &mut C, mut buf: Vec<u8>) -> Option<(Hello, Vec<u8>)> {
     let mut chunk = vec![0u8; 4096];
     loop {
-        if let Some((nonce, end)) = find_hello(&buf) {
-            return Some((nonce, buf.split_off(end)));
+        match scan_hello(&buf) {
+            HelloScan::Found(hello) => {
+                let rest = buf.split_off(hello.end);
+                return Some((hello, rest));
+            }
+            // A greeting (at most MAX_BODY long) may be arriving from there.
+            HelloScan::Partial(at) => drop(buf.drain(..at)),
+            // Everything but a possible greeting's start is noise from an older session.
+            HelloScan::Absent => {
+                let keep = hello_keep(&buf);
+                buf.drain(..buf.len() - keep);
+            }
         }
-        // Everything but a possible greeting's start is noise from an older session.
-        let keep = hello_keep(&buf);
-        buf.drain(..buf.len() - keep);
         match io.read(&mut chunk).await {
             Ok(0) => {
                 if !io.idle().await {
@@ -143,9 +157,28 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-async fn answer<C: Channel>(io: &mut C, nonce: &str) -> io::Result<()> {
-    io.write_all(&ready(nonce)).await?;
+/// Answers `hello`: for a greeting that carries the resume hook's request, once the hook
+/// has run, with its outcome.
+async fn answer<C: Channel>(io: &mut C, hello: &Hello, state: &AppState) -> io::Result<()> {
+    let answer = match &hello.body {
+        None => ready(&hello.nonce),
+        Some(body) => ready_with(&hello.nonce, &resume_outcome(state, body).await),
+    };
+    io.write_all(&answer).await?;
     io.flush().await
+}
+
+/// Runs the resume hook a greeting carried; its outcome as JSON.
+async fn resume_outcome(state: &AppState, body: &[u8]) -> Vec<u8> {
+    let outcome = match crate::server::parse_json::<ResumeRequest>(body) {
+        Ok(req) => crate::resume::apply(state, req).await,
+        Err(e) => Err(e),
+    };
+    let outcome = match outcome {
+        Ok(r) => ResumeOutcome::Resumed(r),
+        Err(e) => ResumeOutcome::Failed(forkd_proto::ErrorBody { error: e.detail() }),
+    };
+    serde_json::to_vec(&outcome).unwrap_or_default()
 }
 
 /// The last bytes a session read, and whether they end with a greeting.
@@ -159,6 +192,8 @@ struct Tail {
 struct TailState {
     bytes: Vec<u8>,
     reads: u64,
+    /// Where the last greeting prefix in `bytes` starts, if one is there.
+    hello_at: Option<usize>,
 }
 
 impl Tail {
@@ -173,10 +208,22 @@ impl Tail {
         let ends_with_hello = {
             let mut st = self.lock();
             st.reads += 1;
+            // Only the new bytes (and a prefix's worth before them) are searched.
+            let from = st.bytes.len().saturating_sub(HELLO_PREFIX.len() - 1);
             st.bytes.extend_from_slice(data);
-            let excess = st.bytes.len().saturating_sub(TAIL_KEEP);
-            st.bytes.drain(..excess);
-            ends_with_hello(&st.bytes)
+            if let Some(i) = st.bytes[from..]
+                .windows(HELLO_PREFIX.len())
+                .rposition(|w| w == HELLO_PREFIX)
+            {
+                st.hello_at = Some(from + i);
+            }
+            // Trimmed in batches: each byte is moved at most once more.
+            if st.bytes.len() > 2 * TAIL_KEEP {
+                let excess = st.bytes.len() - TAIL_KEEP;
+                st.bytes.drain(..excess);
+                st.hello_at = st.hello_at.and_then(|at| at.checked_sub(excess));
+            }
+            st.ends_with_hello()
         };
         if ends_with_hello {
             self.greeting.notify_one();
@@ -184,7 +231,8 @@ impl Tail {
     }
 
     fn bytes(&self) -> Vec<u8> {
-        self.lock().bytes.clone()
+        let st = self.lock();
+        st.bytes[st.bytes.len().saturating_sub(TAIL_KEEP)..].to_vec()
     }
 
     fn reads(&self) -> u64 {
@@ -192,16 +240,18 @@ impl Tail {
     }
 
     fn ends_with_hello(&self) -> bool {
-        ends_with_hello(&self.lock().bytes)
+        self.lock().ends_with_hello()
     }
 }
 
-fn ends_with_hello(buf: &[u8]) -> bool {
-    let total = HELLO_PREFIX.len() + NONCE_LEN + 1;
-    let Some(start) = buf.len().checked_sub(total) else {
-        return false;
-    };
-    matches!(find_hello(&buf[start..]), Some((_, end)) if end == total)
+impl TailState {
+    /// Whether the bytes end with a whole greeting (with its body, if it carries one).
+    fn ends_with_hello(&self) -> bool {
+        let Some(at) = self.hello_at else {
+            return false;
+        };
+        matches!(scan_hello(&self.bytes[at..]), HelloScan::Found(h) if at + h.end == self.bytes.len())
+    }
 }
 
 /// Resolves when the session's input ended with a greeting and then went quiet.
@@ -272,27 +322,41 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Recorder<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use forkd_proto::handshake::hello;
+    use forkd_proto::handshake::{hello, hello_with};
 
     const N: &str = "0123456789abcdef0123456789abcdef";
 
+    fn tail_of(parts: &[&[u8]]) -> Tail {
+        let t = Tail::default();
+        for p in parts {
+            t.record(p);
+        }
+        t
+    }
+
     #[test]
     fn greeting_at_the_end_is_seen() {
-        let mut buf = b"\x00\x00\x04\x08junk".to_vec();
-        assert!(!ends_with_hello(&buf));
-        buf.extend_from_slice(&hello(N));
-        assert!(ends_with_hello(&buf));
-        buf.push(b'x');
-        assert!(!ends_with_hello(&buf));
+        let junk: &[u8] = b"\x00\x00\x04\x08junk";
+        assert!(!tail_of(&[junk]).ends_with_hello());
+        assert!(tail_of(&[junk, &hello(N)]).ends_with_hello());
+        assert!(!tail_of(&[junk, &hello(N), b"x"]).ends_with_hello());
+        // Split across reads, and with a body.
+        let with = hello_with(N, br#"{"hostname":"sb-1"}"#);
+        let (a, b) = with.split_at(5);
+        assert!(tail_of(&[junk, a, b]).ends_with_hello());
+        assert!(!tail_of(&[junk, a]).ends_with_hello());
     }
 
     #[test]
     fn tail_is_bounded() {
         let t = Tail::default();
-        t.record(&vec![1u8; TAIL_KEEP * 3]);
+        for _ in 0..5 {
+            t.record(&vec![1u8; TAIL_KEEP]);
+            assert!(t.lock().bytes.len() <= 2 * TAIL_KEEP);
+        }
         t.record(&hello(N));
         assert_eq!(t.bytes().len(), TAIL_KEEP);
         assert!(t.ends_with_hello());
-        assert_eq!(t.reads(), 2);
+        assert_eq!(t.reads(), 6);
     }
 }

@@ -353,6 +353,8 @@ impl PlannedChild {
                         env: &no_env,
                         settle: true,
                     },
+                    snap.manifest.versions.agent_protocol
+                        >= forkd_proto::handshake::RESUME_IN_GREETING,
                     &unmeasured,
                 ) => res?,
                 reason = vm.wait_exit() => {
@@ -564,6 +566,7 @@ async fn fork_one(
             let how = Launch::Restore {
                 state: snap.part(parts::STATE),
                 tag: snap.tag.to_string(),
+                agent_protocol: snap.manifest.versions.agent_protocol,
             };
             (p.config, p.guard, how)
         }

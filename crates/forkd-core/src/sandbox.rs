@@ -145,6 +145,10 @@ pub enum Launch {
         state: PathBuf,
         /// The snapshot's tag.
         tag: String,
+        /// The agent protocol of the snapshot's guest (its manifest's): from
+        /// [`forkd_proto::handshake::RESUME_IN_GREETING`] on, the resume hook rides in
+        /// the greeting.
+        agent_protocol: u32,
     },
     /// A VM restored from the sandbox's own pause image, its vCPUs running: the agent
     /// only gets the host's clock (it is the same machine continuing).
@@ -224,6 +228,8 @@ impl Sandbox {
             Launch::Restore { tag, .. } | Launch::Warmed { tag, .. } => Some(tag.clone()),
         };
         let continuing = matches!(how, Launch::Resumed { .. });
+        let greeting_resume = matches!(how, Launch::Restore { agent_protocol, .. }
+            if agent_protocol >= forkd_proto::handshake::RESUME_IN_GREETING);
         let (vm, warmed) = match how {
             Launch::Boot => (hv.boot(&config).await?, None),
             Launch::Restore { state, .. } => (hv.restore(&config, &state).await?, None),
@@ -262,7 +268,7 @@ impl Sandbox {
         };
         let agent_steps = forkd_hypervisor::startup::StepClock::new();
         let agent = tokio::select! {
-            res = ready_agent(&agent_socket, warmed, opts.boot_timeout, first, &agent_steps) => match res {
+            res = ready_agent(&agent_socket, warmed, opts.boot_timeout, first, greeting_resume, &agent_steps) => match res {
                 Ok(a) => a,
                 Err(AgentError::HandshakeTimeout { .. }) => {
                     vm.kill();
@@ -323,7 +329,7 @@ impl Sandbox {
         let socket = config.agent_socket();
         let steps = forkd_hypervisor::startup::StepClock::new();
         let agent = tokio::select! {
-            res = ready_agent(&socket, None, opts.boot_timeout, FirstCall::Ping, &steps) => res?,
+            res = ready_agent(&socket, None, opts.boot_timeout, FirstCall::Ping, false, &steps) => res?,
             _ = vm.wait_exit() => {
                 return Err(SandboxError::Gone { id });
             }
@@ -755,23 +761,31 @@ pub(crate) enum FirstCall<'a> {
 }
 
 /// The agent of a VM whose vCPUs run, once it has answered `first`. `warmed` is a
-/// connection already made (a warm pool member's); else one is made.
+/// connection already made (a warm pool member's); else one is made, whose greeting
+/// carries the resume hook when `greeting_resume` (its agent takes it there).
 pub(crate) async fn ready_agent(
     socket: &Path,
     warmed: Option<AgentClient>,
     timeout: Duration,
     first: FirstCall<'_>,
+    greeting_resume: bool,
     steps: &forkd_hypervisor::startup::StepClock,
 ) -> Result<AgentClient, AgentError> {
-    let agent = match warmed {
-        Some(agent) => agent,
+    let req = resume_request(first);
+    let (agent, resumed) = match warmed {
+        Some(agent) => (agent, None),
         None => {
-            let agent = AgentClient::connect(socket, timeout).await?;
-            steps.end("agent greeting");
-            agent
+            let in_greeting = req.as_ref().filter(|_| greeting_resume);
+            let (agent, resumed) = AgentClient::connect_with(socket, timeout, in_greeting).await?;
+            steps.end(match resumed {
+                Some(_) => "agent greeting with the resume hook",
+                None => "agent greeting",
+            });
+            (agent, resumed)
         }
     };
-    match resume_request(first) {
+    match req {
+        Some(_) if resumed.is_some() => {}
         Some(req) => {
             tokio::time::timeout(timeout, agent.resume(&req))
                 .await

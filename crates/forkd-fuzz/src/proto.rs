@@ -220,21 +220,48 @@ const NONCE: &str = "0123456789abcdef0123456789abcdef";
 /// The handshake: the guest scanning for the host's greeting, the bound on what it
 /// keeps, and the host scanning for the answer carrying its nonce.
 pub fn handshake(data: &[u8]) {
-    if let Some((nonce, end)) = handshake::find_hello(data) {
-        assert!(end <= data.len(), "the greeting ends past the buffer");
-        assert_eq!(nonce.len(), handshake::NONCE_LEN);
-        assert!(
-            data[..end].ends_with(&handshake::hello(&nonce)),
-            "the greeting found is not the bytes before its end"
-        );
+    match handshake::scan_hello(data) {
+        handshake::HelloScan::Found(hello) => {
+            assert!(hello.end <= data.len(), "the greeting ends past the buffer");
+            assert_eq!(hello.nonce.len(), handshake::NONCE_LEN);
+            let want = match &hello.body {
+                Some(body) => {
+                    assert!(body.len() <= handshake::MAX_BODY, "a body past the limit");
+                    handshake::hello_with(&hello.nonce, body)
+                }
+                None => handshake::hello(&hello.nonce),
+            };
+            assert!(
+                data[..hello.end].ends_with(&want),
+                "the greeting found is not the bytes before its end"
+            );
+        }
+        handshake::HelloScan::Partial(at) => {
+            assert!(
+                data[at..].starts_with(handshake::HELLO_PREFIX),
+                "a partial greeting that does not start with the prefix"
+            );
+            assert!(
+                data.len() - at
+                    <= handshake::HELLO_PREFIX.len()
+                        + handshake::NONCE_LEN
+                        + 10
+                        + handshake::MAX_BODY,
+                "a partial greeting longer than any greeting"
+            );
+        }
+        handshake::HelloScan::Absent => {}
     }
     let keep = handshake::hello_keep(data);
     assert!(
         keep < handshake::HELLO_PREFIX.len() + handshake::NONCE_LEN + 1 && keep <= data.len(),
         "the scan keeps {keep} bytes"
     );
-    if let ReadyScan::Found { end, .. } = handshake::find_ready(data, NONCE) {
+    if let ReadyScan::Found { end, body, .. } = handshake::find_ready(data, NONCE) {
         assert!(end <= data.len(), "the answer ends past the buffer");
-        assert_eq!(data[end - 1], b'\n');
+        match body {
+            None => assert_eq!(data[end - 1], b'\n'),
+            Some(body) => assert!(data[..end].ends_with(&body)),
+        }
     }
 }

@@ -380,6 +380,22 @@ allow = ["pypi.org:443", "203.0.113.0/24"]
         ("agent_response", "file-list", with(5, br#"[{"name":"a","path":"/a","kind":"file","size":1,"mode":420,"modified_ms":0}]"#)),
         ("handshake", "greeting-after-garbage", greeting),
         ("handshake", "ready", forkd_proto::handshake::ready(nonce)),
+        (
+            "handshake",
+            "greeting-with-resume",
+            forkd_proto::handshake::hello_with(
+                nonce,
+                br#"{"wall_clock_ns":1,"entropy_hex":"00","hostname":"sb-1"}"#,
+            ),
+        ),
+        (
+            "handshake",
+            "ready-with-outcome",
+            forkd_proto::handshake::ready_with(
+                nonce,
+                br#"{"resumed":{"clock_step_ms":0,"contexts_reseeded":0}}"#,
+            ),
+        ),
         ("api_body", "create-sandboxes", with(0, br#"{"snapshot":"python","n":3,"labels":{"team":"a"},"env":{"K":"V"},"timeout_s":600,"partial":true,"wait":false,"limits":{"memory_mib":1024,"cpu_cores":0.5,"cpu_weight":100,"pids":256},"network":{"egress":"deny","allow":["203.0.113.0/24","198.51.100.7:443","pypi.org"]}}"#)),
         ("api_body", "network", with(1, br#"{"egress":"allow","deny":["203.0.113.0/24:22","*.bad.test"]}"#)),
         ("api_body", "timeout", with(2, br#"{"timeout_s":null}"#)),

@@ -208,6 +208,17 @@ pub struct ResumeResponse {
     pub contexts_reseeded: u32,
 }
 
+/// What a greeting that carried a [`ResumeRequest`] answers with (see
+/// [`crate::handshake`]).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ResumeOutcome {
+    /// The hook ran.
+    Resumed(ResumeResponse),
+    /// It did not: what `POST /v1/resume` would have answered.
+    Failed(crate::ErrorBody),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

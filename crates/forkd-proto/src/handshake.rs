@@ -8,6 +8,14 @@
 //! `FORKD-READY <nonce> <protocol>\n`; the host discards everything before the answer that
 //! carries its own nonce. Only then does HTTP/2 start, with the host as the client. A nonce
 //! is never reused, so an answer from an older session can never be mistaken for a new one.
+//!
+//! From protocol [`RESUME_IN_GREETING`] on, the greeting of a restored child may carry the
+//! resume hook's request (`FORKD-HELLO <nonce> <length>\n` and that many bytes of JSON,
+//! the length as 8 hex digits), and the answer its outcome in the same form
+//! (`FORKD-READY <nonce> <protocol> <length>\n` and the JSON of a
+//! [`crate::context::ResumeOutcome`]): the child takes its identity before any HTTP/2, in
+//! one exchange. (Under TCG a fresh restore translates every guest instruction it runs: an
+//! HTTP/2 request before the child is handed out cost it about as much as the greeting.)
 
 /// The prefix of the host's greeting.
 pub const HELLO_PREFIX: &[u8] = b"FORKD-HELLO ";
@@ -15,12 +23,27 @@ pub const HELLO_PREFIX: &[u8] = b"FORKD-HELLO ";
 pub const READY_PREFIX: &[u8] = b"FORKD-READY ";
 /// Hex digits in a nonce.
 pub const NONCE_LEN: usize = 32;
+/// The first protocol version whose agents take the resume hook in the greeting.
+pub const RESUME_IN_GREETING: u32 = 5;
+/// Largest body a greeting or an answer carries (a larger resume request goes by HTTP/2).
+pub const MAX_BODY: usize = 60 * 1024;
+/// Hex digits of a body's length.
+const LEN_DIGITS: usize = 8;
 
 /// The host's greeting for `nonce` (32 lowercase hex digits).
 pub fn hello(nonce: &str) -> Vec<u8> {
     let mut v = HELLO_PREFIX.to_vec();
     v.extend_from_slice(nonce.as_bytes());
     v.push(b'\n');
+    v
+}
+
+/// The host's greeting for `nonce` carrying `body` (at most [`MAX_BODY`] bytes).
+pub fn hello_with(nonce: &str, body: &[u8]) -> Vec<u8> {
+    let mut v = HELLO_PREFIX.to_vec();
+    v.extend_from_slice(nonce.as_bytes());
+    v.extend_from_slice(format!(" {:0w$x}\n", body.len(), w = LEN_DIGITS).as_bytes());
+    v.extend_from_slice(body);
     v
 }
 
@@ -35,27 +58,110 @@ pub fn ready(nonce: &str) -> Vec<u8> {
     .into_bytes()
 }
 
+/// The guest's answer to the greeting carrying `nonce`, with `body` (at most
+/// [`MAX_BODY`] bytes).
+pub fn ready_with(nonce: &str, body: &[u8]) -> Vec<u8> {
+    let mut v = format!(
+        "{}{} {} {:0w$x}\n",
+        std::str::from_utf8(READY_PREFIX).unwrap_or_default(),
+        nonce,
+        crate::PROTOCOL_VERSION,
+        body.len(),
+        w = LEN_DIGITS
+    )
+    .into_bytes();
+    v.extend_from_slice(body);
+    v
+}
+
+/// `LEN_DIGITS` hex digits and a newline at the start of `b`, as a body length.
+fn body_len(b: &[u8]) -> Option<usize> {
+    let digits = b.get(..LEN_DIGITS)?;
+    if b.get(LEN_DIGITS) != Some(&b'\n') || !digits.iter().all(u8::is_ascii_hexdigit) {
+        return None;
+    }
+    usize::from_str_radix(std::str::from_utf8(digits).ok()?, 16)
+        .ok()
+        .filter(|&n| n <= MAX_BODY)
+}
+
+/// A greeting found by [`scan_hello`].
+#[derive(Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Its nonce.
+    pub nonce: String,
+    /// What it carries, if anything.
+    pub body: Option<Vec<u8>>,
+    /// The index just past it (bytes after it belong to HTTP/2).
+    pub end: usize,
+}
+
+/// What [`scan_hello`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum HelloScan {
+    /// The first complete greeting.
+    Found(Hello),
+    /// A greeting may be arriving from this index on: keep the bytes from there.
+    Partial(usize),
+    /// None: only the last [`hello_keep`] bytes may still start one.
+    Absent,
+}
+
 fn is_nonce(b: &[u8]) -> bool {
     b.len() == NONCE_LEN && b.iter().all(|c| c.is_ascii_hexdigit())
 }
 
-/// Guest side: finds the first complete greeting in `buf`. Returns the nonce and the
-/// index just past the greeting's newline (bytes after it belong to HTTP/2).
-pub fn find_hello(buf: &[u8]) -> Option<(String, usize)> {
-    let total = HELLO_PREFIX.len() + NONCE_LEN + 1;
+/// Guest side: finds the first complete greeting in `buf`, plain or carrying a body.
+pub fn scan_hello(buf: &[u8]) -> HelloScan {
     let mut start = 0;
     while let Some(pos) = find(&buf[start..], HELLO_PREFIX) {
         let at = start + pos;
-        if buf.len() < at + total {
-            return None;
-        }
-        let nonce = &buf[at + HELLO_PREFIX.len()..at + HELLO_PREFIX.len() + NONCE_LEN];
-        if is_nonce(nonce) && buf[at + total - 1] == b'\n' {
-            return Some((String::from_utf8_lossy(nonce).into_owned(), at + total));
-        }
         start = at + 1;
+        let after = &buf[at + HELLO_PREFIX.len()..];
+        let Some(nonce) = after.get(..NONCE_LEN) else {
+            return match after.iter().all(u8::is_ascii_hexdigit) {
+                true => HelloScan::Partial(at),
+                false => continue,
+            };
+        };
+        if !is_nonce(nonce) {
+            continue;
+        }
+        let nonce = String::from_utf8_lossy(nonce).into_owned();
+        let rest = &after[NONCE_LEN..];
+        let head = at + HELLO_PREFIX.len() + NONCE_LEN;
+        match rest.first() {
+            None => return HelloScan::Partial(at),
+            Some(b'\n') => {
+                return HelloScan::Found(Hello {
+                    nonce,
+                    body: None,
+                    end: head + 1,
+                })
+            }
+            Some(b' ') => {}
+            Some(_) => continue,
+        }
+        let framing = &rest[1..];
+        let Some(len) = body_len(framing) else {
+            // Too short to tell yet, or not a length.
+            let short = framing.len() <= LEN_DIGITS && framing.iter().all(u8::is_ascii_hexdigit);
+            if short {
+                return HelloScan::Partial(at);
+            }
+            continue;
+        };
+        let body_at = head + 1 + LEN_DIGITS + 1;
+        return match buf.get(body_at..body_at + len) {
+            Some(body) => HelloScan::Found(Hello {
+                nonce,
+                body: Some(body.to_vec()),
+                end: body_at + len,
+            }),
+            None => HelloScan::Partial(at),
+        };
     }
-    None
+    HelloScan::Absent
 }
 
 /// How many bytes at the end of `buf` might still be the start of a greeting; the rest can
@@ -83,7 +189,9 @@ pub enum ReadyScan {
     Found {
         /// Protocol version the guest speaks.
         protocol: u32,
-        /// Index just past the answer's newline.
+        /// What the answer carries, if anything.
+        body: Option<Vec<u8>>,
+        /// Index just past the answer.
         end: usize,
     },
 }
@@ -96,17 +204,32 @@ pub fn find_ready(buf: &[u8], nonce: &str) -> ReadyScan {
     let Some(at) = find(buf, &pat) else {
         return ReadyScan::Pending;
     };
-    let rest = &buf[at + pat.len()..];
+    let line_at = at + pat.len();
+    let rest = &buf[line_at..];
     let Some(nl) = rest.iter().position(|&c| c == b'\n') else {
         return ReadyScan::Pending;
     };
-    let protocol = std::str::from_utf8(&rest[..nl])
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    ReadyScan::Found {
-        protocol,
-        end: at + pat.len() + nl + 1,
+    let line = std::str::from_utf8(&rest[..nl]).unwrap_or_default();
+    let (protocol, len) = match line.split_once(' ') {
+        None => (line, None),
+        Some((protocol, len)) => (protocol, usize::from_str_radix(len, 16).ok()),
+    };
+    let protocol = protocol.parse().unwrap_or(0);
+    let end = line_at + nl + 1;
+    match len {
+        None => ReadyScan::Found {
+            protocol,
+            body: None,
+            end,
+        },
+        Some(len) => match buf.get(end..end + len) {
+            Some(body) => ReadyScan::Found {
+                protocol,
+                body: Some(body.to_vec()),
+                end: end + len,
+            },
+            None => ReadyScan::Pending,
+        },
     }
 }
 
@@ -123,15 +246,56 @@ mod tests {
 
     const N: &str = "0123456789abcdef0123456789abcdef";
 
+    fn found(buf: &[u8]) -> Hello {
+        match scan_hello(buf) {
+            HelloScan::Found(h) => h,
+            other => panic!("no greeting in {buf:?}: {other:?}"),
+        }
+    }
+
     #[test]
     fn hello_is_found_after_garbage() {
         let mut buf = b"\x00\x01garbage FORKD-HELLO short\nFORKD-HEL".to_vec();
-        assert_eq!(find_hello(&buf), None);
+        assert_eq!(scan_hello(&buf), HelloScan::Partial(buf.len() - 9));
         buf.extend_from_slice(&hello(N)[9..]);
         buf.extend_from_slice(b"PRI * HTTP/2.0");
-        let (nonce, end) = find_hello(&buf).unwrap();
-        assert_eq!(nonce, N);
-        assert_eq!(&buf[end..], b"PRI * HTTP/2.0");
+        let h = found(&buf);
+        assert_eq!((h.nonce.as_str(), h.body), (N, None));
+        assert_eq!(&buf[h.end..], b"PRI * HTTP/2.0");
+    }
+
+    #[test]
+    fn a_greeting_carries_its_body_and_is_partial_until_the_body_is_whole() {
+        let body = br#"{"hostname":"sb-1"}"#;
+        let greeting = hello_with(N, body);
+        for cut in 1..greeting.len() {
+            let mut buf = b"old session".to_vec();
+            buf.extend_from_slice(&greeting[..cut]);
+            let want = if cut < HELLO_PREFIX.len() {
+                HelloScan::Absent
+            } else {
+                HelloScan::Partial(11)
+            };
+            assert_eq!(scan_hello(&buf), want, "cut at {cut}");
+        }
+        let mut buf = greeting.clone();
+        buf.extend_from_slice(b"PRI");
+        let h = found(&buf);
+        assert_eq!(h.body.as_deref(), Some(&body[..]));
+        assert_eq!(&buf[h.end..], b"PRI");
+    }
+
+    #[test]
+    fn a_length_beyond_the_limit_or_not_hex_is_no_greeting() {
+        let mut big = HELLO_PREFIX.to_vec();
+        big.extend_from_slice(format!("{N} {:08x}\n", MAX_BODY + 1).as_bytes());
+        assert_eq!(scan_hello(&big), HelloScan::Absent);
+        let mut bad = HELLO_PREFIX.to_vec();
+        bad.extend_from_slice(format!("{N} 0000zz10\n").as_bytes());
+        assert_eq!(scan_hello(&bad), HelloScan::Absent);
+        // A real greeting after a false one is found.
+        bad.extend_from_slice(&hello(N));
+        assert_eq!(found(&bad).nonce, N);
     }
 
     #[test]
@@ -150,11 +314,37 @@ mod tests {
         buf.extend_from_slice(&ready(N));
         buf.extend_from_slice(b"h2");
         match find_ready(&buf, N) {
-            ReadyScan::Found { protocol, end } => {
+            ReadyScan::Found {
+                protocol,
+                body: None,
+                end,
+            } => {
                 assert_eq!(protocol, crate::PROTOCOL_VERSION);
                 assert_eq!(&buf[end..], b"h2");
             }
-            ReadyScan::Pending => panic!("not found"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_answer_with_a_body_is_pending_until_the_body_is_whole() {
+        let answer = ready_with(N, b"{}");
+        assert_eq!(
+            find_ready(&answer[..answer.len() - 1], N),
+            ReadyScan::Pending
+        );
+        let mut buf = answer.clone();
+        buf.extend_from_slice(b"h2");
+        match find_ready(&buf, N) {
+            ReadyScan::Found {
+                body: Some(body),
+                end,
+                ..
+            } => {
+                assert_eq!(body, b"{}");
+                assert_eq!(&buf[end..], b"h2");
+            }
+            other => panic!("{other:?}"),
         }
     }
 }

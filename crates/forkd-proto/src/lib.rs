@@ -8,7 +8,7 @@
 //! this crate, except for streamed bodies, which use the [`frame`] codec.
 //!
 //! Everything here is versioned by [`PROTOCOL_VERSION`]; the host refuses an agent that
-//! speaks another version.
+//! speaks a version outside [`MIN_PROTOCOL_VERSION`] to [`PROTOCOL_VERSION`].
 
 pub mod context;
 pub mod exec;
@@ -22,8 +22,13 @@ pub mod routes;
 
 use serde::{Deserialize, Serialize};
 
-/// Version of the agent protocol. Bump on any incompatible change to this crate.
-pub const PROTOCOL_VERSION: u32 = 4;
+/// Version of the agent protocol. Bump on any change to this crate.
+pub const PROTOCOL_VERSION: u32 = 5;
+
+/// The oldest agent protocol this host still speaks: version 5 added the resume hook in
+/// the greeting ([`handshake::RESUME_IN_GREETING`]), which the host uses only with agents
+/// that have it; everything else is as in version 4.
+pub const MIN_PROTOCOL_VERSION: u32 = 4;
 
 /// Name of the virtio-serial port the agent listens on (`/sys/class/virtio-ports/*/name`).
 pub const AGENT_PORT_NAME: &str = "agent";

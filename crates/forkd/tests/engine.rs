@@ -1105,7 +1105,9 @@ fn each_child_runs_jailed_in_a_cgroup_of_its_own_with_the_limits_it_was_forked_w
         }
         assert!(list(&c).await.is_empty());
 
-        let body = json!({"snapshot": TAG, "n": 1,
+        // Variables too large for the greeting's resume hook go by HTTP/2 instead.
+        let big = "b".repeat(forkd_proto::handshake::MAX_BODY + 1);
+        let body = json!({"snapshot": TAG, "n": 1, "env": {"BIG": big, "SMALL": "s"},
                           "limits": {"cpu_cores": 0.5, "pids": 64, "cpu_weight": 50}});
         let (s, v) = call(&c, Method::POST, "/v1/sandboxes", Some(body)).await;
         assert_eq!(s, StatusCode::CREATED, "{v}");
@@ -1152,6 +1154,11 @@ fn each_child_runs_jailed_in_a_cgroup_of_its_own_with_the_limits_it_was_forked_w
             limits["memory_bytes"].as_u64().unwrap().to_string()
         );
         assert_eq!(control(&dirs, "pids.max"), "64");
+
+        assert_eq!(
+            exec_ok(&c, &id, "echo ${#BIG} $SMALL").await,
+            format!("{} s\n", big.len())
+        );
 
         // A guest that spins is held to its half core: the kernel throttles its QEMU.
         exec_ok(&c, &id, "timeout 2 sh -c 'while :; do :; done'; true").await;

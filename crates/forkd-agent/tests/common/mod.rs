@@ -133,13 +133,23 @@ pub async fn handshake_on(stream: &mut UnixStream) -> Vec<u8> {
 
 /// Reads until the answer for `nonce`; returns the bytes after it.
 pub async fn read_ready(stream: &mut UnixStream, nonce: &str) -> Vec<u8> {
+    read_ready_with(stream, nonce).await.1
+}
+
+/// Reads until the answer for `nonce`; returns what it carried and the bytes after it.
+pub async fn read_ready_with(stream: &mut UnixStream, nonce: &str) -> (Option<Vec<u8>>, Vec<u8>) {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        if let ReadyScan::Found { protocol, end } = handshake::find_ready(&buf, nonce) {
+        if let ReadyScan::Found {
+            protocol,
+            body,
+            end,
+        } = handshake::find_ready(&buf, nonce)
+        {
             assert_eq!(protocol, forkd_proto::PROTOCOL_VERSION);
-            return buf.split_off(end);
+            return (body, buf.split_off(end));
         }
         let left = deadline.saturating_duration_since(Instant::now());
         let n = tokio::time::timeout(left, stream.read(&mut chunk))

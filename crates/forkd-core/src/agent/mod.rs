@@ -17,7 +17,8 @@ pub use exec::{ExecOutput, ExecResult, ExecStream, Stdin};
 pub use files::WriteOptions;
 
 use bytes::Bytes;
-use forkd_proto::{handshake, ErrorBody, PingResponse, PROTOCOL_VERSION};
+use forkd_proto::context::{ResumeOutcome, ResumeRequest, ResumeResponse};
+use forkd_proto::{handshake, ErrorBody, PingResponse, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
 use http::{Method, Request, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
@@ -53,7 +54,15 @@ impl Drop for ConnTask {
 /// Connects to the agent behind `socket`, sends a greeting and waits up to `timeout` for
 /// the answer that carries its nonce. Returns the stream, the guest's protocol and the
 /// bytes read past the answer (the start of what the guest sent next).
-async fn greet(socket: &Path, timeout: Duration) -> Result<(UnixStream, u32, Vec<u8>), AgentError> {
+/// What a greeting's answer said: the channel, the agent's protocol, what it carried,
+/// and the bytes read past it.
+type Greeted = (UnixStream, u32, Option<Vec<u8>>, Vec<u8>);
+
+async fn greet(
+    socket: &Path,
+    timeout: Duration,
+    body: Option<&[u8]>,
+) -> Result<Greeted, AgentError> {
     let mut stream = UnixStream::connect(socket)
         .await
         .map_err(|source| AgentError::Connect {
@@ -61,11 +70,15 @@ async fn greet(socket: &Path, timeout: Duration) -> Result<(UnixStream, u32, Vec
             source,
         })?;
     let nonce = forkd_host::ids::random_hex(handshake::NONCE_LEN / 2);
+    let greeting = match body {
+        Some(body) => handshake::hello_with(&nonce, body),
+        None => handshake::hello(&nonce),
+    };
     // The greeting is sent once: a guest that already answered it is speaking HTTP/2,
     // and a second greeting would be garbage to it. If no answer comes, the caller
     // reconnects, which gives the guest a clean EOF and a new nonce.
     stream
-        .write_all(&handshake::hello(&nonce))
+        .write_all(&greeting)
         .await
         .map_err(|source| AgentError::Io {
             context: "sending the handshake".into(),
@@ -86,25 +99,53 @@ async fn greet(socket: &Path, timeout: Duration) -> Result<(UnixStream, u32, Vec
                 return Err(AgentError::HandshakeClosed);
             }
             buf.extend_from_slice(&chunk[..n]);
-            if let handshake::ReadyScan::Found { protocol, end } =
-                handshake::find_ready(&buf, &nonce)
+            if let handshake::ReadyScan::Found {
+                protocol,
+                body,
+                end,
+            } = handshake::find_ready(&buf, &nonce)
             {
-                return Ok((protocol, buf.split_off(end)));
+                return Ok((protocol, body, buf.split_off(end)));
             }
             // Bytes before our answer are leftovers of an older session: drop them,
-            // keeping a tail that may hold the start of the answer.
-            if buf.len() > 64 * 1024 {
-                buf.drain(..buf.len() - 256);
+            // keeping a tail that may hold the start of the answer (with its body).
+            if buf.len() > 2 * handshake::MAX_BODY {
+                buf.drain(..buf.len() - handshake::MAX_BODY - 256);
             }
         }
     };
-    let (protocol, leftover) =
+    let (protocol, body, leftover) =
         tokio::time::timeout(timeout, read_ready)
             .await
             .map_err(|_| AgentError::HandshakeTimeout {
                 secs: timeout.as_secs(),
             })??;
-    Ok((stream, protocol, leftover))
+    Ok((stream, protocol, body, leftover))
+}
+
+/// The resume request as a greeting's body, unless it is too large for one or holds
+/// what a guest would take for the start of a greeting.
+fn greeting_body(req: &ResumeRequest) -> Option<Vec<u8>> {
+    let body = serde_json::to_vec(req).ok()?;
+    let holds_prefix = body
+        .windows(handshake::HELLO_PREFIX.len())
+        .any(|w| w == handshake::HELLO_PREFIX);
+    (body.len() <= handshake::MAX_BODY && !holds_prefix).then_some(body)
+}
+
+/// The resume hook's outcome, from the JSON a greeting's answer carried.
+fn resume_outcome(answer: &[u8]) -> Result<ResumeResponse, AgentError> {
+    match serde_json::from_slice(answer) {
+        Ok(ResumeOutcome::Resumed(r)) => Ok(r),
+        Ok(ResumeOutcome::Failed(ErrorBody { error })) => Err(AgentError::Agent {
+            status: error.code.http_status(),
+            code: error.code,
+            message: error.message,
+        }),
+        Err(e) => Err(AgentError::Malformed(format!(
+            "the resume hook's outcome in the greeting's answer: {e}"
+        ))),
+    }
 }
 
 /// Makes sure the agent has left every session and answers greetings: greets it on a
@@ -112,7 +153,7 @@ async fn greet(socket: &Path, timeout: Duration) -> Result<(UnixStream, u32, Vec
 /// connection; a child restored from this moment greets it anew, which ends that wait at
 /// once. Returns the connection, to be kept open until the VM is paused.
 pub async fn quiesce(socket: &Path, timeout: Duration) -> Result<UnixStream, AgentError> {
-    let (stream, _, _) = greet(socket, timeout).await?;
+    let (stream, _, _, _) = greet(socket, timeout, None).await?;
     Ok(stream)
 }
 
@@ -120,13 +161,35 @@ impl AgentClient {
     /// Connects to the agent behind `socket` and completes the handshake, waiting up to
     /// `timeout` for the guest to answer (a booting guest answers once its agent is up).
     pub async fn connect(socket: &Path, timeout: Duration) -> Result<AgentClient, AgentError> {
-        let (stream, protocol, leftover) = greet(socket, timeout).await?;
-        if protocol != PROTOCOL_VERSION {
+        Ok(AgentClient::connect_with(socket, timeout, None).await?.0)
+    }
+
+    /// Connects as [`AgentClient::connect`] does; with `resume`, the greeting carries the
+    /// resume hook's request and the answer its outcome (an agent of protocol
+    /// [`handshake::RESUME_IN_GREETING`] or later: the caller knows its snapshot's). The
+    /// outcome is `None` when the request could not ride in the greeting (too large): it
+    /// is then the caller's to send.
+    pub async fn connect_with(
+        socket: &Path,
+        timeout: Duration,
+        resume: Option<&ResumeRequest>,
+    ) -> Result<(AgentClient, Option<ResumeResponse>), AgentError> {
+        let body = resume.and_then(greeting_body);
+        let (stream, protocol, answer, leftover) = greet(socket, timeout, body.as_deref()).await?;
+        if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&protocol) {
             return Err(AgentError::ProtocolMismatch {
                 guest: protocol,
                 host: PROTOCOL_VERSION,
             });
         }
+        let resumed = match (&body, answer) {
+            (None, _) => None,
+            (Some(_), None) => return Err(AgentError::Malformed(
+                "the agent answered a greeting that carried the resume hook without its outcome"
+                    .into(),
+            )),
+            (Some(_), Some(answer)) => Some(resume_outcome(&answer)?),
+        };
         let io = TokioIo::new(forkd_proto::io::Rewind::new(leftover, stream));
         let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
             .initial_stream_window_size(4 << 20)
@@ -139,10 +202,11 @@ impl AgentClient {
                 tracing::debug!("agent connection ended: {e}");
             }
         });
-        Ok(AgentClient {
+        let client = AgentClient {
             sender,
             _conn: Arc::new(ConnTask(task)),
-        })
+        };
+        Ok((client, resumed))
     }
 
     /// Ends the session for every clone: the connection task stops and the socket

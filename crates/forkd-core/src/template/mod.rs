@@ -136,10 +136,12 @@ pub async fn build(
     let boot = t0.elapsed();
     let t_warm = Instant::now();
     let warmed = match seed_parent(&parent).await {
-        Ok(()) => warm(&parent, recipe, progress).await,
+        Ok(protocol) => warm(&parent, recipe, progress)
+            .await
+            .map(|contexts| (protocol, contexts)),
         Err(e) => Err(e),
     };
-    let contexts = match warmed {
+    let (agent_protocol, contexts) = match warmed {
         Ok(c) => c,
         Err(e) => {
             let _ = parent.destroy().await;
@@ -179,7 +181,8 @@ pub async fn build(
             rootfs: recipe.base_name(),
             initramfs_sha256: assets.initramfs.sha256.clone(),
             forkd: env!("CARGO_PKG_VERSION").into(),
-            agent_protocol: forkd_proto::PROTOCOL_VERSION,
+            // The guest's own: what its children's greetings may carry depends on it.
+            agent_protocol,
             hypervisor: hv.name().to_owned(),
             hypervisor_version: hypervisor_version(hv),
         },
@@ -290,7 +293,8 @@ pub(crate) async fn boot_vm(
 /// hook is the guest's first credit of entropy, and the kernel switches its
 /// `crng_is_ready` static key there: code patching that, under TCG, throws away
 /// translated code on every fresh restore. (Each child still gets entropy of its own.)
-async fn seed_parent(parent: &Sandbox) -> Result<(), SandboxError> {
+/// Returns the protocol the parent's agent speaks.
+async fn seed_parent(parent: &Sandbox) -> Result<u32, SandboxError> {
     let no_env = std::collections::BTreeMap::new();
     let req = crate::sandbox::resume_request(crate::sandbox::FirstCall::NewChild {
         id: parent.id(),
@@ -301,7 +305,10 @@ async fn seed_parent(parent: &Sandbox) -> Result<(), SandboxError> {
     parent
         .call(|agent| async move { agent.resume(&req).await })
         .await?;
-    Ok(())
+    let ping = parent
+        .call(|agent| async move { agent.ping().await })
+        .await?;
+    Ok(ping.protocol)
 }
 
 /// Runs the warm-up commands and starts the contexts; returns the contexts.
