@@ -2,6 +2,7 @@
 //! out. Every child starts with its template's clock, kernel RNG state, interpreter seeds
 //! and hostname; this gives it its own.
 
+use crate::contexts::ReseedGate;
 use crate::error::ApiError;
 use crate::server::{parse_json, AppState};
 use axum::body::Bytes;
@@ -30,11 +31,16 @@ pub async fn resume(
     body: Bytes,
 ) -> Result<Json<ResumeResponse>, ApiError> {
     let req: ResumeRequest = parse_json(&body)?;
-    apply(&state, req).await.map(Json)
+    // The contexts' reseeds start as the handler returns.
+    apply(&state, req).await.map(|(r, _gate)| Json(r))
 }
 
 /// Runs the resume hook (from `POST /v1/resume`, or from the greeting that carried it).
-pub async fn apply(state: &AppState, req: ResumeRequest) -> Result<ResumeResponse, ApiError> {
+/// The contexts' reseeds, queued, start when the gate returned is dropped.
+pub async fn apply(
+    state: &AppState,
+    req: ResumeRequest,
+) -> Result<(ResumeResponse, Option<ReseedGate>), ApiError> {
     let own_machine = state.mode == crate::server::Mode::Pid1;
     if req.continuing {
         // The clock stood still while the machine was paused; nothing else of it changes.
@@ -43,10 +49,13 @@ pub async fn apply(state: &AppState, req: ResumeRequest) -> Result<ResumeRespons
         } else {
             0
         };
-        return Ok(ResumeResponse {
-            clock_step_ms,
-            contexts_reseeded: 0,
-        });
+        return Ok((
+            ResumeResponse {
+                clock_step_ms,
+                contexts_reseeded: 0,
+            },
+            None,
+        ));
     }
     let entropy = hex::decode(&req.entropy_hex)
         .map_err(|e| ApiError::invalid(format!("entropy_hex is not a hex string: {e}")))?;
@@ -73,14 +82,17 @@ pub async fn apply(state: &AppState, req: ResumeRequest) -> Result<ResumeRespons
         return Err(ApiError::invalid(problem));
     }
     state.add_env(&req.env);
-    let contexts_reseeded = state
+    let (contexts_reseeded, gate) = state
         .contexts
         .reseed_all(RESEED_WAIT, &req.env, req.settle)
         .await;
-    Ok(ResumeResponse {
-        clock_step_ms,
-        contexts_reseeded,
-    })
+    Ok((
+        ResumeResponse {
+            clock_step_ms,
+            contexts_reseeded,
+        },
+        Some(gate),
+    ))
 }
 
 /// Sets CLOCK_REALTIME; returns the step in milliseconds.

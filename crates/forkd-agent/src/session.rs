@@ -160,25 +160,36 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 /// Answers `hello`: for a greeting that carries the resume hook's request, once the hook
 /// has run, with its outcome.
 async fn answer<C: Channel>(io: &mut C, hello: &Hello, state: &AppState) -> io::Result<()> {
-    let answer = match &hello.body {
-        None => ready(&hello.nonce),
-        Some(body) => ready_with(&hello.nonce, &resume_outcome(state, body).await),
+    let (answer, _reseeds) = match &hello.body {
+        None => (ready(&hello.nonce), None),
+        Some(body) => {
+            let (outcome, reseeds) = resume_outcome(state, body).await;
+            (ready_with(&hello.nonce, &outcome), reseeds)
+        }
     };
     io.write_all(&answer).await?;
+    // The contexts' reseeds start once the answer is out (as `_reseeds` drops).
     io.flush().await
 }
 
-/// Runs the resume hook a greeting carried; its outcome as JSON.
-async fn resume_outcome(state: &AppState, body: &[u8]) -> Vec<u8> {
+/// Runs the resume hook a greeting carried; its outcome as JSON, and the gate of the
+/// contexts' reseeds.
+async fn resume_outcome(
+    state: &AppState,
+    body: &[u8],
+) -> (Vec<u8>, Option<crate::contexts::ReseedGate>) {
     let outcome = match crate::server::parse_json::<ResumeRequest>(body) {
         Ok(req) => crate::resume::apply(state, req).await,
         Err(e) => Err(e),
     };
-    let outcome = match outcome {
-        Ok(r) => ResumeOutcome::Resumed(r),
-        Err(e) => ResumeOutcome::Failed(forkd_proto::ErrorBody { error: e.detail() }),
+    let (outcome, reseeds) = match outcome {
+        Ok((r, reseeds)) => (ResumeOutcome::Resumed(r), reseeds),
+        Err(e) => (
+            ResumeOutcome::Failed(forkd_proto::ErrorBody { error: e.detail() }),
+            None,
+        ),
     };
-    serde_json::to_vec(&outcome).unwrap_or_default()
+    (serde_json::to_vec(&outcome).unwrap_or_default(), reseeds)
 }
 
 /// The last bytes a session read, and whether they end with a greeting.

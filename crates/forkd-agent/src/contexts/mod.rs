@@ -301,16 +301,21 @@ impl Contexts {
         wait: Duration,
         env: &BTreeMap<String, String>,
         settle: bool,
-    ) -> u32 {
+    ) -> (u32, ReseedGate) {
         let mut n = 0;
         let mut reseeds = Vec::new();
+        let (go, gate) = tokio::sync::watch::channel(false);
         for ctx in self.all() {
             let Ok(slot) = tokio::time::timeout(wait, ctx.proc.clone().lock_owned()).await else {
                 continue;
             };
             n += 1;
             let env = env.clone();
+            let mut gate = gate.clone();
             reseeds.push(tokio::spawn(async move {
+                // The context is held from here; its interpreter is woken once the gate
+                // opens (a closed gate counts as open).
+                let _ = gate.wait_for(|open| *open).await;
                 let (tx, mut rx) = mpsc::channel(16);
                 let drain = tokio::spawn(async move { while rx.recv().await.is_some() {} });
                 let op = serde_json::json!({ "op": "reseed", "env": env });
@@ -319,11 +324,24 @@ impl Contexts {
             }));
         }
         if settle {
+            let _ = go.send(true);
             for reseed in reseeds {
                 let _ = reseed.await;
             }
         }
-        n
+        (n, ReseedGate(go))
+    }
+}
+
+/// Holds the reseeds [`Contexts::reseed_all`] queued until it is dropped. Their contexts
+/// are locked already, so no code runs in one before its reseed; they only wait to wake
+/// their interpreters. A restored child answers its host first: on its one vCPU, an
+/// interpreter woken earlier would run ahead of the answer.
+pub struct ReseedGate(tokio::sync::watch::Sender<bool>);
+
+impl Drop for ReseedGate {
+    fn drop(&mut self) {
+        let _ = self.0.send(true);
     }
 }
 
