@@ -389,15 +389,7 @@ async fn fork_measurements(
         one_steps.push(child.timings().steps);
         // What a user who forks to run something waits for next: the first command.
         let t = Instant::now();
-        let out = child
-            .exec(
-                forkd_proto::exec::ExecRequest::new(forkd_proto::exec::Command::Argv(vec![
-                    "true".into()
-                ])),
-                None,
-            )
-            .await?;
-        anyhow::ensure!(out.status.success(), "exec in {} failed", child.id());
+        run_true(&child).await?;
         first_exec.push(ms(t.elapsed()));
         child.destroy().await?;
     }
@@ -414,15 +406,7 @@ async fn fork_measurements(
         .map(|c| ms(c.timings().first_answer))
         .collect();
     for c in &children {
-        let out = c
-            .exec(
-                forkd_proto::exec::ExecRequest::new(forkd_proto::exec::Command::Argv(vec![
-                    "true".into()
-                ])),
-                None,
-            )
-            .await?;
-        anyhow::ensure!(out.status.success(), "exec in {} failed", c.id());
+        run_true(c).await?;
     }
     let memory = children
         .iter()
@@ -435,6 +419,20 @@ async fn fork_measurements(
         c.destroy().await?;
     }
     Ok((one, one_steps, first_exec, n_wall, n_first, memory))
+}
+
+/// Runs `true` in `child`; fails unless it exits 0.
+async fn run_true(child: &Sandbox) -> Result<()> {
+    let out = child
+        .exec(
+            forkd_proto::exec::ExecRequest::new(forkd_proto::exec::Command::Argv(vec![
+                "true".into()
+            ])),
+            None,
+        )
+        .await?;
+    anyhow::ensure!(out.status.success(), "exec in {} failed", child.id());
+    Ok(())
 }
 
 fn print_fork_report(r: &ForkReport) {
