@@ -353,8 +353,7 @@ impl PlannedChild {
                         env: &no_env,
                         settle: true,
                     },
-                    snap.manifest.versions.agent_protocol
-                        >= forkd_proto::handshake::RESUME_IN_GREETING,
+                    crate::sandbox::resume_in_greeting(snap.manifest.versions.agent_protocol),
                     &unmeasured,
                 ) => res?,
                 reason = vm.wait_exit() => {

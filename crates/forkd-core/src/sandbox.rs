@@ -229,7 +229,7 @@ impl Sandbox {
         };
         let continuing = matches!(how, Launch::Resumed { .. });
         let greeting_resume = matches!(how, Launch::Restore { agent_protocol, .. }
-            if agent_protocol >= forkd_proto::handshake::RESUME_IN_GREETING);
+            if resume_in_greeting(agent_protocol));
         let (vm, warmed) = match how {
             Launch::Boot => (hv.boot(&config).await?, None),
             Launch::Restore { state, .. } => (hv.restore(&config, &state).await?, None),
@@ -786,7 +786,9 @@ pub(crate) async fn ready_agent(
     };
     match req {
         Some(_) if resumed.is_some() => {}
-        Some(req) => {
+        Some(mut req) => {
+            // The clock as the request leaves, not as the greeting did.
+            req.wall_clock_ns = wall_clock_ns();
             tokio::time::timeout(timeout, agent.resume(&req))
                 .await
                 .map_err(|_| AgentError::HandshakeTimeout {
@@ -806,10 +808,7 @@ pub(crate) async fn ready_agent(
 /// The resume hook's request for `first` (none for a ping): the host's clock, and for a
 /// new child fresh entropy, its hostname and variables.
 pub(crate) fn resume_request(first: FirstCall<'_>) -> Option<forkd_proto::context::ResumeRequest> {
-    let wall_clock_ns = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
-        .unwrap_or(0);
+    let wall_clock_ns = wall_clock_ns();
     match first {
         FirstCall::Ping => None,
         FirstCall::NewChild { id, env, settle } => Some(forkd_proto::context::ResumeRequest {
@@ -831,6 +830,20 @@ pub(crate) fn resume_request(first: FirstCall<'_>) -> Option<forkd_proto::contex
             continuing: true,
         }),
     }
+}
+
+/// The host's wall clock, nanoseconds since the Unix epoch.
+fn wall_clock_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// Whether a guest whose agent speaks `agent_protocol` takes the resume hook in its
+/// greeting.
+pub(crate) fn resume_in_greeting(agent_protocol: u32) -> bool {
+    agent_protocol >= forkd_proto::handshake::RESUME_IN_GREETING
 }
 
 /// A fresh sandbox id and its runtime directory, created and guarded: if the guard is
