@@ -51,12 +51,6 @@ impl StepClock {
             .push(Step { name, took });
     }
 
-    /// Starts the next step now, leaving the time since the last one out (a wait that
-    /// belongs to no step, such as a warm pool member's time on the shelf).
-    pub fn restart(&self) {
-        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
-    }
-
     /// The steps so far.
     pub fn steps(&self) -> Vec<Step> {
         self.steps.lock().unwrap_or_else(|e| e.into_inner()).clone()
@@ -73,7 +67,6 @@ mod tests {
         std::thread::sleep(Duration::from_millis(20));
         clock.end("first");
         clock.end("second");
-        clock.restart();
         clock.end("third");
         let steps = clock.steps();
         let names: Vec<_> = steps.iter().map(|s| s.name).collect();
