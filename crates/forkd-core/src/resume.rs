@@ -15,9 +15,56 @@
 use crate::error::SandboxError;
 use crate::pause::{self, PauseRecord};
 use crate::sandbox::{DirGuard, Launch, Sandbox, SandboxOptions};
-use forkd_hypervisor::{Hypervisor, MemoryBackend, VmConfig};
+use forkd_hypervisor::{Hypervisor, MemoryBackend, PreparedVm, VmConfig};
 use forkd_storage::snapshot::memory_diff;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
 use std::time::{Duration, Instant};
+
+/// Written into the pause image just before the resumed VM's vCPUs first run. From then
+/// on its guest may write to its disk, so the image alone is no longer the sandbox: a
+/// daemon stopped before the resume was recorded finds here the VM to take over (see
+/// [`read_started`]).
+pub const STARTED: &str = "started.json";
+
+/// The resumed VM whose vCPUs were started, as [`STARTED`] records it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Started {
+    /// Its QEMU's pid.
+    pub pid: u32,
+    /// Its QEMU's start time (with the pid, it names the process).
+    pub start_time: u64,
+    /// What the VM runs with (its disk layer, RAM file, network).
+    pub config: VmConfig,
+}
+
+/// The resumed VM recorded as started in the pause image of the sandbox in `dir`, if
+/// any: its guest has run since the image was written.
+pub fn read_started(dir: &Path) -> Option<Started> {
+    let bytes = std::fs::read(pause::image_dir(dir).join(STARTED)).ok()?;
+    serde_json::from_slice(&bytes).ok()
+}
+
+fn write_started(image: &Path, vm: &dyn PreparedVm, config: &VmConfig) -> Result<(), SandboxError> {
+    let gone = || SandboxError::Gone {
+        id: config.id.clone(),
+    };
+    let started = Started {
+        pid: vm.pid().ok_or_else(gone)?,
+        start_time: vm.start_time().ok_or_else(gone)?,
+        config: config.clone(),
+    };
+    let bytes = serde_json::to_vec(&started).map_err(|e| SandboxError::Io {
+        context: "recording the resumed VM".into(),
+        source: std::io::Error::other(e),
+    })?;
+    forkd_host::atomic_file::write(&image.join(STARTED), &bytes).map_err(|source| {
+        SandboxError::Io {
+            context: format!("recording the resumed VM in {}", image.display()),
+            source,
+        }
+    })
+}
 
 /// A sandbox that runs again.
 pub struct Resumed {
@@ -116,7 +163,18 @@ pub async fn resume(
         return Err(e);
     }
     forkd_host::failpoint::hit("resume.after_memory");
-    let vm = prepared.finish().await?;
+    if let Err(e) = write_started(&image, prepared.as_ref(), &config) {
+        prepared.discard().await;
+        return Err(e);
+    }
+    let vm = match prepared.finish().await {
+        Ok(vm) => vm,
+        Err(e) => {
+            // Its vCPUs never ran: the image is still the whole sandbox.
+            let _ = std::fs::remove_file(image.join(STARTED));
+            return Err(e.into());
+        }
+    };
     // From here the guest has run: it may have written to its disk, which its image no
     // longer matches. A resume that fails now must not leave it to be resumed again
     // from that image: it is failed, its files kept.

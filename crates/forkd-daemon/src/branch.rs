@@ -172,6 +172,23 @@ impl Registry {
         );
         {
             let mut slots = self.slots();
+            // The source's state is checked again under the lock the claim is taken
+            // under: a pause, a resume or a delete may have begun since it was read.
+            let (state, wanted) = match &source {
+                Source::Running(_) => (slots.live_state(id), SandboxState::Running),
+                Source::Paused(_) => (slots.paused.get(id).map(|r| r.state), SandboxState::Paused),
+            };
+            match state {
+                None => return Err(SandboxError::NotFound { id: id.to_owned() }.into()),
+                Some(state) if state != wanted => {
+                    return Err(SandboxError::NotReady {
+                        id: id.to_owned(),
+                        state,
+                    }
+                    .into())
+                }
+                Some(_) => {}
+            }
             if let Some(t) = slots.branching.get(id) {
                 return Err(RegistryError::BranchingAlready {
                     id: id.to_owned(),

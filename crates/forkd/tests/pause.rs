@@ -360,7 +360,7 @@ fn a_daemon_killed_at_any_point_of_a_pause_or_resume_leaves_the_sandbox_whole() 
         ("pause.at_instant", "pause", "running"),
         ("pause.after_image", "pause", "paused"),
         ("resume.after_memory", "resume", "paused"),
-        ("resume.after_vm_start", "resume", "paused"),
+        ("resume.after_vm_start", "resume", "running"),
     ] {
         if verb_reaching_it == "resume" {
             rt.block_on(async {

@@ -20,8 +20,14 @@ use hyper_util::rt::TokioIo;
 
 use crate::client::TUNNEL_PROTOCOL;
 
-/// Connects to `port` of sandbox `id`'s guest.
-async fn connect(app: &App, id: &str, port: u16) -> Result<tokio::net::TcpStream, ApiError> {
+/// Connects to `port` of sandbox `id`'s guest. The connection comes with the sandbox's
+/// handle, which whoever carries the connection holds as long as it is open: an open
+/// connection keeps the sandbox from counting as idle (see `--auto-pause-after`).
+async fn connect(
+    app: &App,
+    id: &str,
+    port: u16,
+) -> Result<(tokio::net::TcpStream, crate::registry::Entry), ApiError> {
     if port == 0 {
         return Err(ApiError::bad_request("port 0 is not a port"));
     }
@@ -31,7 +37,7 @@ async fn connect(app: &App, id: &str, port: u16) -> Result<tokio::net::TcpStream
             "sandbox {id} has no NIC (its snapshot's template was built with network = \"none\"), so it has no ports to reach"
         )));
     }
-    forkd_host::network::connect_guest(entry.row.pid, port)
+    let guest = forkd_host::network::connect_guest(entry.row.pid, port)
         .await
         .map_err(|e| {
             let why = match e.kind() {
@@ -41,7 +47,8 @@ async fn connect(app: &App, id: &str, port: u16) -> Result<tokio::net::TcpStream
                 _ => format!("connecting to port {port} of sandbox {id}: {e}"),
             };
             ApiError::new(StatusCode::BAD_GATEWAY, "port_unreachable", why)
-        })
+        })?;
+    Ok((guest, entry))
 }
 
 /// An HTTP request to a port of the sandbox, at the path after the port, in any method:
@@ -81,9 +88,10 @@ pub async fn root(
         return forward(&app, &id, port, "", req).await;
     }
     // Connected first, so that a port nobody listens on is an HTTP error.
-    let mut guest = connect(&app, &id, port).await?;
+    let (mut guest, entry) = connect(&app, &id, port).await?;
     let upgrade = hyper::upgrade::on(&mut req);
     tokio::spawn(async move {
+        let _in_use = entry;
         match upgrade.await {
             Ok(upgraded) => {
                 let mut caller = TokioIo::new(upgraded);
@@ -130,11 +138,12 @@ pub async fn forward_as_is(
     port: u16,
     req: Request,
 ) -> Result<Response, ApiError> {
-    let guest = connect(app, id, port).await?;
+    let (guest, entry) = connect(app, id, port).await?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(guest))
         .await
         .map_err(|e| bad_gateway(id, port, e))?;
     tokio::spawn(async move {
+        let _in_use = entry;
         if let Err(e) = conn.with_upgrades().await {
             tracing::debug!("proxied connection to port {port}: {e}");
         }

@@ -102,31 +102,50 @@ impl Registry {
         users
     }
 
-    /// Stops the sandbox `id` and forgets it.
+    /// Stops the sandbox `id` and forgets it. The sandbox is claimed `stopping` under
+    /// the same lock that pause, resume and branch claim it under, so none of them can
+    /// start on it once the delete has begun (nor the delete during theirs).
     pub async fn delete(&self, id: &str) -> Result<(), RegistryError> {
-        let (unattached, paused) = {
-            let slots = self.slots();
-            (
-                slots.unattached.get(id).map(|u| u.row.clone()),
-                slots.paused.get(id).cloned(),
-            )
-        };
-        if let Some(row) = unattached {
-            return self.remove_row(&row).await;
+        enum Claimed {
+            Row(SandboxRow),
+            Live(Entry),
         }
-        if let Some(row) = paused {
-            // A resume under way ends with the sandbox running or paused: delete it then.
-            if row.state == SandboxState::Resuming {
-                return Err(SandboxError::NotReady {
+        let claimed = {
+            let mut slots = self.slots();
+            let busy = |state| {
+                Err(SandboxError::NotReady {
                     id: id.to_owned(),
-                    state: row.state,
+                    state,
+                })
+            };
+            if let Some(u) = slots.unattached.get(id) {
+                Claimed::Row(u.row.clone())
+            } else if let Some(r) = slots.paused.get_mut(id) {
+                // A resume under way ends with the sandbox running or paused: delete it
+                // then.
+                if r.state == SandboxState::Resuming {
+                    return busy(r.state)?;
                 }
-                .into());
+                r.state = SandboxState::Stopping;
+                Claimed::Row(r.clone())
+            } else if let Some(e) = slots.live.get_mut(id) {
+                // One being paused is deleted once paused.
+                if e.row.state == SandboxState::Pausing {
+                    return busy(e.row.state)?;
+                }
+                e.row.state = SandboxState::Stopping;
+                Claimed::Live(e.clone())
+            } else {
+                drop(slots);
+                // Starting, or unknown: say which.
+                self.get(id)?;
+                return Err(SandboxError::NotFound { id: id.to_owned() }.into());
             }
-            return self.remove_row(&row).await;
+        };
+        match claimed {
+            Claimed::Row(row) => self.remove_row(&row).await,
+            Claimed::Live(entry) => self.remove(&entry).await,
         }
-        let entry = self.get(id)?;
-        self.remove(&entry).await
     }
 
     /// Stops a sandbox, removes its files and its row, and only then forgets it: once

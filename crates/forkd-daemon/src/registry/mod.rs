@@ -165,6 +165,13 @@ pub(crate) struct Slots {
     resolvers: HashMap<String, tokio::sync::watch::Sender<EgressPolicy>>,
 }
 
+impl Slots {
+    /// The state of the sandbox `id` among those with a VM handle.
+    pub(crate) fn live_state(&self, id: &str) -> Option<forkd_core::lifecycle::SandboxState> {
+        self.live.get(id).map(|e| e.row.state)
+    }
+}
+
 /// What a create request asks for.
 #[derive(Debug, Clone)]
 pub struct CreateSpec {

@@ -273,11 +273,14 @@ impl Registry {
                 self.state
                     .set_state(id, SandboxState::Running, None, Some(process))
             });
-        if let Err(e) = recorded {
-            // Not recorded running: the VM must not outlive this, or it would run beside
-            // the image a next resume restores.
+        if !matches!(recorded, Ok(true)) {
+            // Not recorded running (or its row is gone): the VM must not outlive this,
+            // or it would run beside the image a next resume restores.
             sandbox.vm().kill();
-            return Err(e.into());
+            return Err(match recorded {
+                Err(e) => e.into(),
+                _ => SandboxError::NotFound { id: id.to_owned() }.into(),
+            });
         }
         let entry = Entry {
             row,
@@ -345,11 +348,49 @@ impl Registry {
         }
     }
 
+    /// A resume the last daemon did not record, whose VM had started: the guest may have
+    /// written to its disk since its image was made, so the image is no longer the
+    /// sandbox. A VM that still runs is recorded running, to be taken over; one that is
+    /// gone leaves the sandbox failed, its files kept.
+    async fn recover_started_resume(
+        &self,
+        row: &mut SandboxRow,
+        started: forkd_core::resume::Started,
+    ) -> Result<(), RegistryError> {
+        let id = row.id.clone();
+        if forkd_host::process::is_running(started.pid, started.start_time) {
+            let process = (started.pid, started.start_time);
+            self.state.set_config(&id, &started.config)?;
+            self.state
+                .set_state(&id, SandboxState::Running, None, Some(process))?;
+            row.config = started.config;
+            (row.pid, row.start_time) = process;
+            row.state = SandboxState::Running;
+            forkd_core::pause::discard_image(&row.config.dir);
+            tracing::info!(%id, "an interrupted resume had started the VM: it is taken over");
+            return Ok(());
+        }
+        let why = "the daemon stopped while the sandbox resumed, and its resumed VM is gone; \
+                   its disk may have moved past its pause image"
+            .to_owned();
+        let dir = row.config.dir.clone();
+        let _ = tokio::task::spawn_blocking(move || forkd_host::process::kill_vm(0, 0, &dir)).await;
+        super::remove_cgroup(&id);
+        self.state
+            .set_state(&id, SandboxState::Failed, Some(&why), Some((0, 0)))?;
+        tracing::warn!(%id, "{why}");
+        row.state = SandboxState::Failed;
+        row.error = Some(why);
+        (row.pid, row.start_time) = (0, 0);
+        Ok(())
+    }
+
     /// After a restart, before the running sandboxes are adopted: sandboxes the last
     /// daemon left paused (or failed at a resume) are kept as they are; a pause it did
     /// not finish ends paused if its image was complete (its stopped VM is killed) and
     /// running otherwise (its VM is set running again); a resume it did not finish ends
-    /// paused (a VM it had started is killed). Returns the rows left for adoption.
+    /// paused if the resumed VM's vCPUs had not started (that VM is killed), and running
+    /// (taken over) if they had. Returns the rows left for adoption.
     pub async fn recover_pauses(
         &self,
         rows: Vec<SandboxRow>,
@@ -358,6 +399,18 @@ impl Registry {
         let mut resumed_sources = Vec::new();
         for mut row in rows {
             let has_image = matches!(forkd_core::pause::read_record(&row.config.dir), Ok(Some(_)));
+            if row.state == SandboxState::Resuming {
+                if let Some(started) = forkd_core::resume::read_started(&row.config.dir) {
+                    // Its guest has run past its image: it goes on as it is.
+                    self.recover_started_resume(&mut row, started).await?;
+                    if row.state == SandboxState::Running {
+                        left.push(row);
+                    } else {
+                        self.slots().paused.insert(row.id.clone(), row);
+                    }
+                    continue;
+                }
+            }
             let to = match row.state {
                 SandboxState::Paused => Some(SandboxState::Paused),
                 SandboxState::Failed if has_image => Some(SandboxState::Failed),

@@ -11,6 +11,10 @@ use forkd_host::failpoint;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// How long a sandbox whose pause at its deadline failed (no room on disk, the paused
+/// cap reached) runs on before the pause is tried again.
+const PAUSE_RETRY_S: i64 = 60;
+
 impl Registry {
     /// Takes over every sandbox of the database whose VM still runs; removes the ones
     /// that were never handed out (`starting`), those a stop was interrupted on
@@ -208,7 +212,16 @@ impl Registry {
                     } else if expired.contains(&id) && pause_at_deadline && !sb.vm().exited() {
                         tracing::info!(%id, "its timeout passed: pausing it");
                         if let Err(e) = self.pause(&id).await {
-                            tracing::warn!(%id, "pausing at its timeout: {e}");
+                            // It runs on (nothing is lost), and is tried again later,
+                            // not at every tick: its deadline moves by that much.
+                            let next = now + PAUSE_RETRY_S;
+                            tracing::warn!(
+                                %id,
+                                "pausing at its timeout failed, tried again in {PAUSE_RETRY_S} s: {e}"
+                            );
+                            if let Err(e) = self.set_timeout(&id, Some(next)) {
+                                tracing::warn!(%id, "moving its deadline: {e}");
+                            }
                         }
                         Ok(false)
                     } else if expired.contains(&id) {
@@ -247,7 +260,9 @@ impl Registry {
         for id in self.idle() {
             tracing::info!(%id, "idle for its auto-pause time: pausing it");
             if let Err(e) = self.pause(&id).await {
-                tracing::warn!(%id, "pausing an idle sandbox: {e}");
+                // Tried again once it has been idle for its time again.
+                tracing::warn!(%id, "pausing an idle sandbox failed: {e}");
+                self.touch(&id);
             }
         }
         removed
