@@ -77,6 +77,29 @@ pub struct PauseRecord {
     /// while it is paused).
     #[serde(default)]
     pub timeout_left_s: Option<u64>,
+    /// What the image keeps: the whole machine, or (E2B's `mode="filesystem"`) its disk
+    /// only, which a resume boots afresh. Images of format 1 without it kept memory.
+    #[serde(default, skip_serializing_if = "PauseKeeps::is_memory")]
+    pub keeps: PauseKeeps,
+}
+
+/// What a pause keeps of a sandbox.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PauseKeeps {
+    /// Its memory, device state and disk: a resume continues the same machine.
+    #[default]
+    Memory,
+    /// Its disk only (flushed by the guest first): a resume boots it from that disk, so
+    /// its processes and memory are gone and its files are kept.
+    Disk,
+}
+
+impl PauseKeeps {
+    /// True for a whole-machine pause.
+    pub fn is_memory(&self) -> bool {
+        *self == PauseKeeps::Memory
+    }
 }
 
 impl PauseRecord {
@@ -231,6 +254,73 @@ pub async fn pause(
     })
 }
 
+/// Pauses the running `sandbox` keeping its disk only: the guest flushes its
+/// filesystems, its vCPUs stop, the record is written and its VM ends. A resume boots
+/// it from that disk ([`crate::resume`]). A pause that fails before the record is
+/// written leaves the sandbox running.
+pub async fn pause_disk(
+    sandbox: &Sandbox,
+    timeout_left_s: Option<u64>,
+) -> Result<Paused, SandboxError> {
+    let t0 = Instant::now();
+    let id = sandbox.id().to_owned();
+    let config = sandbox.config();
+    discard_image(sandbox.dir());
+    discard_partial(sandbox.dir());
+    sandbox.call(|a| async move { a.sync().await }).await?;
+    sandbox.vm().pause().await?;
+    let record = PauseRecord {
+        format: FORMAT,
+        paused_at: forkd_image::timestamp::rfc3339_utc(std::time::SystemTime::now()),
+        memory_base: match &config.memory {
+            MemoryBackend::File { path, .. } => path.clone(),
+            MemoryBackend::Anonymous => PathBuf::new(),
+        },
+        memory_size: u64::from(config.memory_mib) << 20,
+        memory_sha256: String::new(),
+        state_sha256: String::new(),
+        disk_top: config.root_disk.clone(),
+        mode: BranchMode::Pause,
+        stall_ms: 0.0,
+        transferred: 0,
+        pages: 0,
+        diff_bytes: 0,
+        state_bytes: 0,
+        timeout_left_s,
+        keeps: PauseKeeps::Disk,
+    };
+    let partial = sandbox.dir().join(PARTIAL_DIR);
+    let image = image_dir(sandbox.dir());
+    let published = serde_json::to_vec_pretty(&record)
+        .map_err(std::io::Error::other)
+        .and_then(|json| {
+            std::fs::create_dir(&partial)?;
+            forkd_host::atomic_file::write(&partial.join(RECORD), &json)?;
+            std::fs::rename(&partial, &image)?;
+            std::fs::File::open(sandbox.dir())?.sync_all()
+        });
+    if let Err(source) = published {
+        discard_partial(sandbox.dir());
+        if let Err(again) = sandbox.vm().resume().await {
+            tracing::warn!(%id, "starting the VM again after a failed pause: {again}");
+        }
+        return Err(SandboxError::Io {
+            context: format!("writing {}", image.display()),
+            source,
+        });
+    }
+    forkd_host::failpoint::hit("pause.after_image");
+    // QEMU quits, writing back what its disk layer caches.
+    if let Err(e) = sandbox.end_paused().await {
+        tracing::warn!(%id, "ending the paused VM: {e}; killing it");
+        sandbox.vm().kill();
+    }
+    Ok(Paused {
+        record,
+        total: t0.elapsed(),
+    })
+}
+
 /// Captures the VM into `partial` (its vCPUs stay stopped on success) and writes the
 /// record there.
 #[allow(clippy::too_many_arguments)]
@@ -313,6 +403,7 @@ async fn write_image(
         diff_bytes: diff.bytes,
         state_bytes,
         timeout_left_s,
+        keeps: PauseKeeps::Memory,
     };
     let json = serde_json::to_vec_pretty(&record).map_err(|e| SandboxError::Io {
         context: "writing the pause record".into(),

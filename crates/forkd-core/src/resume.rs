@@ -13,7 +13,7 @@
 //! removed by the caller once the resume is recorded ([`crate::pause::discard_image`]).
 
 use crate::error::SandboxError;
-use crate::pause::{self, PauseRecord};
+use crate::pause::{self, PauseKeeps, PauseRecord};
 use crate::sandbox::{DirGuard, Launch, Sandbox, SandboxOptions};
 use forkd_hypervisor::{Hypervisor, MemoryBackend, PreparedVm, VmConfig};
 use forkd_storage::snapshot::memory_diff;
@@ -76,11 +76,24 @@ pub struct Resumed {
     pub total: Duration,
 }
 
+/// How a paused sandbox runs again.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ResumeHow {
+    /// As its image allows: the same machine continuing if its memory was kept, else
+    /// booted from its disk.
+    #[default]
+    Restore,
+    /// Booted from its disk whatever its image kept (E2B's `on_resume="reboot"`, for a
+    /// guest that would not answer as it was).
+    Reboot,
+}
+
 /// Restores the paused sandbox whose VM was `config` from its pause image.
 pub async fn resume(
     hv: &dyn Hypervisor,
     config: &VmConfig,
     opts: &SandboxOptions,
+    how: ResumeHow,
 ) -> Result<Resumed, SandboxError> {
     let t0 = Instant::now();
     let id = config.id.clone();
@@ -90,6 +103,9 @@ pub async fn resume(
     };
     let record =
         pause::read_record(&config.dir)?.ok_or_else(|| damaged("it has no pause image".into()))?;
+    if record.keeps == PauseKeeps::Disk || how == ResumeHow::Reboot {
+        return reboot(hv, config, opts, record, t0).await;
+    }
     let image = pause::image_dir(&config.dir);
     // The RAM file must be the one the image was diffed against.
     let base_size = std::fs::metadata(&record.memory_base)
@@ -185,6 +201,46 @@ pub async fn resume(
                 "its VM started but did not come up ({e}); its disk may have moved past its image"
             ))
         })?;
+    Ok(Resumed {
+        sandbox,
+        record,
+        total: t0.elapsed(),
+    })
+}
+
+/// Resumes a sandbox paused with its disk only: its VM boots afresh from that disk,
+/// under the sandbox's id and network; nothing of its memory is kept.
+async fn reboot(
+    hv: &dyn Hypervisor,
+    config: &VmConfig,
+    opts: &SandboxOptions,
+    record: PauseRecord,
+    t0: Instant,
+) -> Result<Resumed, SandboxError> {
+    if !record.disk_top.exists() {
+        return Err(SandboxError::PauseImage {
+            id: config.id.clone(),
+            detail: format!("its disk layer {} is missing", record.disk_top.display()),
+        });
+    }
+    let mut config = config.clone();
+    config.root_disk = record.disk_top.clone();
+    // Its RAM stays the snapshot's image mapped privately: a booting kernel takes no
+    // RAM's contents for granted, pages it never touches stay shared, and a later pause
+    // of the whole machine diffs against that image as for any child.
+    config.detached = true;
+    // Its hostname is its own, not its template's builder's.
+    config.cmdline = config
+        .cmdline
+        .split_whitespace()
+        .map(|w| match w.split_once('=') {
+            Some(("forkd.hostname", _)) => format!("forkd.hostname={}", config.id),
+            _ => w.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    let guard = DirGuard::keep(&config.dir)?;
+    let sandbox = Sandbox::launch(hv, config, Launch::Boot, opts, guard).await?;
     Ok(Resumed {
         sandbox,
         record,

@@ -127,6 +127,13 @@ impl Registry {
                 detail: "it has no pause image".into(),
             }
         })?;
+        if record.keeps == forkd_core::pause::PauseKeeps::Disk {
+            return Err(SandboxError::Unbranchable {
+                id: row.id.clone(),
+                detail: "it was paused with its disk only, so there is no machine to branch: resume it first".into(),
+            }
+            .into());
+        }
         let base = self.branch_base(&row, &tag)?;
         self.record_branch(Source::Paused(Box::new(row)), base, tag, record.mode)
     }

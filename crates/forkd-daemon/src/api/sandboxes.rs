@@ -129,6 +129,7 @@ pub async fn create(
             egress,
             on_timeout: req.on_timeout,
             auto_pause_after_s: req.auto_pause_after_s,
+            ..ForkRequest::default()
         },
     )?;
     if !req.wait {

@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use forkd_core::lifecycle::SandboxState;
+use forkd_core::pause::PauseKeeps;
 use forkd_storage::snapshot::Tag;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -92,7 +93,11 @@ struct NewSandbox {
     /// Pause (true) or kill (false) at the timeout.
     #[serde(default)]
     auto_pause: Option<bool>,
-    /// Whether a request resumes the sandbox once paused: forkd always resumes one.
+    /// Whether the pause at the timeout keeps the memory (false: the disk only).
+    #[serde(default)]
+    auto_pause_memory: Option<bool>,
+    /// Whether any request resumes the sandbox once paused (the default), or only
+    /// connect does.
     #[serde(default)]
     auto_resume: Option<AutoResume>,
     #[serde(
@@ -192,11 +197,6 @@ fn listed(hv: &dyn forkd_hypervisor::Hypervisor, e: &Listed) -> Value {
 
 async fn create(State(e2b): State<Shared>, bytes: axum::body::Bytes) -> Result<Response, E2bError> {
     let req: NewSandbox = body(&bytes)?;
-    if req.auto_resume.as_ref().is_some_and(|a| !a.enabled) {
-        return Err(bad(
-            "autoResume disabled is not supported: forkd resumes a paused sandbox on its next request",
-        ));
-    }
     let on_timeout = req.auto_pause.map(|pause| {
         if pause {
             crate::state::OnTimeout::Pause
@@ -229,6 +229,8 @@ async fn create(State(e2b): State<Shared>, bytes: axum::body::Bytes) -> Result<R
             timeout_s: Some(timeout_s),
             egress: nic.then_some(egress),
             on_timeout,
+            pause_keeps: keeps(req.auto_pause_memory),
+            manual_resume: req.auto_resume.is_some_and(|a| !a.enabled),
             ..ForkRequest::default()
         },
     )?;
@@ -246,7 +248,7 @@ struct TimeoutBody {
 }
 
 /// The body of connect and resume: the sandbox's new timeout, and whether its memory is
-/// restored (`false`: E2B's reboot from the disk, which forkd does not do).
+/// restored (`false`: E2B's reboot from the disk).
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct ConnectBody {
@@ -287,11 +289,13 @@ async fn run_again(
     paused_only: bool,
 ) -> Result<Response, E2bError> {
     let req: ConnectBody = body(bytes)?;
-    if req.memory == Some(false) {
-        return Err(bad(
-            "forkd resumes a paused sandbox with its memory; a reboot from its disk (memory: false) is not supported",
-        ));
-    }
+    // `memory: false` (the SDKs' `on_resume="reboot"`) boots a paused sandbox from its
+    // disk.
+    let how = if req.memory == Some(false) {
+        forkd_core::resume::ResumeHow::Reboot
+    } else {
+        forkd_core::resume::ResumeHow::Restore
+    };
     let was_paused = e2b_state(e2b.app.registry.describe(id)?.row.state) == "paused";
     if paused_only && !was_paused {
         return Err(fail(
@@ -300,7 +304,7 @@ async fn run_again(
         ));
     }
     if was_paused {
-        service::pause::resume(&e2b.app, id).await?;
+        service::pause::resume_as(&e2b.app, id, how).await?;
     }
     if let Some(t) = req.timeout {
         service::sandbox::keep_alive(&e2b.app, id, timeout_s(Some(t))?)?;
@@ -319,7 +323,7 @@ async fn detail(State(e2b): State<Shared>, Path(id): Path<String>) -> Result<Res
     let mut v = listed(e2b.app.registry.hypervisor().as_ref(), &e);
     v["lifecycle"] = json!({
         "onTimeout": e.row.lifecycle.on_timeout,
-        "autoResume": true,
+        "autoResume": !e.row.lifecycle.manual_resume,
     });
     v["envdAccessToken"] = json!(e2b.access_token(&id));
     v["domain"] = json!(e2b.config.domain);
@@ -355,8 +359,19 @@ async fn set_network(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// The pause call's body: whether the memory is kept (E2B's `mode="full"`, the default)
-/// and whether the guest must be healthy (forkd pauses only a running sandbox anyway).
+/// What a pause keeps, from E2B's `memory` (`mode="filesystem"` sends false: the disk
+/// only, booted again at the resume).
+fn keeps(memory: Option<bool>) -> PauseKeeps {
+    if memory == Some(false) {
+        PauseKeeps::Disk
+    } else {
+        PauseKeeps::Memory
+    }
+}
+
+/// The pause call's body: whether the memory is kept (E2B's `mode="full"`, the default;
+/// `mode="filesystem"` keeps the disk only) and whether the guest must be healthy
+/// (forkd pauses only a running sandbox anyway).
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct PauseBody {
@@ -375,12 +390,8 @@ async fn pause(
     bytes: axum::body::Bytes,
 ) -> Result<StatusCode, E2bError> {
     let req: PauseBody = body(&bytes)?;
-    if req.memory == Some(false) {
-        return Err(bad(
-            "forkd pauses a sandbox with its memory (mode full); keeping its disk only (mode filesystem) is not supported",
-        ));
-    }
-    service::pause::pause(&e2b.app, &id).await?;
+    let keeps = keeps(req.memory);
+    service::pause::pause(&e2b.app, &id, keeps).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

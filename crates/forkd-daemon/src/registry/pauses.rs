@@ -13,6 +13,8 @@
 use super::{Entry, Registry, RegistryError};
 use crate::state::SandboxRow;
 use forkd_core::lifecycle::SandboxState;
+use forkd_core::pause::PauseKeeps;
+use forkd_core::resume::ResumeHow;
 use forkd_core::{SandboxError, SandboxOptions};
 use forkd_storage::snapshot::Tag;
 use serde::Serialize;
@@ -33,6 +35,10 @@ pub struct PauseOutcome {
     pub pages: u64,
     /// Bytes the pause image holds (memory diff and device state).
     pub stored_bytes: u64,
+    /// What was kept: `memory` (the whole machine) or `disk` (its disk only; a resume
+    /// boots it).
+    #[schema(value_type = String)]
+    pub keeps: PauseKeeps,
 }
 
 /// What a resume did, as the API answers.
@@ -48,8 +54,9 @@ pub struct ResumeOutcome {
 const RESUME_WAIT: Duration = Duration::from_secs(300);
 
 impl Registry {
-    /// Writes the running sandbox `id` to disk and ends its VM.
-    pub async fn pause(&self, id: &str) -> Result<PauseOutcome, RegistryError> {
+    /// Writes the running sandbox `id` to disk (the whole machine, or its disk only as
+    /// `keeps` says) and ends its VM.
+    pub async fn pause(&self, id: &str, keeps: PauseKeeps) -> Result<PauseOutcome, RegistryError> {
         let entry = {
             let mut slots = self.slots();
             if let Some(into) = slots.branching.get(id) {
@@ -103,14 +110,19 @@ impl Registry {
             .row
             .timeout_at
             .map(|at| u64::try_from(at - crate::unix_now()).unwrap_or(0));
-        let paused = forkd_core::pause::pause(
-            self.hv.as_ref(),
-            &self.home,
-            &entry.sandbox,
-            timeout_left_s,
-            &|m| tracing::info!(%id, "{m}"),
-        )
-        .await;
+        let paused = match keeps {
+            PauseKeeps::Memory => {
+                forkd_core::pause::pause(
+                    self.hv.as_ref(),
+                    &self.home,
+                    &entry.sandbox,
+                    timeout_left_s,
+                    &|m| tracing::info!(%id, "{m}"),
+                )
+                .await
+            }
+            PauseKeeps::Disk => forkd_core::pause::pause_disk(&entry.sandbox, timeout_left_s).await,
+        };
         let paused = match paused {
             Ok(p) => p,
             Err(e) => {
@@ -157,12 +169,13 @@ impl Registry {
             total_ms: paused.total.as_secs_f64() * 1000.0,
             pages: r.pages,
             stored_bytes: r.stored_bytes(),
+            keeps: r.keeps,
         })
     }
 
-    /// Runs the paused sandbox `id` again from its pause image. A running one is left as
-    /// it is; a resume of one already resuming waits for that one.
-    pub async fn resume(&self, id: &str) -> Result<ResumeOutcome, RegistryError> {
+    /// Runs the paused sandbox `id` again from its pause image, as `how` says. A running
+    /// one is left as it is; a resume of one already resuming waits for that one.
+    pub async fn resume(&self, id: &str, how: ResumeHow) -> Result<ResumeOutcome, RegistryError> {
         let deadline = tokio::time::Instant::now() + RESUME_WAIT;
         let row = loop {
             let claimed = {
@@ -206,7 +219,7 @@ impl Registry {
                 }
             }
         };
-        let resumed = self.resume_claimed(&row).await;
+        let resumed = self.resume_claimed(&row, how).await;
         if let Err(e) = &resumed {
             // A damaged image is not retried: the sandbox is failed, its files kept.
             let damaged = matches!(e, RegistryError::Sandbox(SandboxError::PauseImage { .. }));
@@ -229,7 +242,11 @@ impl Registry {
     }
 
     /// Restores a sandbox claimed `resuming` and moves it to the live ones.
-    async fn resume_claimed(&self, row: &SandboxRow) -> Result<ResumeOutcome, RegistryError> {
+    async fn resume_claimed(
+        &self,
+        row: &SandboxRow,
+        how: ResumeHow,
+    ) -> Result<ResumeOutcome, RegistryError> {
         let id = row.id.as_str();
         self.state
             .set_state(id, SandboxState::Resuming, None, None)?;
@@ -246,7 +263,7 @@ impl Registry {
             seccomp: row.config.seccomp,
             ..SandboxOptions::default()
         };
-        let resumed = forkd_core::resume::resume(self.hv.as_ref(), &row.config, &opts).await?;
+        let resumed = forkd_core::resume::resume(self.hv.as_ref(), &row.config, &opts, how).await?;
         let sandbox = resumed.sandbox;
         let Some(process) = sandbox.vm().pid().zip(sandbox.vm().start_time()) else {
             // A detached VM outlives its handle: it must not run beside the image.
@@ -312,7 +329,7 @@ impl Registry {
             .collect();
         let results: Vec<bool> = futures::stream::iter(ids)
             .map(|id| async move {
-                match self.pause(&id).await {
+                match self.pause(&id, PauseKeeps::Memory).await {
                     Ok(_) => true,
                     Err(e) => {
                         tracing::warn!(%id, "not paused at the stop: {e}");

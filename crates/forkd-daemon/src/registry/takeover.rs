@@ -211,7 +211,7 @@ impl Registry {
                         Ok(false)
                     } else if expired.contains(&id) && pause_at_deadline && !sb.vm().exited() {
                         tracing::info!(%id, "its timeout passed: pausing it");
-                        if let Err(e) = self.pause(&id).await {
+                        if let Err(e) = self.pause(&id, l.row.lifecycle.pause_keeps).await {
                             // It runs on (nothing is lost), and is tried again later,
                             // not at every tick: its deadline moves by that much.
                             let next = now + PAUSE_RETRY_S;
@@ -257,9 +257,9 @@ impl Registry {
                 Err(e) => tracing::warn!(%id, "{e}"),
             }
         }
-        for id in self.idle() {
+        for (id, keeps) in self.idle() {
             tracing::info!(%id, "idle for its auto-pause time: pausing it");
-            if let Err(e) = self.pause(&id).await {
+            if let Err(e) = self.pause(&id, keeps).await {
                 // Tried again once it has been idle for its time again.
                 tracing::warn!(%id, "pausing an idle sandbox failed: {e}");
                 self.touch(&id);
@@ -276,7 +276,7 @@ impl Registry {
     /// Running sandboxes with an auto-pause time that have served no request for that
     /// long and hold no request or stream now. The registry holds one handle on each,
     /// its resolver another: any more is a request in flight or an open stream.
-    fn idle(&self) -> Vec<String> {
+    fn idle(&self) -> Vec<(String, forkd_core::pause::PauseKeeps)> {
         let now = Instant::now();
         let mut slots = self.slots();
         let slots = &mut *slots;
@@ -292,7 +292,7 @@ impl Registry {
                 && std::sync::Arc::strong_count(&e.sandbox) <= held
                 && now.duration_since(since) >= std::time::Duration::from_secs(after)
             {
-                idle.push(id.clone());
+                idle.push((id.clone(), e.row.lifecycle.pause_keeps));
             }
         }
         idle

@@ -48,6 +48,10 @@ pub struct ForkRequest {
     /// Pause each after this many seconds without a request, exec or open stream
     /// (default: the snapshot's).
     pub auto_pause_after_s: Option<u64>,
+    /// What those pauses keep (default: the whole machine).
+    pub pause_keeps: forkd_core::pause::PauseKeeps,
+    /// Resumed only when asked, not by any request that needs the VM.
+    pub manual_resume: bool,
 }
 
 /// A fork under way, in a task of its own: a client that hangs up mid-fork must not
@@ -142,6 +146,8 @@ fn launch(
                 .auto_pause_after_s
                 .or(snap.manifest.lifecycle.auto_pause_after_s),
             timeout_s: req.timeout_s,
+            pause_keeps: req.pause_keeps,
+            manual_resume: req.manual_resume,
         },
         partial: req.partial,
         ..CreateSpec::new(req.count as usize)

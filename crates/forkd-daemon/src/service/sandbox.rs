@@ -16,15 +16,26 @@ pub async fn running(app: &App, id: &str) -> Result<Entry, ApiError> {
 
 /// Notes a request for the sandbox `id` (its idleness starts again) and, if it is
 /// paused, being paused or resumed, waits until it runs. Every front door's requests
-/// that need a VM come through here.
+/// that need a VM come through here. A sandbox made with auto-resume off is refused
+/// (409) while paused: only an explicit resume runs it again.
 pub async fn resume_if_paused(app: &App, id: &str) -> Result<(), ApiError> {
     use forkd_core::lifecycle::SandboxState as S;
     app.registry.touch(id);
     if let Err(forkd_core::SandboxError::NotReady {
-        state: S::Paused | S::Pausing | S::Resuming,
+        state: state @ (S::Paused | S::Pausing | S::Resuming),
         ..
     }) = app.registry.get(id)
     {
+        let manual = app
+            .registry
+            .describe(id)
+            .is_ok_and(|l| l.row.lifecycle.manual_resume);
+        if manual && state != S::Resuming {
+            return Err(ApiError::conflict(format!(
+                "the sandbox {id} was not found running: it is {state}, and it resumes only when asked to \
+                 (POST /v1/sandboxes/{id}/resume, or E2B's connect), since it was made with auto-resume off"
+            )));
+        }
         super::pause::resume(app, id).await?;
     }
     Ok(())

@@ -183,6 +183,17 @@ pub struct Lifecycle {
     /// by its deadline gets that much again when it resumes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_s: Option<u64>,
+    /// What its deadline's and idleness's pauses keep (E2B's `autoPauseMemory: false`:
+    /// the disk only).
+    #[serde(
+        default,
+        skip_serializing_if = "forkd_core::pause::PauseKeeps::is_memory"
+    )]
+    pub pause_keeps: forkd_core::pause::PauseKeeps,
+    /// Resumed only when asked (`POST .../resume`, E2B's connect), not by any request
+    /// that needs its VM (E2B's `autoResume: {enabled: false}`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub manual_resume: bool,
 }
 
 impl OperationRow {

@@ -63,6 +63,8 @@ fn rows_round_trip_and_survive_reopening() {
         on_timeout: OnTimeout::Pause,
         auto_pause_after_s: Some(60),
         timeout_s: Some(100),
+        pause_keeps: forkd_core::pause::PauseKeeps::Disk,
+        manual_resume: true,
     };
     assert!(s.set_lifecycle("sb-2", &lifecycle).unwrap());
     assert_eq!(s.sandbox("sb-2").unwrap().unwrap().lifecycle, lifecycle);

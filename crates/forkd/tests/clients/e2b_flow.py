@@ -15,6 +15,7 @@ from e2b import (
     FileNotFoundException,
     Sandbox,
     SandboxException,
+    SandboxNotRunningException,
     SandboxQuery,
     SandboxState,
 )
@@ -179,6 +180,45 @@ for _ in range(150):
 assert timed.get_info().state == SandboxState.PAUSED
 assert Sandbox.connect(timed.sandbox_id, timeout=60).files.read("t.txt") == "kept"
 timed.kill()
+
+# A pause that keeps the disk only (mode="filesystem"): connect boots the sandbox
+# from it, with its files and without its processes; a reboot asked at connect does
+# the same for a sandbox paused whole.
+sbx.commands.run("sleep 600 >/dev/null 2>&1 & echo $! > $HOME/sleeper")
+assert sbx.pause(mode="filesystem") is True
+assert sbx.get_info().state == SandboxState.PAUSED
+booted = Sandbox.connect(sbx.sandbox_id, timeout=900)
+assert booted.files.read("state.txt") == "after the fork"
+gone = "kill -0 $(cat $HOME/sleeper) 2>/dev/null && echo alive || echo gone"
+assert booted.commands.run(gone).stdout == "gone\n"
+booted.commands.run("sleep 600 >/dev/null 2>&1 & echo $! > $HOME/sleeper")
+assert booted.pause() is True
+rebooted = booted.connect(on_resume="reboot")
+assert rebooted.files.read("state.txt") == "after the fork"
+assert rebooted.commands.run(gone).stdout == "gone\n"
+
+# Auto-resume off: a paused sandbox's calls fail as for a sandbox not running, until
+# connect resumes it; at its timeout it keeps its disk only.
+manual = Sandbox.create(
+    template,
+    timeout=3,
+    lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}, "auto_resume": False},
+)
+assert manual.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+manual.files.write("m.txt", "kept")
+for _ in range(150):
+    if manual.get_info().state == SandboxState.PAUSED:
+        break
+    time.sleep(0.2)
+assert manual.get_info().state == SandboxState.PAUSED
+try:
+    manual.commands.run("true")
+    raise AssertionError("a paused sandbox with auto-resume off ran a command")
+except SandboxNotRunningException:
+    pass
+assert manual.get_info().state == SandboxState.PAUSED
+assert Sandbox.connect(manual.sandbox_id, timeout=60).files.read("m.txt") == "kept"
+manual.kill()
 
 sbx.kill()
 assert Sandbox.kill(sbx.sandbox_id) is False
