@@ -194,6 +194,12 @@ pub enum ReadyScan {
         /// Index just past the answer.
         end: usize,
     },
+    /// An answer claiming a body longer than [`MAX_BODY`]: no well-behaved guest sends
+    /// one, and waiting for it would let a guest make the host buffer without bound.
+    TooLong {
+        /// The length it claimed.
+        len: usize,
+    },
 }
 
 /// Host side: looks for the answer carrying `nonce` in `buf`.
@@ -216,6 +222,9 @@ pub fn find_ready(buf: &[u8], nonce: &str) -> ReadyScan {
     };
     let protocol = protocol.parse().unwrap_or(0);
     let end = line_at + nl + 1;
+    if let Some(len) = len.filter(|&l| l > MAX_BODY) {
+        return ReadyScan::TooLong { len };
+    }
     match len {
         None => ReadyScan::Found {
             protocol,
@@ -251,6 +260,17 @@ mod tests {
             HelloScan::Found(h) => h,
             other => panic!("no greeting in {buf:?}: {other:?}"),
         }
+    }
+
+    #[test]
+    fn an_answer_claiming_too_long_a_body_is_named_at_once() {
+        let mut buf = format!("FORKD-READY {N} 5 {:08x}\n", MAX_BODY + 1).into_bytes();
+        assert_eq!(
+            find_ready(&buf, N),
+            ReadyScan::TooLong { len: MAX_BODY + 1 }
+        );
+        buf = ready_with(N, b"{}");
+        assert!(matches!(find_ready(&buf, N), ReadyScan::Found { .. }));
     }
 
     #[test]

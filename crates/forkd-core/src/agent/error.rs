@@ -20,6 +20,16 @@ pub enum AgentError {
     #[error("the agent channel closed during the handshake (the VM probably exited)")]
     HandshakeClosed,
     #[error(
+        "the guest agent's handshake answer claims a body of {len} bytes, more than the {max} \
+         a guest may send"
+    )]
+    HandshakeTooLong {
+        /// The length it claimed.
+        len: usize,
+        /// The most allowed.
+        max: usize,
+    },
+    #[error(
         "the guest agent speaks protocol {guest}, this host speaks {host}: rebuild the guest \
          assets (forkd image build --force)"
     )]

@@ -99,13 +99,19 @@ async fn greet(
                 return Err(AgentError::HandshakeClosed);
             }
             buf.extend_from_slice(&chunk[..n]);
-            if let handshake::ReadyScan::Found {
-                protocol,
-                body,
-                end,
-            } = handshake::find_ready(&buf, &nonce)
-            {
-                return Ok((protocol, body, buf.split_off(end)));
+            match handshake::find_ready(&buf, &nonce) {
+                handshake::ReadyScan::Found {
+                    protocol,
+                    body,
+                    end,
+                } => return Ok((protocol, body, buf.split_off(end))),
+                handshake::ReadyScan::TooLong { len } => {
+                    return Err(AgentError::HandshakeTooLong {
+                        len,
+                        max: handshake::MAX_BODY,
+                    })
+                }
+                handshake::ReadyScan::Pending => {}
             }
             // Bytes before our answer are leftovers of an older session: drop them,
             // keeping a tail that may hold the start of the answer (with its body).
