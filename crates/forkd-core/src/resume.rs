@@ -143,12 +143,16 @@ pub async fn resume(
     let guard = DirGuard::keep(&config.dir)?;
 
     let diff = image.join(pause::MEMORY_DIFF);
-    // The diff's digest is taken on another thread while its pages are written.
+    // The diff's digest is taken on another thread from now, while QEMU starts and the
+    // pages are written: writing them (a copy-on-write fault each) takes longer than
+    // hashing them, so the digest is ready by the time they are in.
     let hashing = {
         let diff = diff.clone();
         tokio::task::spawn_blocking(move || memory_diff::sha256_sparse(&diff))
     };
+    let checked = t0.elapsed();
     let prepared = hv.prepare_restore(&config, &state).await?;
+    let qemu_up = t0.elapsed();
     let written = async {
         let mut ram = prepared.ram_writer()?;
         let size = record.memory_size;
@@ -174,7 +178,9 @@ pub async fn resume(
         }
         Ok::<_, SandboxError>(())
     };
-    if let Err(e) = written.await {
+    let written = written.await;
+    let memory = t0.elapsed();
+    if let Err(e) = written {
         prepared.discard().await;
         return Err(e);
     }
@@ -194,6 +200,7 @@ pub async fn resume(
     // From here the guest has run: it may have written to its disk, which its image no
     // longer matches. A resume that fails now must not leave it to be resumed again
     // from that image: it is failed, its files kept.
+    let started = t0.elapsed();
     let sandbox = Sandbox::launch(hv, config, Launch::Resumed { vm }, opts, guard)
         .await
         .map_err(|e| {
@@ -201,6 +208,17 @@ pub async fn resume(
                 "its VM started but did not come up ({e}); its disk may have moved past its image"
             ))
         })?;
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    tracing::info!(
+        id = %sandbox.id(),
+        pages = record.pages,
+        "resumed: image checked at {:.0} ms, QEMU up at {:.0} ms, memory written and verified at {:.0} ms, vCPUs started at {:.0} ms, agent answered at {:.0} ms",
+        ms(checked),
+        ms(qemu_up),
+        ms(memory),
+        ms(started),
+        ms(t0.elapsed())
+    );
     Ok(Resumed {
         sandbox,
         record,

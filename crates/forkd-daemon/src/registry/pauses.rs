@@ -309,7 +309,10 @@ impl Registry {
             self.start_resolver(&mut slots, &entry);
             slots.live.insert(id.to_owned(), entry.clone());
         }
-        forkd_core::pause::discard_image(&entry.row.config.dir);
+        // Off the answer's path: unlinking a large memory diff takes a while. An image
+        // left by a daemon stopped meanwhile is removed by the next pause.
+        let dir = entry.row.config.dir.clone();
+        tokio::task::spawn_blocking(move || forkd_core::pause::discard_image(&dir));
         tracing::info!(%id, "sandbox resumed in {:?}", resumed.total);
         Ok(ResumeOutcome {
             id: id.to_owned(),

@@ -169,23 +169,23 @@ pub fn apply(
         }
         indices.push(p);
     }
-    let mut run = Vec::with_capacity(CHUNK);
-    let mut run_start = 0u64;
-    let mut page = vec![0u8; PAGE];
+    // Pages are read straight into a run of adjacent pages, written out as one.
+    let mut run = vec![0u8; CHUNK];
+    let (mut run_start, mut run_len) = (0u64, 0usize);
     for p in indices {
-        d.read_exact(&mut page)?;
         let at = p * PAGE as u64;
-        if !run.is_empty() && (at != run_start + run.len() as u64 || run.len() >= CHUNK) {
-            write(run_start, &run)?;
-            run.clear();
+        if run_len > 0 && (at != run_start + run_len as u64 || run_len == CHUNK) {
+            write(run_start, &run[..run_len])?;
+            run_len = 0;
         }
-        if run.is_empty() {
+        if run_len == 0 {
             run_start = at;
         }
-        run.extend_from_slice(&page);
+        d.read_exact(&mut run[run_len..run_len + PAGE])?;
+        run_len += PAGE;
     }
-    if !run.is_empty() {
-        write(run_start, &run)?;
+    if run_len > 0 {
+        write(run_start, &run[..run_len])?;
     }
     Ok(count)
 }
