@@ -54,7 +54,13 @@ pub struct RunCodeRequest {
     /// Interrupt the code (KeyboardInterrupt) after this many milliseconds.
     #[serde(default)]
     pub timeout_ms: Option<u64>,
+    /// Variables set for this run only (`os.environ`), put back as they were after it.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
 }
+
+/// The agent protocol from which a run takes its own variables ([`RunCodeRequest::env`]).
+pub const RUN_ENV: u32 = 6;
 
 /// One line of a run's output.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]

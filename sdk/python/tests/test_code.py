@@ -51,3 +51,12 @@ def test_a_figure_comes_back_as_png_and_pip_is_there(sbx: Sandbox) -> None:
     assert pngs, x.results
     assert base64.b64decode(pngs[0]).startswith(b"\x89PNG\r\n\x1a\n")
     assert sbx.commands.run("python3 -m pip --version").exit_code == 0
+
+
+def test_variables_for_one_run_are_put_back_after_it(sbx: Sandbox) -> None:
+    probe = "import os; os.environ.get('RUN_ONLY', 'unset')"
+    assert sbx.run_code(probe, envs={"RUN_ONLY": "this run"}).text == "'this run'"
+    assert sbx.run_code(probe).text == "'unset'"
+    out: List[str] = []
+    sbx.run_code("print(os.environ['RUN_ONLY'])", envs={"RUN_ONLY": "streamed"}, on_stdout=out.append)
+    assert "".join(out) == "streamed\n" and sbx.run_code(probe).text == "'unset'"

@@ -590,6 +590,8 @@ export interface RunCodeOptions {
   onStderr?: OutputHandler;
   onResult?: (r: Result) => void;
   onError?: (e: ExecutionError) => void;
+  /** Variables set in `os.environ` for this run only. */
+  envs?: Record<string, string>;
 }
 
 /** One running sandbox. */
@@ -707,6 +709,7 @@ export class Sandbox {
       body.context = typeof options.context === "string" ? options.context : options.context.id;
     }
     if (options.timeout) body.timeout_s = options.timeout;
+    if (options.envs && Object.keys(options.envs).length > 0) body.env = options.envs;
     const path = `/v1/sandboxes/${this.id}/code`;
     const x = execution();
     if (!options.onStdout && !options.onStderr && !options.onResult && !options.onError) {

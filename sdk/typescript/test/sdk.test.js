@@ -149,6 +149,9 @@ describe("a sandbox", () => {
     assert.equal(out.join(""), "a\n");
     assert.match(results[0]?.html ?? "", /<table/);
     assert.deepEqual(d.results, results);
+    const probe = "import os; os.environ.get('RUN_ONLY', 'unset')";
+    assert.equal((await sbx.runCode(probe, { envs: { RUN_ONLY: "this run" } })).text, "'this run'");
+    assert.equal((await sbx.runCode(probe)).text, "'unset'");
     const ctx = await sbx.createCodeContext({ cwd: "/tmp" });
     assert.equal((await sbx.runCode("'x' in globals()", { context: ctx })).text, "False");
     await sbx.resetCodeContext(ctx);

@@ -165,9 +165,16 @@ def _user_traceback(exc):
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _run(code):
+def _run(code, env=None):
     global _count
     _count += 1
+    # Variables for this run only: set for the cell, then put back as they were.
+    saved = {}
+    if isinstance(env, dict):
+        for k, v in env.items():
+            k = str(k)
+            saved[k] = os.environ.get(k)
+            os.environ[k] = str(v)
     # The agent interrupts a cell that runs past its timeout with SIGINT; outside a cell
     # the signal is ignored so that a late one cannot kill the driver.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -196,6 +203,11 @@ def _run(code):
         )
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _reseed(env):
@@ -221,7 +233,7 @@ def main():
             continue
         op = req.get("op")
         if op == "run":
-            _run(req.get("code", ""))
+            _run(req.get("code", ""), req.get("env"))
         elif op == "reseed":
             _reseed(req.get("env"))
         for cap in _captures:

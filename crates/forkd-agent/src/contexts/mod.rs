@@ -439,7 +439,7 @@ pub async fn run(
     // its end, so the next run starts in step.
     tokio::spawn(async move {
         ctx.run(
-            serde_json::json!({ "op": "run", "code": req.code }),
+            serde_json::json!({ "op": "run", "code": req.code, "env": req.env }),
             timeout,
             tx,
         )

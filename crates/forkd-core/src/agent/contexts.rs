@@ -67,6 +67,18 @@ impl AgentClient {
         context: &str,
         req: &RunCodeRequest,
     ) -> Result<RunStream, AgentError> {
+        if !req.env.is_empty() && self.protocol() < forkd_proto::context::RUN_ENV {
+            // An older agent would run the cell without them, silently.
+            return Err(AgentError::Agent {
+                status: 400,
+                code: forkd_proto::ErrorCode::InvalidArgument,
+                message: format!(
+                    "this sandbox's guest agent (protocol {}) cannot set variables for one run; \
+                     rebuild its template with this forkd",
+                    self.protocol()
+                ),
+            });
+        }
         let resp = self
             .send(Method::POST, &routes::context_run(context), json_body(req))
             .await?;

@@ -39,6 +39,8 @@ pub type ReqBody = BoxBody<Bytes, std::io::Error>;
 #[derive(Clone)]
 pub struct AgentClient {
     sender: hyper::client::conn::http2::SendRequest<ReqBody>,
+    /// The protocol the agent answered the handshake with.
+    protocol: u32,
     /// Aborts the connection task when the last clone goes.
     _conn: Arc<ConnTask>,
 }
@@ -210,9 +212,15 @@ impl AgentClient {
         });
         let client = AgentClient {
             sender,
+            protocol,
             _conn: Arc::new(ConnTask(task)),
         };
         Ok((client, resumed))
+    }
+
+    /// The protocol version the agent speaks (what it can be asked for).
+    pub fn protocol(&self) -> u32 {
+        self.protocol
     }
 
     /// Ends the session for every clone: the connection task stops and the socket

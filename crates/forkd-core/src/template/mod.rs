@@ -366,6 +366,7 @@ async fn warm(
                         &RunCodeRequest {
                             code,
                             timeout_ms: None,
+                            env: Default::default(),
                         },
                     )
                     .await

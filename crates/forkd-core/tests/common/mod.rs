@@ -214,6 +214,7 @@ pub async fn run_code(sb: &Sandbox, code: &str) -> forkd_proto::context::Executi
                 &forkd_proto::context::RunCodeRequest {
                     code,
                     timeout_ms: None,
+                    env: Default::default(),
                 },
             )
             .await

@@ -288,6 +288,7 @@ pub async fn run_code(
     let req = RunCodeRequest {
         code: body.code,
         timeout_ms: timeout_ms(body.timeout_s)?,
+        env: body.env,
     };
     let context = pick_context(&sandbox, body.context).await?;
     let ctx = context.clone();

@@ -341,6 +341,9 @@ pub struct RunCodeBody {
     /// Stream the events as NDJSON instead of one JSON result.
     #[serde(default)]
     pub stream: bool,
+    /// Variables set in `os.environ` for this run only, put back as they were after it.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
 }
 
 /// What a cell produced.

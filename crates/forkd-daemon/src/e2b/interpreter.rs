@@ -99,18 +99,12 @@ async fn execute(
     let req: ExecuteRequest = serde_json::from_slice(&body)
         .map_err(|e| fail(StatusCode::BAD_REQUEST, format!("the request body: {e}")))?;
     check_language(req.language.as_deref())?;
-    if req.env_vars.as_ref().is_some_and(|e| !e.is_empty()) {
-        return Err(fail(
-            StatusCode::BAD_REQUEST,
-            "env_vars per execution are not supported by forkd: set envs when creating the \
-                 sandbox, or os.environ in the code",
-        ));
-    }
     let sandbox = e2b.sandbox(&t.id).await?;
     let context = crate::api::run::pick_context(&sandbox, req.context_id).await?;
     let run = RunCodeRequest {
         code: req.code,
         timeout_ms: None,
+        env: req.env_vars.unwrap_or_default(),
     };
     let stream = sandbox
         .call(|a| async move { a.run_code_stream(&context, &run).await })

@@ -234,6 +234,10 @@ with CodeInterpreter.create(template) as ci:
     out: list[str] = []
     ex = ci.run_code("print('from a cell')", on_stdout=lambda m: out.append(m.line))
     assert "".join(ex.logs.stdout) == "from a cell\n" == "".join(out), (ex, out)
+    # Variables for one run only.
+    probe = "import os; os.environ.get('RUN_ONLY', 'unset')"
+    assert ci.run_code(probe, envs={"RUN_ONLY": "for this run"}).text == "'for this run'"
+    assert ci.run_code(probe).text == "'unset'"
     ex = ci.run_code("1 / 0")
     assert ex.error is not None and ex.error.name == "ZeroDivisionError", ex
     assert "line 1" in ex.error.traceback, ex.error.traceback

@@ -137,13 +137,18 @@ def context_body(cwd: Optional[str], envs: Optional[Mapping[str, str]]) -> Dict[
 
 
 def code_body(
-    code: str, context: Optional[Union[str, CodeContext]], timeout: Optional[float]
+    code: str,
+    context: Optional[Union[str, CodeContext]],
+    timeout: Optional[float],
+    envs: Optional[Mapping[str, str]] = None,
 ) -> Dict[str, Any]:
     body: Dict[str, Any] = {"code": code}
     if context is not None:
         body["context"] = context_id(context)
     if timeout:
         body["timeout_s"] = timeout
+    if envs:
+        body["env"] = dict(envs)
     return body
 
 

@@ -396,8 +396,9 @@ class AsyncSandbox:
         on_stderr: Optional[OutputHandler] = None,
         on_result: Optional[Callable[[Result], None]] = None,
         on_error: Optional[Callable[[ExecutionError], None]] = None,
+        envs: Optional[Mapping[str, str]] = None,
     ) -> Execution:
-        body = _api.code_body(code, context, timeout)
+        body = _api.code_body(code, context, timeout, envs)
         path = f"/v1/sandboxes/{self.id}/code"
         if not any((on_stdout, on_stderr, on_result, on_error)):
             return _api.execution_from_api(await self._conn.request("POST", path, body))

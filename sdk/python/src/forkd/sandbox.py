@@ -417,10 +417,12 @@ class Sandbox:
         on_stderr: Optional[OutputHandler] = None,
         on_result: Optional[Callable[[Result], None]] = None,
         on_error: Optional[Callable[[ExecutionError], None]] = None,
+        envs: Optional[Mapping[str, str]] = None,
     ) -> Execution:
         """Runs a cell in ``context`` (the sandbox's first by default). The cell's
-        exception, if any, is in ``execution.error``: it is not raised here."""
-        body = _api.code_body(code, context, timeout)
+        exception, if any, is in ``execution.error``: it is not raised here. ``envs`` are set
+        in ``os.environ`` for this run only."""
+        body = _api.code_body(code, context, timeout, envs)
         path = f"/v1/sandboxes/{self.id}/code"
         if not any((on_stdout, on_stderr, on_result, on_error)):
             return _api.execution_from_api(self._conn.request("POST", path, body))
