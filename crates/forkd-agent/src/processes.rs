@@ -316,9 +316,43 @@ pub async fn stdin(
     }
 }
 
+/// `POST /v1/signal`: a signal to any process of the guest by pid, or to its group;
+/// never to the agent, its group or pid 1 (what ends the guest's session is the host's
+/// to decide, through its own routes).
+pub async fn signal_pid(body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {
+    let req: forkd_proto::exec::PidSignalRequest = parse_json(&body)?;
+    let sig = Signal::try_from(req.signal)
+        .map_err(|_| ApiError::invalid(format!("{} is not a signal number", req.signal)))?;
+    let me = nix::unistd::getpid();
+    let pid = i32::try_from(req.pid)
+        .ok()
+        .filter(|&p| p > 1 && p != me.as_raw())
+        .map(nix::unistd::Pid::from_raw)
+        .ok_or_else(|| ApiError::invalid(format!("pid {} cannot be signalled", req.pid)))?;
+    let gone = |e: nix::Error| {
+        let code = match e {
+            nix::Error::ESRCH => forkd_proto::ErrorCode::NotFound,
+            e => forkd_proto::ErrorCode::from_io(&std::io::Error::from(e)),
+        };
+        ApiError::new(code, format!("sending {sig} to process {pid}: {e}"))
+    };
+    if req.group {
+        let pgid = nix::unistd::getpgid(Some(pid)).map_err(gone)?;
+        if pgid.as_raw() <= 1 || pgid == nix::unistd::getpgrp() {
+            return Err(ApiError::invalid(format!(
+                "process {pid} is in the agent's process group, which is not signalled"
+            )));
+        }
+        nix::sys::signal::killpg(pgid, sig).map_err(gone)?;
+    } else {
+        nix::sys::signal::kill(pid, sig).map_err(gone)?;
+    }
+    Ok(Json(serde_json::json!({})))
+}
+
 /// `POST /v1/processes/{id}/signal`.
 ///
-/// Signals go to the process group. Once the process has ended nothing is sent: its
+/// Signals go to the process group (or the process alone, if asked). Once the process has ended nothing is sent: its
 /// pid, and so its group id, may already belong to someone else.
 pub async fn signal(
     State(state): State<Arc<AppState>>,
@@ -337,21 +371,26 @@ pub async fn signal(
     if p.running() {
         if let Ok(pgid) = i32::try_from(p.pid) {
             if pgid > 0 {
-                nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pgid), sig)
-                    .map_err(|e| {
-                        ApiError::new(
-                            forkd_proto::ErrorCode::from_io(&std::io::Error::from(e)),
-                            format!("sending signal {} to process {id} failed: {e}", req.signal),
-                        )
-                    })
-                    .or_else(|e| {
-                        // The group vanished between the check and the kill: it just ended.
-                        if p.running() {
-                            Err(e)
-                        } else {
-                            Ok(())
-                        }
-                    })?;
+                let pid = nix::unistd::Pid::from_raw(pgid);
+                let sent = if req.process_only {
+                    nix::sys::signal::kill(pid, sig)
+                } else {
+                    nix::sys::signal::killpg(pid, sig)
+                };
+                sent.map_err(|e| {
+                    ApiError::new(
+                        forkd_proto::ErrorCode::from_io(&std::io::Error::from(e)),
+                        format!("sending signal {} to process {id} failed: {e}", req.signal),
+                    )
+                })
+                .or_else(|e| {
+                    // The group vanished between the check and the kill: it just ended.
+                    if p.running() {
+                        Err(e)
+                    } else {
+                        Ok(())
+                    }
+                })?;
             }
         }
     }

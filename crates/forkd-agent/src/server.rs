@@ -140,6 +140,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/v1/processes/{id}/wait", post(processes::wait))
         .route("/v1/processes/{id}/signal", post(processes::signal))
+        .route(routes::SIGNAL, post(processes::signal_pid))
         .route("/v1/processes/{id}/stdin", post(processes::stdin))
         .route(routes::FILES, get(files::read).put(files::write))
         .route(routes::FILES_LIST, get(files::list))

@@ -230,3 +230,57 @@ async fn stdin_kept_open_is_written_in_order_and_closed() {
     let (status, _): (_, ErrorBody) = c.json(Method::POST, "/v1/processes/999/stdin", None).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
 }
+
+#[tokio::test]
+async fn signals_by_pid_reach_a_process_or_its_group_and_never_pid_1() {
+    let agent = Agent::start().await;
+    let mut c = agent.connect().await;
+    let start = |cmd: &'static str| shell(cmd);
+    let (_, alone): (_, ProcessInfo) = c
+        .json(Method::POST, "/v1/processes", Some(start("exec sleep 30")))
+        .await;
+    let (_, group): (_, ProcessInfo) = c
+        .json(
+            Method::POST,
+            "/v1/processes",
+            Some(start("sleep 30; echo not reached")),
+        )
+        .await;
+    for (p, signal, by_group) in [(&alone, 2, false), (&group, 15, true)] {
+        let (status, _): (_, serde_json::Value) = c
+            .json(
+                Method::POST,
+                "/v1/signal",
+                Some(json!({"pid": p.pid, "signal": signal, "group": by_group})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        let (_, ended): (_, ProcessInfo) = c
+            .json(Method::POST, &format!("/v1/processes/{}/wait", p.id), None)
+            .await;
+        assert_eq!(ended.exit.and_then(|e| e.signal), Some(signal), "{ended:?}");
+        assert!(ended.stdout.is_empty());
+    }
+    for (pid, want) in [
+        (1, StatusCode::BAD_REQUEST),
+        (0, StatusCode::BAD_REQUEST),
+        (4_194_305, StatusCode::NOT_FOUND),
+    ] {
+        let (status, _): (_, ErrorBody) = c
+            .json(
+                Method::POST,
+                "/v1/signal",
+                Some(json!({"pid": pid, "signal": 15, "group": false})),
+            )
+            .await;
+        assert_eq!(status, want, "pid {pid}");
+    }
+    let (status, _): (_, ErrorBody) = c
+        .json(
+            Method::POST,
+            "/v1/signal",
+            Some(json!({"pid": alone.pid, "signal": 1000})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+}

@@ -158,11 +158,32 @@ mod base64_bytes {
 /// How many bytes of a background process's stdout and of its stderr the agent keeps.
 pub const BACKGROUND_OUTPUT_LIMIT: usize = 1 << 20;
 
+/// The agent protocol from which signals go by pid ([`crate::routes::SIGNAL`]) and to a
+/// process alone ([`SignalRequest::process_only`]).
+pub const SIGNALS: u32 = 6;
+
 /// Body of `POST /v1/processes/{id}/signal`.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 pub struct SignalRequest {
     /// Signal number (e.g. 15 for SIGTERM), sent to the process group.
     pub signal: i32,
+    /// To the process alone, not its group (protocol 6; older agents signal the group).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub process_only: bool,
+}
+
+/// Body of [`crate::routes::SIGNAL`] (protocol 6): a signal to any process of the guest
+/// but the agent, by its pid (the foreground commands' pids come in their `Started`
+/// event).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PidSignalRequest {
+    /// The process.
+    pub pid: u32,
+    /// Signal number.
+    pub signal: i32,
+    /// To its process group rather than to it alone.
+    #[serde(default)]
+    pub group: bool,
 }
 
 /// Query of `POST /v1/processes/{id}/stdin`.

@@ -11,6 +11,9 @@ pub const EXEC: &str = "/v1/exec";
 /// `POST`: start a background process ([`crate::exec::ExecRequest`] as JSON) →
 /// [`crate::exec::ProcessInfo`]; `GET`: list them → `Vec<ProcessInfo>`.
 pub const PROCESSES: &str = "/v1/processes";
+/// `POST` [`crate::exec::PidSignalRequest`]: a signal to a guest process by pid
+/// (protocol 6) → `{}`.
+pub const SIGNAL: &str = "/v1/signal";
 /// `PUT` (body: raw bytes, streamed) writes a file, answering [`crate::files::FileStat`];
 /// `GET` streams a file's bytes. Query: [`crate::files::PathQuery`] /
 /// [`crate::files::WriteQuery`].

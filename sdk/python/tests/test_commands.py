@@ -48,6 +48,14 @@ def test_background_commands_wait_signal_and_kill(sbx: Sandbox) -> None:
     assert (ended.running, ended.signal, ended.exit_code) == (False, 15, 143)
     assert ended.stdout == "started\n"
 
+    # By name, to the process alone; a name that is no signal is refused.
+    h = sbx.commands.run(["sleep", "600"], background=True)
+    with pytest.raises(BadRequestError):
+        h.send_signal("SIGNOTHING")
+    h.send_signal("SIGINT", group=False)
+    ended = h.wait()
+    assert (ended.running, ended.signal) == (False, 2), ended
+
     h = sbx.commands.run(["sleep", "600"], background=True)
     assert sbx.commands.connect(h.id).pid == h.pid
     assert not h.kill().running

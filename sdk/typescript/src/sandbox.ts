@@ -317,11 +317,13 @@ export class CommandHandle {
     }
   }
 
-  /** Sends `signal` (a number: 15 for SIGTERM) to its process group. */
-  async sendSignal(signal: number): Promise<ProcessInfo> {
-    return processInfo(
-      await this.sandbox.conn.request<Json>("POST", this.path("/signal"), { json: { signal } }),
-    );
+  /**
+   * Sends `signal` (a number, 15, or a name, `"SIGTERM"`) to its process group, or with
+   * `{ group: false }` to the process alone.
+   */
+  async sendSignal(signal: number | string, options: { group?: boolean } = {}): Promise<ProcessInfo> {
+    const json = { signal, group: options.group ?? true };
+    return processInfo(await this.sandbox.conn.request<Json>("POST", this.path("/signal"), { json }));
   }
 
   /** Kills its group and forgets it; resolves with how it ended. */

@@ -93,6 +93,9 @@ describe("a sandbox", () => {
     await h.sendSignal(15);
     const ended = await h.wait();
     assert.deepEqual([ended.running, ended.signal, ended.exitCode, ended.stdout], [false, 15, 143, "started\n"]);
+    const i = await sbx.commands.run(["sleep", "600"], { background: true });
+    await i.sendSignal("SIGINT", { group: false });
+    assert.deepEqual([(await i.wait()).signal], [2]);
     const k = await sbx.commands.run(["sleep", "600"], { background: true });
     assert.equal((await k.kill()).running, false);
     await assert.rejects(k.info(), NotFoundError);

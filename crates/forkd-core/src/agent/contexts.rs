@@ -67,17 +67,9 @@ impl AgentClient {
         context: &str,
         req: &RunCodeRequest,
     ) -> Result<RunStream, AgentError> {
-        if !req.env.is_empty() && self.protocol() < forkd_proto::context::RUN_ENV {
+        if !req.env.is_empty() {
             // An older agent would run the cell without them, silently.
-            return Err(AgentError::Agent {
-                status: 400,
-                code: forkd_proto::ErrorCode::InvalidArgument,
-                message: format!(
-                    "this sandbox's guest agent (protocol {}) cannot set variables for one run; \
-                     rebuild its template with this forkd",
-                    self.protocol()
-                ),
-            });
+            self.needs(forkd_proto::context::RUN_ENV, "set variables for one run")?;
         }
         let resp = self
             .send(Method::POST, &routes::context_run(context), json_body(req))

@@ -232,9 +232,32 @@ impl AgentClient {
     }
 
     /// Sends `signal` to a background process's group.
-    pub async fn signal_process(&self, id: u64, signal: i32) -> Result<ProcessInfo, AgentError> {
-        self.post_json(&routes::process_signal(id), &SignalRequest { signal })
-            .await
+    pub async fn signal_process(
+        &self,
+        id: u64,
+        signal: i32,
+        process_only: bool,
+    ) -> Result<ProcessInfo, AgentError> {
+        if process_only {
+            self.needs(
+                forkd_proto::exec::SIGNALS,
+                "signal a process outside its group",
+            )?;
+        }
+        let req = SignalRequest {
+            signal,
+            process_only,
+        };
+        self.post_json(&routes::process_signal(id), &req).await
+    }
+
+    /// Sends `signal` to the guest process `pid` (a foreground command's, from its
+    /// `Started` event, or any other but the agent), or to its group.
+    pub async fn signal_pid(&self, pid: u32, signal: i32, group: bool) -> Result<(), AgentError> {
+        self.needs(forkd_proto::exec::SIGNALS, "signal a process by its pid")?;
+        let req = forkd_proto::exec::PidSignalRequest { pid, signal, group };
+        let _: serde_json::Value = self.post_json(routes::SIGNAL, &req).await?;
+        Ok(())
     }
 
     /// Kills a background process and forgets it.

@@ -223,6 +223,23 @@ impl AgentClient {
         self.protocol
     }
 
+    /// Refuses (as a bad request) what an agent older than `protocol` cannot `do_what`,
+    /// rather than sending it a request it would misread or ignore.
+    pub(crate) fn needs(&self, protocol: u32, do_what: &str) -> Result<(), AgentError> {
+        if self.protocol >= protocol {
+            return Ok(());
+        }
+        Err(AgentError::Agent {
+            status: 400,
+            code: forkd_proto::ErrorCode::InvalidArgument,
+            message: format!(
+                "this sandbox's guest agent (protocol {}) cannot {do_what}; rebuild its \
+                 template with this forkd",
+                self.protocol
+            ),
+        })
+    }
+
     /// Ends the session for every clone: the connection task stops and the socket
     /// closes, which the guest sees as a hang-up.
     pub fn close(&self) {

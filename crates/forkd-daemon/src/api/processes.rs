@@ -160,7 +160,8 @@ pub async fn stdin(
     .await
 }
 
-/// Sends a signal to a background process's group.
+/// Sends a signal (by name or number) to a background process's group, or with
+/// `group: false` to the process alone.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{process}/signal",
     params(("id" = String, Path), ("process" = u64, Path)), request_body = SignalBody,
     responses((status = 200, body = ProcessBody), (status = 400, body = ErrorBody),
@@ -170,14 +171,9 @@ pub async fn signal(
     PathParams((id, process)): PathParams<(String, String)>,
     JsonBody(b): JsonBody<SignalBody>,
 ) -> Result<Json<ProcessBody>, ApiError> {
-    if !(1..=64).contains(&b.signal) {
-        return Err(ApiError::bad_request(format!(
-            "signal {} is not a signal number (1 to 64)",
-            b.signal
-        )));
-    }
+    let signal = b.signal.number().map_err(ApiError::bad_request)?;
     on_process(&app, &id, &process, |a, n| async move {
-        a.signal_process(n, b.signal).await
+        a.signal_process(n, signal, !b.group).await
     })
     .await
 }

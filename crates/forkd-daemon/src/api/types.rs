@@ -800,11 +800,45 @@ impl From<forkd_proto::exec::ProcessInfo> for ProcessBody {
     }
 }
 
-/// A signal for a background process's group.
-#[derive(Debug, Clone, Copy, Deserialize, ToSchema)]
+/// A signal for a background process, or its group.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SignalBody {
+    /// Its name (`SIGINT` or `INT`) or number (2).
+    pub signal: SignalSpec,
+    /// To the process's whole group (the default), or to the process alone.
+    #[serde(default = "yes")]
+    pub group: bool,
+}
+
+/// A signal by name or number.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum SignalSpec {
     /// Its number (15 for SIGTERM, 9 for SIGKILL...).
-    #[schema(minimum = 1, maximum = 64)]
-    pub signal: i32,
+    Number(i32),
+    /// Its name, with or without `SIG` (`SIGTERM`, `term`).
+    Name(String),
+}
+
+impl SignalSpec {
+    /// The signal's number, if it names one of Linux's standard signals.
+    pub fn number(&self) -> Result<i32, String> {
+        let sig = match self {
+            SignalSpec::Number(n) => nix::sys::signal::Signal::try_from(*n).ok(),
+            SignalSpec::Name(name) => {
+                let upper = name.trim().to_ascii_uppercase();
+                let full = if upper.starts_with("SIG") {
+                    upper
+                } else {
+                    format!("SIG{upper}")
+                };
+                full.parse::<nix::sys::signal::Signal>().ok()
+            }
+        };
+        sig.map(|s| s as i32).ok_or_else(|| match self {
+            SignalSpec::Number(n) => format!("{n} is not a signal number"),
+            SignalSpec::Name(n) => format!("{n:?} is not a signal's name"),
+        })
+    }
 }

@@ -467,8 +467,8 @@ struct SignalRequest {
     signal: Value,
 }
 
-/// `SendSignal`: SIGKILL (what the SDKs send) kills the process's group. Other signals
-/// cannot be delivered to a running exec through forkd's agent and are refused.
+/// `SendSignal`: SIGKILL (what the SDKs send) kills the process's group, as its stream
+/// does on a kill; SIGTERM goes to the process's group through the agent.
 async fn send_signal(
     State(e2b): State<Shared>,
     Extension(t): Extension<Target>,
@@ -477,15 +477,23 @@ async fn send_signal(
     unary(async {
         let req: SignalRequest = connect::unary_request(&body)?;
         let proc = find(&e2b, &t, &req.process)?;
-        let kill = matches!(&req.signal, Value::String(s) if s == "SIGNAL_SIGKILL")
-            || req.signal == json!(9);
-        if !kill {
+        let named = |name: &str, number: i32| {
+            matches!(&req.signal, Value::String(s) if s == name) || req.signal == json!(number)
+        };
+        if named("SIGNAL_SIGKILL", 9) {
+            proc.kill.cancel();
+        } else if named("SIGNAL_SIGTERM", 15) {
+            let sandbox = e2b.sandbox(&t.id).await?;
+            let pid = proc.pid;
+            sandbox
+                .call(|a| async move { a.signal_pid(pid, 15, true).await })
+                .await?;
+        } else {
             return Err(RpcError::new(
-                Code::Unimplemented,
-                format!("forkd delivers SIGNAL_SIGKILL only, not {}", req.signal),
+                Code::InvalidArgument,
+                format!("{} is not a signal of E2B's protocol", req.signal),
             ));
         }
-        proc.kill.cancel();
         Ok(json!({}))
     })
     .await

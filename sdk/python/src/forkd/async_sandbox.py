@@ -65,8 +65,9 @@ class AsyncCommandHandle:
             if deadline is not None and loop.time() >= deadline:
                 raise TimeoutError(f"process {self.id} still runs after {timeout} s")
 
-    async def send_signal(self, signal: int) -> ProcessInfo:
-        v = await self._sandbox._conn.request("POST", self._path("/signal"), {"signal": signal})
+    async def send_signal(self, signal: Union[int, str], group: bool = True) -> ProcessInfo:
+        body = {"signal": signal, "group": group}
+        v = await self._sandbox._conn.request("POST", self._path("/signal"), body)
         return ProcessInfo.from_api(v)
 
     async def kill(self) -> ProcessInfo:

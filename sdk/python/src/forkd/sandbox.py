@@ -53,9 +53,11 @@ class CommandHandle:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"process {self.id} still runs after {timeout} s")
 
-    def send_signal(self, signal: int) -> ProcessInfo:
-        """Sends ``signal`` (a number: 15 for SIGTERM) to the process's group."""
-        v = self._sandbox._conn.request("POST", self._path("/signal"), {"signal": signal})
+    def send_signal(self, signal: Union[int, str], group: bool = True) -> ProcessInfo:
+        """Sends ``signal`` (a number, 15, or a name, ``"SIGTERM"``) to the process's
+        group, or with ``group=False`` to the process alone."""
+        body = {"signal": signal, "group": group}
+        v = self._sandbox._conn.request("POST", self._path("/signal"), body)
         return ProcessInfo.from_api(v)
 
     def kill(self) -> ProcessInfo:
