@@ -13,6 +13,7 @@ mod doctor;
 mod image;
 mod mcp;
 mod pause;
+mod processes;
 mod quickstart;
 mod registry;
 mod remote;
@@ -107,6 +108,9 @@ enum Command {
     Exec(sandboxes::ExecArgs),
     /// Run code in one of a sandbox's code contexts (state persists between calls).
     RunCode(sandboxes::RunCodeArgs),
+    /// A sandbox's background processes: start, ls, signal, kill.
+    #[command(subcommand)]
+    Process(processes::ProcessCommand),
     /// List the sandboxes.
     Ls(sandboxes::LsArgs),
     /// Stop sandboxes and remove their files.
@@ -207,6 +211,9 @@ fn main() {
                 .map(|()| 0),
             Command::Exec(args) => sandboxes::exec(&remote::connect(&home)?, args).await,
             Command::RunCode(args) => sandboxes::run_code(&remote::connect(&home)?, args).await,
+            Command::Process(cmd) => processes::run(&remote::connect(&home)?, cmd)
+                .await
+                .map(|()| 0),
             Command::Ls(args) => sandboxes::ls(&remote::connect(&home)?, args)
                 .await
                 .map(|()| 0),

@@ -311,6 +311,37 @@ fn template_fork_exec_ls_kill_rmi() {
         assert_eq!(row["snapshot"], tag);
     }
 
+    // A background process, listed, and ended by a signal given by name.
+    let (code, out, err) = run(&["process", "start", &ids[1], "--", "sleep", "600"]);
+    assert_eq!(code, Some(0), "{err}");
+    let n = out.trim().to_owned();
+    let (code, out, _) = run(&["process", "ls", &ids[1]]);
+    assert_eq!(code, Some(0));
+    assert!(
+        out.contains("running") && out.contains("sleep 600"),
+        "{out}"
+    );
+    let (code, _, err) = run(&["process", "signal", &ids[1], &n, "SIGNOPE"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("SIGNOPE") && err.contains("400"), "{err}");
+    let (code, _, err) = run(&["process", "signal", &ids[1], &n, "int", "--process-only"]);
+    assert_eq!(code, Some(0), "{err}");
+    let ended = (0..100).find_map(|_| {
+        let (_, out, _) = run(&["process", "ls", &ids[1], "--json"]);
+        let v = json(&out);
+        let p = v
+            .as_array()?
+            .iter()
+            .find(|p| p["id"].to_string() == n)?
+            .clone();
+        if p["running"] == false {
+            return Some(p);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        None
+    });
+    assert_eq!(ended.expect("the process ended")["signal"], 2);
+
     // The snapshot is in use: rmi is refused and names a child.
     let (code, _, err) = run(&["rmi", tag]);
     assert_eq!(code, Some(1));
