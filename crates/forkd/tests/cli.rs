@@ -315,6 +315,7 @@ fn template_fork_exec_ls_kill_rmi() {
     let (code, out, err) = run(&["process", "start", &ids[1], "--", "sleep", "600"]);
     assert_eq!(code, Some(0), "{err}");
     let n = out.trim().to_owned();
+    let number: u64 = n.parse().expect("a process number");
     let (code, out, _) = run(&["process", "ls", &ids[1]]);
     assert_eq!(code, Some(0));
     assert!(
@@ -329,11 +330,7 @@ fn template_fork_exec_ls_kill_rmi() {
     let ended = (0..100).find_map(|_| {
         let (_, out, _) = run(&["process", "ls", &ids[1], "--json"]);
         let v = json(&out);
-        let p = v
-            .as_array()?
-            .iter()
-            .find(|p| p["id"].to_string() == n)?
-            .clone();
+        let p = v.as_array()?.iter().find(|p| p["id"] == number)?.clone();
         if p["running"] == false {
             return Some(p);
         }
