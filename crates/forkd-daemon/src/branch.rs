@@ -297,6 +297,14 @@ impl Registry {
             ),
         };
         tracing::info!(op = %a.op.id, source = %id, tag = %a.tag, "branch {status}");
+        if let (Ok(o), Ok(source)) = (&outcome, self.describe(&id)) {
+            let reason = format!("into snapshot {}", o.snapshot);
+            self.events().emit(
+                crate::events::EventKind::Branched,
+                &source.row,
+                Some(&reason),
+            );
+        }
         let recorded = self.state().finish_with_result(
             &a.op.id,
             &OperationEnd {

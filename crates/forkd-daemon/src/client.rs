@@ -266,6 +266,18 @@ impl Lines {
 
     /// The next line, parsed; `None` at the end of the body.
     pub async fn next(&mut self) -> Result<Option<serde_json::Value>> {
+        let Some(line) = self.next_text().await? else {
+            return Ok(None);
+        };
+        let v = serde_json::from_str(&line).with_context(|| {
+            let shown: String = line.chars().take(200).collect();
+            format!("a streamed line is not JSON (or the stream was cut short): {shown}")
+        })?;
+        Ok(Some(v))
+    }
+
+    /// The next line as it is (a Server-Sent Events stream's, say); `None` at the end.
+    pub async fn next_text(&mut self) -> Result<Option<String>> {
         use futures::StreamExt;
         use tokio_util::codec::LinesCodecError;
         let line = match self.inner.next().await {
@@ -280,11 +292,7 @@ impl Lines {
                 return Err(anyhow::Error::new(e).context("reading the daemon's stream"))
             }
         };
-        let v = serde_json::from_str(&line).with_context(|| {
-            let shown: String = line.chars().take(200).collect();
-            format!("a streamed line is not JSON (or the stream was cut short): {shown}")
-        })?;
-        Ok(Some(v))
+        Ok(Some(line))
     }
 
     /// The next line of a streamed exec, its output decoded; `None` at the end.

@@ -67,7 +67,14 @@ pub struct DaemonConfig {
     /// Start a new audit chain when the log is found broken (`--audit-reset`), after
     /// moving the broken one aside; without it the daemon refuses to start.
     pub audit_reset: bool,
+    /// How long lifecycle events are kept (`--events-retention`), for `GET /v1/events`
+    /// to replay.
+    pub events_retention: std::time::Duration,
 }
+
+/// Lifecycle events are kept a week unless the operator says otherwise.
+pub const DEFAULT_EVENTS_RETENTION: std::time::Duration =
+    std::time::Duration::from_secs(7 * 24 * 3600);
 
 /// PEM files of the TCP listener's certificate chain and private key.
 #[derive(Debug, Clone)]
@@ -153,6 +160,7 @@ impl DaemonConfig {
             egress_open: Vec::new(),
             pause_on_stop: false,
             audit_reset: false,
+            events_retention: DEFAULT_EVENTS_RETENTION,
         }
     }
 

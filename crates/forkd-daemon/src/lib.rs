@@ -28,6 +28,7 @@ pub mod branch;
 pub mod client;
 pub mod config;
 pub mod e2b;
+pub mod events;
 pub mod failed_auth_log;
 pub mod import_dirs;
 pub mod metrics;

@@ -92,6 +92,10 @@ pub struct DaemonArgs {
     /// runs again, and survive a reboot of the host.
     #[arg(long)]
     pause_on_stop: bool,
+    /// Seconds lifecycle events are kept for `GET /v1/events` (and `forkd events`) to
+    /// replay.
+    #[arg(long, value_name = "SECS", default_value_t = forkd_daemon::config::DEFAULT_EVENTS_RETENTION.as_secs())]
+    events_retention: u64,
 }
 
 fn parse_token_file(s: &str) -> Result<(String, PathBuf), String> {
@@ -160,6 +164,7 @@ pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
     config.egress_open = args.egress_open;
     config.audit_reset = args.audit_reset;
     config.pause_on_stop = args.pause_on_stop;
+    config.events_retention = std::time::Duration::from_secs(args.events_retention.max(1));
     if let Some(k) = args.fork_parallelism {
         config.fork_parallelism = k as usize;
     }

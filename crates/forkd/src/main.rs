@@ -10,6 +10,7 @@ mod bench_scale;
 mod branch;
 mod daemon;
 mod doctor;
+mod events;
 mod image;
 mod mcp;
 mod pause;
@@ -113,6 +114,9 @@ enum Command {
     Process(processes::ProcessCommand),
     /// List the sandboxes.
     Ls(sandboxes::LsArgs),
+    /// Show the sandboxes' lifecycle events (created, started, paused, resumed,
+    /// branched, failed, killed, timed out); --follow waits for new ones.
+    Events(events::EventsArgs),
     /// Stop sandboxes and remove their files.
     Kill(sandboxes::KillArgs),
     /// Show a sandbox's egress policy, or change it while it runs (--egress, --allow,
@@ -211,6 +215,9 @@ fn main() {
                 .map(|()| 0),
             Command::Exec(args) => sandboxes::exec(&remote::connect(&home)?, args).await,
             Command::RunCode(args) => sandboxes::run_code(&remote::connect(&home)?, args).await,
+            Command::Events(args) => events::run(&remote::connect(&home)?, args)
+                .await
+                .map(|()| 0),
             Command::Process(cmd) => processes::run(&remote::connect(&home)?, cmd)
                 .await
                 .map(|()| 0),

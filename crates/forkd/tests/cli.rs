@@ -311,6 +311,15 @@ fn template_fork_exec_ls_kill_rmi() {
         assert_eq!(row["snapshot"], tag);
     }
 
+    // The fork's events, as JSON lines.
+    let (code, out, err) = run(&["events", "--json", "--sandbox", &ids[0]]);
+    assert_eq!(code, Some(0), "{err}");
+    let kinds: Vec<String> = out
+        .lines()
+        .map(|l| json(l)["type"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(kinds, ["created", "started"], "{out}");
+
     // A background process, listed, and ended by a signal given by name.
     let (code, out, err) = run(&["process", "start", &ids[1], "--", "sleep", "600"]);
     assert_eq!(code, Some(0), "{err}");

@@ -422,6 +422,12 @@ fn the_openapi_document_lists_the_methods_each_route_takes() {
                 .replace("{context}", "nosuch")
                 .replace("{path}", "x");
             assert!(!concrete.contains('{'), "a parameter left in {path}");
+            // The event stream would stay open: asked to end after the kept events.
+            let concrete = if concrete == "/v1/events" {
+                "/v1/events?follow=false".to_owned()
+            } else {
+                concrete
+            };
             for m in [
                 Method::GET,
                 Method::POST,

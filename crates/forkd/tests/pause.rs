@@ -292,6 +292,13 @@ fn a_timeout_idleness_or_a_stop_pauses_a_sandbox_that_asks_for_it() {
             assert_eq!(stdout(&exec(&c, id, "cat /root/file").await), "mine\n");
             assert_eq!(sandbox(&c, id).await["status"], "running");
         }
+        // Each pause and resume is an event of the sandbox's.
+        let kinds: Vec<String> = common::events_of(&c, &format!("sandbox={timed}"))
+            .await
+            .iter()
+            .map(|e| e["type"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(kinds, ["created", "started", "paused", "resumed"]);
         let left =
             sandbox(&c, timed).await["timeout_at"].as_i64().unwrap() - forkd_daemon::unix_now();
         assert!((0..=3).contains(&left), "{left}");

@@ -5,6 +5,7 @@ mod archive;
 pub(crate) mod branch;
 mod distribution;
 pub mod error;
+pub(crate) mod events;
 pub(crate) mod files;
 mod images;
 pub(crate) mod pause;
@@ -128,6 +129,9 @@ pub fn router(app: App) -> Router {
             "/v1/snapshots/{tag}/pool",
             get(snapshots::get_pool).put(snapshots::set_pool),
         )
+        .route("/v1/events", get(events::stream))
+        .route("/v1/webhooks", get(events::list).post(events::register))
+        .route("/v1/webhooks/{id}", get(events::get).delete(events::delete))
         .route("/v1/operations", get(snapshots::operations))
         .route(
             "/v1/operations/{id}",
@@ -251,10 +255,15 @@ pub fn router(app: App) -> Router {
         files::stat,
         files::mkdir,
         files::rename,
+        events::stream,
+        events::register,
+        events::list,
+        events::get,
+        events::delete,
     ),
     // The NDJSON line of a streamed exec: no path returns it as its body, but clients
     // (the SDKs) need its schema.
-    components(schemas(types::ExecEventBody)),
+    components(schemas(types::ExecEventBody, crate::state::EventRow)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;

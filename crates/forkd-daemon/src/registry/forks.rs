@@ -106,7 +106,7 @@ impl Registry {
         }
         failpoint::hit("fork.after_ready");
         let mut slots = self.slots();
-        Ok(children
+        let entries: Vec<Entry> = children
             .into_iter()
             .filter_map(|child| {
                 let mut row = slots.starting.remove(child.id())?;
@@ -121,7 +121,13 @@ impl Registry {
                 self.start_resolver(&mut slots, &entry);
                 Some(entry)
             })
-            .collect())
+            .collect();
+        drop(slots);
+        for e in &entries {
+            self.events
+                .emit(crate::events::EventKind::Started, &e.row, None);
+        }
+        Ok(entries)
     }
 
     /// Records how a fork ended: its status, error and result (children and errors).
@@ -264,6 +270,10 @@ impl Registry {
         self.state
             .insert_sandboxes(&rows)
             .map_err(|e| recording_failed(self, e))?;
+        for row in &rows {
+            self.events
+                .emit(crate::events::EventKind::Created, row, None);
+        }
         let mut slots = self.slots();
         for row in rows {
             slots.starting.insert(row.id.clone(), row);

@@ -142,10 +142,17 @@ impl Registry {
                 return Err(SandboxError::NotFound { id: id.to_owned() }.into());
             }
         };
+        let row = match &claimed {
+            Claimed::Row(row) => row.clone(),
+            Claimed::Live(entry) => entry.row.clone(),
+        };
         match claimed {
             Claimed::Row(row) => self.remove_row(&row).await,
             Claimed::Live(entry) => self.remove(&entry).await,
-        }
+        }?;
+        self.events
+            .emit(crate::events::EventKind::Killed, &row, None);
+        Ok(())
     }
 
     /// Stops a sandbox, removes its files and its row, and only then forgets it: once

@@ -111,6 +111,8 @@ pub struct Registry {
     slots: Mutex<Slots>,
     /// Wakes the pool filler (a fork ended, a pool size changed).
     pub(crate) pool_wakeup: tokio::sync::Notify,
+    /// Where what happens to the sandboxes is recorded and announced.
+    events: Arc<crate::events::Events>,
 }
 
 /// A sandbox whose VM runs but that a restarted daemon could not take over (its QMP
@@ -251,7 +253,6 @@ impl Registry {
             hv,
             home,
             store,
-            state,
             max,
             max_paused: crate::config::DEFAULT_MAX_PAUSED,
             agent_timeout: SandboxOptions::default().agent_timeout,
@@ -260,6 +261,8 @@ impl Registry {
             dns_upstream: None,
             slots: Mutex::new(Slots::default()),
             pool_wakeup: tokio::sync::Notify::new(),
+            events: Arc::new(crate::events::Events::new(state.clone())),
+            state,
         }
     }
 
@@ -319,9 +322,19 @@ impl Registry {
         &self.store
     }
 
+    /// Where the sandboxes' lifecycle events go.
+    pub fn events(&self) -> &Arc<crate::events::Events> {
+        &self.events
+    }
+
     /// The state database.
     pub fn state(&self) -> &State {
         &self.state
+    }
+
+    /// The state database, shared.
+    pub fn state_arc(&self) -> Arc<State> {
+        self.state.clone()
     }
 }
 

@@ -151,10 +151,13 @@ impl Registry {
             let mut slots = self.slots();
             slots.live.remove(id);
             slots.resolvers.remove(id);
-            slots.paused.insert(id.to_owned(), row);
+            slots.paused.insert(id.to_owned(), row.clone());
         }
         super::remove_cgroup(id);
         let r = &paused.record;
+        let reason = (r.keeps == PauseKeeps::Disk).then_some("its disk only was kept");
+        self.events
+            .emit(crate::events::EventKind::Paused, &row, reason);
         tracing::info!(
             %id,
             stall_ms = r.stall_ms,
@@ -233,9 +236,14 @@ impl Registry {
             if let Err(e) = self.state.set_state(id, to, error.as_deref(), None) {
                 tracing::warn!(%id, "recording the failed resume: {e}");
             }
-            if let Some(r) = self.slots().paused.get_mut(id) {
+            let row = self.slots().paused.get_mut(id).map(|r| {
                 r.state = to;
-                r.error = error;
+                r.error = error.clone();
+                r.clone()
+            });
+            if let (Some(row), true) = (row, damaged) {
+                self.events
+                    .emit(crate::events::EventKind::Failed, &row, error.as_deref());
             }
         }
         resumed
@@ -309,6 +317,10 @@ impl Registry {
             self.start_resolver(&mut slots, &entry);
             slots.live.insert(id.to_owned(), entry.clone());
         }
+        let reason = (how == ResumeHow::Reboot || resumed.record.keeps == PauseKeeps::Disk)
+            .then_some("booted from its disk");
+        self.events
+            .emit(crate::events::EventKind::Resumed, &entry.row, reason);
         // Off the answer's path: unlinking a large memory diff takes a while. An image
         // left by a daemon stopped meanwhile is removed by the next pause.
         let dir = entry.row.config.dir.clone();

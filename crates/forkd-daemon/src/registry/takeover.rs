@@ -98,6 +98,8 @@ impl Registry {
         remove_cgroup(&row.id);
         let mut row = row.clone();
         row.state = SandboxState::Failed;
+        self.events
+            .emit(crate::events::EventKind::Failed, &row, Some(&why));
         row.error = Some(why);
         row.pid = 0;
         row.start_time = 0;
@@ -225,7 +227,11 @@ impl Registry {
                         }
                         Ok(false)
                     } else if expired.contains(&id) {
-                        self.remove(&entry).await.map(|()| true)
+                        self.remove(&entry).await.map(|()| {
+                            self.events
+                                .emit(crate::events::EventKind::TimedOut, &entry.row, None);
+                            true
+                        })
                     } else if sb.vm().exited() || sb.failure().is_some() {
                         let why = sb
                             .failure()
@@ -239,7 +245,11 @@ impl Registry {
                 None if l.row.state == SandboxState::Starting => Ok(false),
                 // A failed sandbox kept with its files goes at its deadline.
                 None if l.row.state == SandboxState::Failed && expired.contains(&id) => {
-                    self.remove_row(&l.row).await.map(|()| true)
+                    self.remove_row(&l.row).await.map(|()| {
+                        self.events
+                            .emit(crate::events::EventKind::TimedOut, &l.row, None);
+                        true
+                    })
                 }
                 // On disk, without a VM: no deadline runs while paused.
                 None if matches!(

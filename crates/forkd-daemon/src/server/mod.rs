@@ -219,6 +219,8 @@ pub async fn run(
         metrics: crate::metrics::Metrics::new(),
     });
     let reaper = tokio::spawn(reap(app.clone()));
+    let deliverer =
+        crate::events::webhooks::spawn(app.registry.events().clone(), app.registry.state_arc());
     let filler = tokio::spawn(fill_pools(app.clone()));
     let closer = tokio::spawn(follow_host_networks());
     // The audit and metrics layer is the outermost one, so that every answer is
@@ -307,6 +309,7 @@ pub async fn run(
         tracing::warn!("requests still running after {DRAIN:?} were cut off");
     }
     reaper.abort();
+    deliverer.abort();
     filler.abort();
     closer.abort();
     failed_auth.abort();
@@ -587,8 +590,14 @@ async fn follow_host_networks() {
 /// Every second: stop sandboxes past their timeout, forget those whose VM died.
 async fn reap(app: App) {
     let mut tick = tokio::time::interval(REAP_EVERY);
+    let mut ticks = 0u64;
     loop {
         tick.tick().await;
+        // Old events go once a minute or so.
+        if ticks.is_multiple_of(60) {
+            app.registry.events().prune(app.config.events_retention);
+        }
+        ticks += 1;
         for id in app.registry.reap(crate::unix_now()).await {
             tracing::info!(%id, "sandbox removed (timed out or its VM exited)");
         }

@@ -69,6 +69,34 @@ const MIGRATIONS: &[&str] = &[
     // 6: what ends a sandbox's deadline and its idleness (a pause or a kill), as JSON
     // (NULL: kill at the deadline, never idle).
     "ALTER TABLE sandboxes ADD COLUMN lifecycle TEXT;",
+    // 7: lifecycle events (see crate::events), the webhooks they go to and each
+    // delivery's outcome.
+    "CREATE TABLE events (
+        id          INTEGER PRIMARY KEY AUTOINCREMENT,
+        at_ms       INTEGER NOT NULL,
+        type        TEXT NOT NULL,
+        sandbox     TEXT NOT NULL,
+        labels      TEXT NOT NULL,
+        reason      TEXT
+    );
+    CREATE INDEX events_at ON events (at_ms);
+    CREATE TABLE webhooks (
+        id          TEXT PRIMARY KEY,
+        url         TEXT NOT NULL,
+        types       TEXT NOT NULL,
+        secret      TEXT NOT NULL,
+        created_at  TEXT NOT NULL
+    );
+    CREATE TABLE deliveries (
+        webhook     TEXT NOT NULL,
+        event       INTEGER NOT NULL,
+        status      TEXT NOT NULL,
+        attempts    INTEGER NOT NULL,
+        http_status INTEGER,
+        error       TEXT,
+        at_ms       INTEGER NOT NULL,
+        PRIMARY KEY (webhook, event)
+    );",
 ];
 
 /// The schema version that has the audit log's head.
@@ -839,6 +867,9 @@ impl RawSandbox {
         })
     }
 }
+
+mod events;
+pub use events::{Delivery, EventRow, WebhookRow};
 
 #[cfg(test)]
 mod tests;

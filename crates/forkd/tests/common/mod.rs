@@ -526,3 +526,25 @@ pub fn loose_modes(root: &Path) -> Vec<String> {
     }
     loose
 }
+
+/// The kept lifecycle events `GET /v1/events?follow=false&{query}` streams.
+#[allow(dead_code)]
+pub async fn events_of(c: &Client, query: &str) -> Vec<serde_json::Value> {
+    let resp = c
+        .send(
+            hyper::Method::GET,
+            &format!("/v1/events?follow=false&{query}"),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), hyper::StatusCode::OK);
+    let mut lines = forkd_daemon::client::Lines::new(resp);
+    let mut out = Vec::new();
+    while let Some(line) = lines.next_text().await.unwrap() {
+        if let Some(d) = line.strip_prefix("data:") {
+            out.push(serde_json::from_str(d.trim_start()).unwrap());
+        }
+    }
+    out
+}
