@@ -22,6 +22,7 @@ mod resume;
 mod server;
 mod session;
 mod stage1;
+mod watch;
 
 use server::{AppState, Mode};
 use std::path::{Path, PathBuf};

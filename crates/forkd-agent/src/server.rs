@@ -148,6 +148,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route(routes::FILES_MKDIR, post(files::mkdir))
         .route(routes::FILES_REMOVE, post(files::remove))
         .route(routes::FILES_RENAME, post(files::rename))
+        .route(routes::FILES_WATCH, get(crate::watch::watch))
         .route(routes::CONTEXTS, post(contexts::create).get(contexts::list))
         .route(
             "/v1/contexts/{id}",

@@ -87,3 +87,49 @@ pub struct RenameRequest {
     /// New path (replaced if it is a file).
     pub to: String,
 }
+
+/// Query of [`crate::routes::FILES_WATCH`] (protocol 6).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WatchQuery {
+    /// An absolute path of a directory in the guest.
+    pub path: String,
+    /// Its subdirectories too (those made while it is watched as well).
+    #[serde(default)]
+    pub recursive: bool,
+}
+
+/// What happened to a watched path.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum WatchKind {
+    /// Made (or moved in).
+    Create,
+    /// Written.
+    Write,
+    /// Removed.
+    Remove,
+    /// Moved away (or renamed; its new name comes as a `create`).
+    Rename,
+    /// Its mode, owner or times changed.
+    Chmod,
+    /// Events were lost: more came than the watcher's queue holds (`dropped` says how
+    /// many at least). What a watcher saw before and after is still exact.
+    Overflow,
+}
+
+/// One line of a watch's NDJSON stream.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WatchEvent {
+    /// What happened.
+    #[serde(rename = "type")]
+    pub kind: WatchKind,
+    /// The path it happened to (absolute; empty for an overflow).
+    #[serde(default)]
+    pub path: String,
+    /// Whether the path is a directory.
+    #[serde(default)]
+    pub dir: bool,
+    /// For an overflow: how many events were dropped at least.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dropped: Option<u64>,
+}

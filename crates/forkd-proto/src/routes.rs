@@ -28,6 +28,9 @@ pub const FILES_MKDIR: &str = "/v1/files/mkdir";
 pub const FILES_REMOVE: &str = "/v1/files/remove";
 /// `POST` [`crate::files::RenameRequest`] → `FileStat` of the new path.
 pub const FILES_RENAME: &str = "/v1/files/rename";
+/// `GET` ([`crate::files::WatchQuery`]): changes under a directory as NDJSON lines of
+/// [`crate::files::WatchEvent`], until the caller hangs up (protocol 6).
+pub const FILES_WATCH: &str = "/v1/files/watch";
 /// `POST` [`crate::ShutdownRequest`]: sync the disks and stop the guest.
 pub const SHUTDOWN: &str = "/v1/shutdown";
 /// `POST`: flush every filesystem's dirty data (sync(2)) in the agent's own process;

@@ -57,6 +57,12 @@ impl Agent {
         agent
     }
 
+    /// The agent's pid.
+    #[allow(dead_code)]
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// A new connection with a finished handshake.
     pub async fn connect(&self) -> Client {
         self.connect_after(b"").await
