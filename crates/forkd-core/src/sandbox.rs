@@ -549,6 +549,20 @@ impl Sandbox {
         })
     }
 
+    /// Watches the guest directory `path` (recursively, if asked): its events until the
+    /// caller drops the watch, the directory goes, or the sandbox ends or pauses (which
+    /// the watch reports as the sandbox's failure).
+    pub async fn watch(&self, path: &str, recursive: bool) -> Result<WatchedFiles, SandboxError> {
+        let path = path.to_owned();
+        let stream = self
+            .call(|a| async move { a.watch(&path, recursive).await })
+            .await?;
+        Ok(WatchedFiles {
+            stream,
+            inner: self.inner.clone(),
+        })
+    }
+
     /// Stops the VM (QMP `quit`, then SIGKILL after a grace period), waits for QEMU to
     /// exit and removes the sandbox's files.
     pub async fn destroy(self) -> Result<(), SandboxError> {
@@ -587,6 +601,25 @@ impl Drop for Sandbox {
 pub struct WatchedExec {
     stream: ExecStream,
     inner: Arc<Inner>,
+}
+
+/// Events of a watched guest directory ([`Sandbox::watch`]).
+pub struct WatchedFiles {
+    stream: crate::agent::WatchStream,
+    inner: Arc<Inner>,
+}
+
+impl WatchedFiles {
+    /// The next event (`None` once the directory is gone), or the sandbox's failure.
+    pub async fn next(&mut self) -> Result<Option<forkd_proto::files::WatchEvent>, SandboxError> {
+        tokio::select! {
+            r = self.stream.next() => match r {
+                Ok(v) => Ok(v),
+                Err(e) => Err(self.inner.explain(e).await),
+            },
+            _ = self.inner.cancel.cancelled() => Err(self.inner.failure_error().unwrap_or(SandboxError::Destroyed { id: self.inner.id.clone() })),
+        }
+    }
 }
 
 impl WatchedExec {

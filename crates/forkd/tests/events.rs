@@ -272,3 +272,71 @@ fn events_stream_resume_and_reach_signed_webhooks_without_holding_up_a_fork() {
 fn hex_of(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
+
+/// The next line of an NDJSON stream.
+async fn next_line(lines: &mut Lines) -> Value {
+    let line = tokio::time::timeout(std::time::Duration::from_secs(60), lines.next_text())
+        .await
+        .expect("a line within a minute")
+        .unwrap()
+        .expect("the stream goes on");
+    serde_json::from_str(&line).unwrap()
+}
+
+#[test]
+fn a_watch_streams_changes_in_order_and_ends_at_a_pause() {
+    let d = Daemon::start(&[]);
+    d.link_snapshot("minimal", "mini");
+    let rt = runtime();
+    let c = d.unix();
+    rt.block_on(async {
+        let id = create(&c, "mini", 1).await.remove(0);
+        common::exec(&c, &id, "mkdir -p /tmp/w").await;
+        let resp = c
+            .send(
+                Method::GET,
+                &format!("/v1/sandboxes/{id}/files/watch?path=/tmp/w"),
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let mut lines = Lines::new(resp);
+        common::exec(&c, &id, "echo x > /tmp/w/a; rm /tmp/w/a").await;
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let e = next_line(&mut lines).await;
+            seen.push((
+                e["type"].as_str().unwrap().to_owned(),
+                e["path"].as_str().unwrap().to_owned(),
+            ));
+        }
+        let a = "/tmp/w/a".to_owned();
+        assert_eq!(
+            seen,
+            [
+                ("create".into(), a.clone()),
+                ("write".into(), a.clone()),
+                ("remove".into(), a)
+            ]
+        );
+        // A pause ends the watch with its reason.
+        let (s, v) = call(&c, Method::POST, &format!("/v1/sandboxes/{id}/pause"), None).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        let last = next_line(&mut lines).await;
+        assert_eq!(last["type"], "error", "{last}");
+        assert!(
+            last["message"].as_str().unwrap().contains("paused"),
+            "{last}"
+        );
+        // A missing directory: 404 (the watch resumes the sandbox first).
+        let (s, v) = call(
+            &c,
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/files/watch?path=/nope"),
+            None,
+        )
+        .await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    });
+}

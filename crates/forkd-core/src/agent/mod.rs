@@ -10,11 +10,13 @@ mod error;
 mod exec;
 mod files;
 mod lines;
+mod watch;
 
 pub use contexts::RunStream;
 pub use error::AgentError;
 pub use exec::{ExecOutput, ExecResult, ExecStream, Stdin};
 pub use files::WriteOptions;
+pub use watch::WatchStream;
 
 use bytes::Bytes;
 use forkd_proto::context::{ResumeOutcome, ResumeRequest, ResumeResponse};

@@ -252,3 +252,93 @@ pub async fn rename(
         .await?;
     Ok(Json(st.into()))
 }
+
+/// `?path=...&recursive=...` of a watch.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct WatchParams {
+    /// Absolute path of a directory in the guest.
+    #[param(pattern = "^/")]
+    path: String,
+    /// Its subdirectories too (those made while watched as well).
+    #[serde(default)]
+    recursive: bool,
+}
+
+/// One line of a watch's stream.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct WatchLine {
+    /// `create`, `write`, `remove`, `rename` (moved away; the new name comes as a
+    /// `create`), `chmod`, `overflow` (events were dropped: more came than were read),
+    /// or, last, `error` (the watch ended: the message says why, e.g. the sandbox was
+    /// paused or removed).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The path (absolute); absent for an overflow or an error.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// Whether the path is a directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dir: Option<bool>,
+    /// For an overflow: how many events were dropped at least.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dropped: Option<u64>,
+    /// For an error: why the watch ended.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+impl From<forkd_proto::files::WatchEvent> for WatchLine {
+    fn from(e: forkd_proto::files::WatchEvent) -> WatchLine {
+        let kind = serde_json::to_value(e.kind)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default();
+        let overflow = e.kind == forkd_proto::files::WatchKind::Overflow;
+        WatchLine {
+            kind,
+            path: (!overflow).then_some(e.path),
+            dir: (!overflow).then_some(e.dir),
+            dropped: e.dropped,
+            message: None,
+        }
+    }
+}
+
+/// Watches a directory: its changes as NDJSON lines, as they happen, until the caller
+/// hangs up (or the directory goes: the stream ends; or the sandbox is paused or
+/// removed: a last `error` line says so). What the caller does not read in time is
+/// dropped and announced by an `overflow` line, never buffered without bound.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files/watch", params(("id" = String, Path), WatchParams),
+    responses((status = 200, content_type = "application/x-ndjson", body = WatchLine),
+        (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 502, body = ErrorBody)))]
+pub async fn watch(
+    State(app): State<App>,
+    PathParams(id): PathParams<String>,
+    QueryParams(q): QueryParams<WatchParams>,
+) -> Result<Response, ApiError> {
+    let sandbox = crate::service::sandbox::running(&app, &id).await?.sandbox;
+    let path = guest_path(&q.path)?;
+    let watched = sandbox.watch(path, q.recursive).await?;
+    // The stream holds the sandbox: an open watch keeps it from counting as idle.
+    let lines = futures::stream::unfold(Some((watched, sandbox)), |state| async move {
+        let (mut watched, sandbox) = state?;
+        let (line, next) = match watched.next().await {
+            Ok(Some(e)) => (WatchLine::from(e), Some((watched, sandbox))),
+            Ok(None) => return None,
+            Err(e) => (
+                WatchLine {
+                    kind: "error".into(),
+                    path: None,
+                    dir: None,
+                    dropped: None,
+                    message: Some(e.to_string()),
+                },
+                None,
+            ),
+        };
+        Some((super::run::line(&line), next))
+    });
+    Ok(super::run::ndjson(lines))
+}

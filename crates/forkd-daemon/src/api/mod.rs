@@ -195,6 +195,7 @@ pub fn router(app: App) -> Router {
         .route("/v1/sandboxes/{id}/files/stat", get(files::stat))
         .route("/v1/sandboxes/{id}/files/mkdir", post(files::mkdir))
         .route("/v1/sandboxes/{id}/files/rename", post(files::rename))
+        .route("/v1/sandboxes/{id}/files/watch", get(files::watch))
         .fallback(system::not_found)
         .method_not_allowed_fallback(system::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_JSON_BODY))
@@ -255,6 +256,7 @@ pub fn router(app: App) -> Router {
         files::stat,
         files::mkdir,
         files::rename,
+        files::watch,
         events::stream,
         events::register,
         events::list,
