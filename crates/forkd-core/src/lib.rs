@@ -21,4 +21,4 @@ pub mod template;
 
 pub use agent::AgentClient;
 pub use error::SandboxError;
-pub use sandbox::{Sandbox, SandboxOptions};
+pub use sandbox::{Sandbox, SandboxOptions, WatchedFiles};

@@ -1,5 +1,5 @@
-//! envd's `filesystem.Filesystem` service (unary calls): stat, list, make a directory,
-//! move, remove, on forkd's agent. Watching directories is not offered.
+//! envd's `filesystem.Filesystem` service: stat, list, make a directory, move, remove,
+//! on forkd's agent; its watches are in [`super::watch`].
 
 use super::connect::unary;
 use super::connect::{self, Code, RpcError};
@@ -28,10 +28,22 @@ pub(super) fn routes() -> Router<Shared> {
         .route("/filesystem.Filesystem/MakeDir", post(make_dir))
         .route("/filesystem.Filesystem/Move", post(move_entry))
         .route("/filesystem.Filesystem/Remove", post(remove))
-        .route("/filesystem.Filesystem/WatchDir", post(no_watch))
-        .route("/filesystem.Filesystem/CreateWatcher", post(no_watch))
-        .route("/filesystem.Filesystem/GetWatcherEvents", post(no_watch))
-        .route("/filesystem.Filesystem/RemoveWatcher", post(no_watch))
+        .route(
+            "/filesystem.Filesystem/WatchDir",
+            post(super::watch::watch_dir),
+        )
+        .route(
+            "/filesystem.Filesystem/CreateWatcher",
+            post(super::watch::create_watcher),
+        )
+        .route(
+            "/filesystem.Filesystem/GetWatcherEvents",
+            post(super::watch::get_watcher_events),
+        )
+        .route(
+            "/filesystem.Filesystem/RemoveWatcher",
+            post(super::watch::remove_watcher),
+        )
 }
 
 /// `ls -l`'s rendering of a mode.
@@ -223,14 +235,6 @@ async fn remove(call: Call<PathRequest>) -> Response {
         Ok(json!({}))
     })
     .await
-}
-
-async fn no_watch() -> Response {
-    RpcError::new(
-        Code::Unimplemented,
-        "watching directories is not supported by forkd",
-    )
-    .into_response()
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@ mod filesystem;
 mod interpreter;
 mod network;
 mod process;
+mod watch;
 
 use crate::api::App;
 use axum::extract::{Request, State};
@@ -129,6 +130,8 @@ pub struct E2b {
     /// Failed authentications by address, shared with the daemon's own TCP listener.
     failures: Arc<crate::auth_failures::AuthFailures>,
     processes: process::Table,
+    /// Polled directory watchers.
+    watchers: watch::Watchers,
     /// Where what passes is recorded before it runs.
     audit: Arc<crate::audit::AuditLog>,
 }
@@ -189,6 +192,7 @@ pub fn router(
         config,
         failures,
         processes: process::Table::default(),
+        watchers: watch::Watchers::default(),
         audit: audit.clone(),
     });
     // Bodies are read whole, except uploads, which stream to the guest.
@@ -402,6 +406,7 @@ mod tests {
             config: config.clone(),
             failures: Default::default(),
             processes: process::Table::default(),
+            watchers: watch::Watchers::default(),
             audit: audit.clone(),
         });
         let r = router(app, KEY.into(), config, Default::default(), audit);

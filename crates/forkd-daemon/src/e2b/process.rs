@@ -196,7 +196,7 @@ fn event_stream(
         }))
 }
 
-async fn tick(t: &mut Option<tokio::time::Interval>) {
+pub(super) async fn tick(t: &mut Option<tokio::time::Interval>) {
     match t {
         Some(t) => {
             t.tick().await;
@@ -206,7 +206,7 @@ async fn tick(t: &mut Option<tokio::time::Interval>) {
 }
 
 /// The keepalive period the caller asked for (`Keepalive-Ping-Interval`, seconds).
-fn keepalive_of(h: &HeaderMap) -> Option<Duration> {
+pub(super) fn keepalive_of(h: &HeaderMap) -> Option<Duration> {
     h.get("keepalive-ping-interval")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())

@@ -234,6 +234,18 @@ with CodeInterpreter.create(template) as ci:
     out: list[str] = []
     ex = ci.run_code("print('from a cell')", on_stdout=lambda m: out.append(m.line))
     assert "".join(ex.logs.stdout) == "from a cell\n" == "".join(out), (ex, out)
+    # A polled directory watch (CreateWatcher, GetWatcherEvents, RemoveWatcher).
+    ci.files.make_dir("polled")
+    handle = ci.files.watch_dir("polled")
+    ci.commands.run("echo x > polled/p.txt; rm polled/p.txt")
+    got: list[tuple[str, str]] = []
+    for _ in range(100):
+        got += [(e.type.value, e.name) for e in handle.get_new_events()]
+        if ("remove", "p.txt") in got:
+            break
+        time.sleep(0.1)
+    handle.stop()
+    assert got == [("create", "p.txt"), ("write", "p.txt"), ("remove", "p.txt")], got
     # Variables for one run only.
     probe = "import os; os.environ.get('RUN_ONLY', 'unset')"
     assert ci.run_code(probe, envs={"RUN_ONLY": "for this run"}).text == "'for this run'"
@@ -268,6 +280,19 @@ async def on_asyncio() -> None:
         assert e.exit_code != 0, e
     await sbx.files.write("async.txt", "from asyncio")
     assert await sbx.files.read("async.txt") == "from asyncio"
+    # A streamed directory watch (WatchDir).
+    await sbx.files.make_dir("watched")
+    streamed: list[tuple[str, str]] = []
+    handle = await sbx.files.watch_dir(
+        "watched", lambda e: streamed.append((e.type.value, e.name)), recursive=True
+    )
+    await sbx.commands.run("echo x > watched/s.txt; rm watched/s.txt")
+    for _ in range(100):
+        if ("remove", "s.txt") in streamed:
+            break
+        await asyncio.sleep(0.1)
+    await handle.stop()
+    assert streamed == [("create", "s.txt"), ("write", "s.txt"), ("remove", "s.txt")], streamed
     await sbx.kill()
     ci = await AsyncCodeInterpreter.create(template)
     try:

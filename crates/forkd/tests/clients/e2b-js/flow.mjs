@@ -69,6 +69,17 @@ assert.equal(moved.path, '/home/user/notes/b.txt')
 await sbx.files.remove('notes/b.txt')
 await assert.rejects(sbx.files.read('notes/b.txt'), FileNotFoundError)
 
+// A directory watch (WatchDir): the events of a command, in order.
+await sbx.files.makeDir('watched')
+const watched = []
+const watcher = await sbx.files.watchDir('watched', (e) => watched.push([e.type, e.name]), { recursive: true })
+await sbx.commands.run('echo x > watched/j.txt; rm watched/j.txt')
+for (let i = 0; i < 100 && !watched.some(([t]) => t === 'remove'); i++) {
+  await new Promise((r) => setTimeout(r, 100))
+}
+await watcher.stop()
+assert.deepEqual(watched, [['create', 'j.txt'], ['write', 'j.txt'], ['remove', 'j.txt']])
+
 // Timeout, list by metadata.
 await sbx.setTimeout(900_000)
 const listed = await Sandbox.list({ query: { metadata: { suite: run } } }).nextItems()
