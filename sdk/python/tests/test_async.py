@@ -25,6 +25,21 @@ def test_the_async_client_drives_sandboxes_concurrently(snapshot: str) -> None:
             ]
             a = pair[0]
             assert (await a.run_code("x = 2; x * 21")).text == "42"
+            # A watch, its events to a coroutine.
+            await a.files.make_dir("/tmp/aw")
+            events: List[str] = []
+
+            async def on_event(e: object) -> None:
+                events.append(getattr(e, "type"))
+
+            w = await a.files.watch_dir("/tmp/aw", on_event)
+            await a.commands.run("echo x > /tmp/aw/f; rm /tmp/aw/f")
+            for _ in range(300):
+                if "remove" in events:
+                    break
+                await asyncio.sleep(0.1)
+            await w.stop()
+            assert events == ["create", "write", "remove"], events
             out: List[str] = []
             r = await a.commands.run("echo one; sleep 0.2; echo two", on_stdout=out.append)
             assert "".join(out) == "one\ntwo\n" == r.stdout

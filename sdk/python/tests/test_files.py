@@ -47,3 +47,36 @@ def test_missing_and_bad_paths(sbx: Sandbox) -> None:
         sbx.files.stat("/nope/nothing")
     with pytest.raises(BadRequestError):
         sbx.files.write("relative/path", "x")
+
+
+def test_a_watched_directory_reports_changes_in_order(sbx: Sandbox) -> None:
+    import threading
+    import time
+
+    from forkd import FilesystemEvent
+
+    sbx.files.make_dir("/tmp/sdk-watch")
+    seen: list[FilesystemEvent] = []
+    done = threading.Event()
+
+    def on_event(e: FilesystemEvent) -> None:
+        seen.append(e)
+        if e.type == "remove":
+            done.set()
+
+    handle = sbx.files.watch_dir("/tmp/sdk-watch", on_event, recursive=True)
+    sbx.commands.run("echo x > /tmp/sdk-watch/f; rm /tmp/sdk-watch/f")
+    assert done.wait(30), seen
+    handle.stop()
+    assert not handle.running and handle.error is None
+    assert [(e.type, e.path) for e in seen] == [
+        ("create", "/tmp/sdk-watch/f"),
+        ("write", "/tmp/sdk-watch/f"),
+        ("remove", "/tmp/sdk-watch/f"),
+    ]
+    # Nothing arrives after stop.
+    sbx.commands.run("touch /tmp/sdk-watch/late")
+    time.sleep(0.3)
+    assert len(seen) == 3
+    with pytest.raises(NotFoundError):
+        sbx.files.watch_dir("/tmp/no-such-dir", on_event)

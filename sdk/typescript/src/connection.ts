@@ -140,10 +140,28 @@ export class Connection {
     return (data.length ? JSON.parse(data.toString("utf8")) : undefined) as T;
   }
 
+  /**
+   * One request whose answer is NDJSON, opened: resolves once its head has come, with the
+   * response (destroying it ends the stream) and its lines, decoded, as they come.
+   */
+  async openLines(
+    method: string,
+    path: string,
+    query: Query,
+  ): Promise<{ res: http.IncomingMessage; lines: AsyncGenerator<Record<string, unknown>> }> {
+    const res = await this.send(method, path, { query });
+    if ((res.statusCode ?? 0) >= 400) await Connection.fail(res);
+    return { res, lines: Connection.lines(res) };
+  }
+
   /** One request whose answer is NDJSON: its lines, decoded, as they come. */
   async *streamLines(method: string, path: string, json: unknown): AsyncGenerator<Record<string, unknown>> {
     const res = await this.send(method, path, { json });
     if ((res.statusCode ?? 0) >= 400) await Connection.fail(res);
+    yield* Connection.lines(res);
+  }
+
+  private static async *lines(res: http.IncomingMessage): AsyncGenerator<Record<string, unknown>> {
     let pending = Buffer.alloc(0);
     for await (const chunk of res) {
       pending = Buffer.concat([pending, chunk as Buffer]);

@@ -12,7 +12,7 @@
 export { Connection, defaultSocket } from "./connection.js";
 export type { ConnectionOptions } from "./connection.js";
 export * from "./errors.js";
-export { CommandHandle, Commands, Files, Sandbox, Snapshot } from "./sandbox.js";
+export { CommandHandle, Commands, Files, Sandbox, Snapshot, WatchHandle } from "./sandbox.js";
 export type {
   BackgroundOptions,
   CodeContext,
@@ -20,6 +20,7 @@ export type {
   CreateOptions,
   EntryInfo,
   Execution,
+  FilesystemEvent,
   ExecutionError,
   Limits,
   Network,

@@ -426,11 +426,77 @@ export class Commands {
 }
 
 /** The sandbox's filesystem: `sandbox.files`. Paths are absolute guest paths. */
+/** A change in a watched directory (see {@link Files.watchDir}). */
+export interface FilesystemEvent {
+  /** `create`, `write`, `remove`, `rename` (moved away), `chmod`, or `overflow` (events were dropped). */
+  type: string;
+  path: string;
+  dir: boolean;
+  /** For an overflow: how many events were dropped at least. */
+  dropped?: number;
+}
+
+/** A directory watch: events go to its callback until {@link WatchHandle.stop}. */
+export class WatchHandle {
+  /** Why the watch ended by itself (the sandbox paused or removed), if it did. */
+  error?: ForkdError;
+  /** Settles once no more events will come. */
+  readonly done: Promise<void>;
+  private stopped = false;
+
+  constructor(
+    private readonly res: { destroy(): void },
+    lines: AsyncGenerator<Record<string, unknown>>,
+    onEvent: (e: FilesystemEvent) => void | Promise<void>,
+  ) {
+    this.done = (async () => {
+      try {
+        for await (const v of lines) {
+          if (this.stopped) return;
+          if (v.type === "error") {
+            this.error = new SandboxFailedError(String(v.message), 0, "watch_ended");
+            return;
+          }
+          await onEvent({
+            type: String(v.type),
+            path: String(v.path ?? ""),
+            dir: Boolean(v.dir),
+            dropped: v.dropped === undefined ? undefined : Number(v.dropped),
+          });
+        }
+      } catch (e) {
+        if (!this.stopped) this.error = new SandboxFailedError(`the watch ended: ${String(e)}`, 0, "watch_ended");
+      }
+    })();
+  }
+
+  /** Ends the watch; no event is delivered after it resolves. */
+  async stop(): Promise<void> {
+    this.stopped = true;
+    this.res.destroy();
+    await this.done;
+  }
+}
+
 export class Files {
   private readonly base: string;
 
   constructor(private readonly sandbox: Sandbox) {
     this.base = `/v1/sandboxes/${sandbox.id}/files`;
+  }
+
+  /**
+   * Watches the directory `path` (and, with `recursive`, those under it): each change
+   * goes to `onEvent` until `stop()`. Watching has begun when the promise resolves.
+   */
+  async watchDir(
+    path: string,
+    onEvent: (e: FilesystemEvent) => void | Promise<void>,
+    options: { recursive?: boolean } = {},
+  ): Promise<WatchHandle> {
+    const query = { path, recursive: options.recursive ? "true" : "false" };
+    const { res, lines } = await this.sandbox.conn.openLines("GET", `${this.base}/watch`, query);
+    return new WatchHandle(res, lines, onEvent);
   }
 
   /** The file as text (UTF-8). */

@@ -152,6 +152,14 @@ describe("a sandbox", () => {
     assert.equal(out.join(""), "a\n");
     assert.match(results[0]?.html ?? "", /<table/);
     assert.deepEqual(d.results, results);
+    await sbx.files.makeDir("/tmp/ts-watch");
+    const seen = [];
+    const watch = await sbx.files.watchDir("/tmp/ts-watch", (e) => seen.push([e.type, e.path]));
+    await sbx.commands.run("echo x > /tmp/ts-watch/f; rm /tmp/ts-watch/f");
+    for (let i = 0; i < 300 && !seen.some(([t]) => t === "remove"); i++) await new Promise((r) => setTimeout(r, 100));
+    await watch.stop();
+    assert.equal(watch.error, undefined);
+    assert.deepEqual(seen, [["create", "/tmp/ts-watch/f"], ["write", "/tmp/ts-watch/f"], ["remove", "/tmp/ts-watch/f"]]);
     const probe = "import os; os.environ.get('RUN_ONLY', 'unset')";
     assert.equal((await sbx.runCode(probe, { envs: { RUN_ONLY: "this run" } })).text, "'this run'");
     assert.equal((await sbx.runCode(probe)).text, "'unset'");

@@ -15,6 +15,7 @@ from .async_sandbox import (
     AsyncCommandHandle,
     AsyncCommands,
     AsyncFiles,
+    AsyncWatchHandle,
     AsyncSandbox,
     AsyncSnapshot,
 )
@@ -36,6 +37,7 @@ from .models import (
     CodeContext,
     CommandResult,
     EntryInfo,
+    FilesystemEvent,
     Execution,
     ExecutionError,
     Limits,
@@ -46,7 +48,7 @@ from .models import (
     SandboxInfo,
     SandboxLimits,
 )
-from .sandbox import CommandHandle, Commands, Files, Sandbox, Snapshot
+from .sandbox import CommandHandle, Commands, Files, Sandbox, Snapshot, WatchHandle
 
 __all__ = [
     "AsyncCommandHandle",
@@ -68,6 +70,7 @@ __all__ = [
     "Execution",
     "ExecutionError",
     "Files",
+    "FilesystemEvent",
     "ForbiddenError",
     "ForkdError",
     "Limits",
@@ -85,4 +88,6 @@ __all__ = [
     "TimeoutError",
     "TooLargeError",
     "UnreachableError",
+    "WatchHandle",
+    "AsyncWatchHandle",
 ]

@@ -150,6 +150,30 @@ class Connection:
                 if line.strip():
                     yield json.loads(line)
 
+    def open_lines(
+        self, method: str, path: str, params: Any
+    ) -> Tuple[httpx.Response, Iterator[Dict[str, Any]]]:
+        """Sends one request whose answer is NDJSON and returns, once its head has come,
+        the response (closing it stops the stream) and its lines as they come."""
+        try:
+            r = self._http.send(self._http.build_request(method, path, params=params), stream=True)
+        except _DOWN as e:
+            raise unreachable(self.url, e) from e
+        if r.status_code >= 400:
+            r.read()
+            r.close()
+            decode(r)
+
+        def lines() -> Iterator[Dict[str, Any]]:
+            try:
+                for line in r.iter_lines():
+                    if line.strip():
+                        yield json.loads(line)
+            finally:
+                r.close()
+
+        return r, lines()
+
     def stream_bytes(self, method: str, path: str, params: Any) -> Iterator[bytes]:
         """Sends one request and yields the answer's body in chunks."""
         with _streaming(self._http, self.url, method, path, params=params) as r:
@@ -197,6 +221,30 @@ class AsyncConnection:
             async for line in r.aiter_lines():
                 if line.strip():
                     yield json.loads(line)
+
+    async def open_lines(
+        self, method: str, path: str, params: Any
+    ) -> Tuple[httpx.Response, AsyncIterator[Dict[str, Any]]]:
+        """:meth:`Connection.open_lines` on asyncio."""
+        try:
+            req = self._http.build_request(method, path, params=params)
+            r = await self._http.send(req, stream=True)
+        except _DOWN as e:
+            raise unreachable(self.url, e) from e
+        if r.status_code >= 400:
+            await r.aread()
+            await r.aclose()
+            decode(r)
+
+        async def lines() -> AsyncIterator[Dict[str, Any]]:
+            try:
+                async for line in r.aiter_lines():
+                    if line.strip():
+                        yield json.loads(line)
+            finally:
+                await r.aclose()
+
+        return r, lines()
 
     async def stream_bytes(self, method: str, path: str, params: Any) -> AsyncIterator[bytes]:
         async with _astreaming(self._http, self.url, method, path, params=params) as r:

@@ -20,7 +20,7 @@ from typing import (
 from . import _api
 from ._api import OutputHandler
 from ._connection import AsyncConnection
-from .errors import NotFoundError, TimeoutError
+from .errors import NotFoundError, SandboxFailedError, TimeoutError
 from .models import (
     CodeContext,
     CommandResult,
@@ -32,6 +32,7 @@ from .models import (
     ProcessInfo,
     Result,
     SandboxInfo,
+    FilesystemEvent,
 )
 
 
@@ -137,12 +138,57 @@ class AsyncCommands:
         return [ProcessInfo.from_api(p) for p in v]
 
 
+class AsyncWatchHandle:
+    """:class:`forkd.WatchHandle` on asyncio: events go to ``on_event`` (a function or a
+    coroutine function) from a task of its own until :meth:`stop`."""
+
+    def __init__(self, response: Any, lines: AsyncIterator[Dict[str, Any]], on_event: Callable[[FilesystemEvent], Any]) -> None:
+        self._response = response
+        self.error: Optional[SandboxFailedError] = None
+        self._task = asyncio.ensure_future(self._run(lines, on_event))
+
+    async def _run(self, lines: AsyncIterator[Dict[str, Any]], on_event: Callable[[FilesystemEvent], Any]) -> None:
+        try:
+            async for v in lines:
+                if v.get("type") == "error":
+                    self.error = SandboxFailedError(str(v.get("message")))
+                    return
+                r = on_event(FilesystemEvent.from_api(v))
+                if asyncio.iscoroutine(r):
+                    await r
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.error = SandboxFailedError(f"the watch ended: {e}")
+
+    @property
+    def running(self) -> bool:
+        return not self._task.done()
+
+    async def stop(self) -> None:
+        """Ends the watch; no event is delivered after this returns."""
+        self._task.cancel()
+        try:
+            await self._task
+        except (asyncio.CancelledError, Exception):
+            pass
+        await self._response.aclose()
+
+
 class AsyncFiles:
     """``sandbox.files`` on asyncio (see :class:`forkd.Files`)."""
 
     def __init__(self, sandbox: "AsyncSandbox") -> None:
         self._sandbox = sandbox
         self._base = f"/v1/sandboxes/{sandbox.id}/files"
+
+    async def watch_dir(
+        self, path: str, on_event: Callable[[FilesystemEvent], Any], recursive: bool = False
+    ) -> AsyncWatchHandle:
+        """See :meth:`forkd.Files.watch_dir`."""
+        params = {"path": path, "recursive": "true" if recursive else "false"}
+        r, lines = await self._sandbox._conn.open_lines("GET", f"{self._base}/watch", params)
+        return AsyncWatchHandle(r, lines, on_event)
 
     async def read(self, path: str, format: str = "text") -> Any:
         """``format="stream"`` gives an async iterator of byte chunks."""

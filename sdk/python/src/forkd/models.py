@@ -281,3 +281,25 @@ class SandboxInfo:
             limits=SandboxLimits.from_api(v["limits"]) if v.get("limits") else None,
             network=Network.from_api(v["network"]) if v.get("network") else None,
         )
+
+
+@dataclass
+class FilesystemEvent:
+    """A change in a watched directory: ``type`` is ``create``, ``write``, ``remove``,
+    ``rename`` (moved away; the new name comes as a ``create``), ``chmod`` or
+    ``overflow`` (events were dropped because they came faster than they were read;
+    ``dropped`` says how many at least)."""
+
+    type: str
+    path: str
+    dir: bool = False
+    dropped: Optional[int] = None
+
+    @staticmethod
+    def from_api(v: Dict[str, Any]) -> "FilesystemEvent":
+        return FilesystemEvent(
+            type=v["type"],
+            path=v.get("path") or "",
+            dir=bool(v.get("dir")),
+            dropped=v.get("dropped"),
+        )

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Union
 
 from . import _api
 from ._api import OutputHandler
 from ._connection import Connection
-from .errors import NotFoundError, TimeoutError
+from .errors import NotFoundError, SandboxFailedError, TimeoutError
 from .models import (
     CodeContext,
     CommandResult,
     EntryInfo,
     Execution,
     ExecutionError,
+    FilesystemEvent,
     Limits,
     Network,
     ProcessInfo,
@@ -143,12 +146,66 @@ class Commands:
         return CommandHandle(self._sandbox, info.id, info.pid)
 
 
+class WatchHandle:
+    """A directory watch (:meth:`Files.watch_dir`): its events go to ``on_event`` from a
+    thread of its own until :meth:`stop`. If the watch ends by itself (the sandbox paused
+    or removed, the directory gone), ``error`` says why (``None`` for the directory)."""
+
+    def __init__(self, response: Any, lines: Iterator[Dict[str, Any]], on_event: Callable[[FilesystemEvent], None]) -> None:
+        self._response = response
+        self._stopped = False
+        self.error: Optional[SandboxFailedError] = None
+        self._thread = threading.Thread(target=self._run, args=(lines, on_event), daemon=True)
+        self._thread.start()
+
+    def _run(self, lines: Iterator[Dict[str, Any]], on_event: Callable[[FilesystemEvent], None]) -> None:
+        try:
+            for v in lines:
+                if v.get("type") == "error":
+                    self.error = SandboxFailedError(str(v.get("message")))
+                    return
+                on_event(FilesystemEvent.from_api(v))
+        except Exception as e:  # the stream broke; unless stopped, say how
+            if not self._stopped:
+                self.error = SandboxFailedError(f"the watch ended: {e}")
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Ends the watch; no event is delivered after this returns."""
+        self._stopped = True
+        # Closing the response alone does not wake a read blocked on its socket in the
+        # watch's thread; shutting the socket down does.
+        stream = self._response.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._response.close()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+
 class Files:
     """The sandbox's filesystem: ``sandbox.files``. Paths are absolute guest paths."""
 
     def __init__(self, sandbox: "Sandbox") -> None:
         self._sandbox = sandbox
         self._base = f"/v1/sandboxes/{sandbox.id}/files"
+
+    def watch_dir(
+        self, path: str, on_event: Callable[[FilesystemEvent], None], recursive: bool = False
+    ) -> WatchHandle:
+        """Watches the directory ``path`` (and, with ``recursive``, those under it):
+        each change goes to ``on_event``, from a thread of the handle's, until
+        ``stop()``. Watching has begun when this returns."""
+        params = {"path": path, "recursive": "true" if recursive else "false"}
+        r, lines = self._sandbox._conn.open_lines("GET", f"{self._base}/watch", params)
+        return WatchHandle(r, lines, on_event)
 
     def read(self, path: str, format: str = "text") -> Any:
         """The file's contents: ``format="text"`` (UTF-8) gives a str, ``"bytes"``
