@@ -34,7 +34,7 @@ fn parse_query(q: Option<&str>, headers: &HeaderMap) -> Result<EventsQuery, ApiE
         after: 0,
         follow: true,
     };
-    let pairs = url_pairs(q.unwrap_or(""));
+    let pairs = super::form_pairs(q.unwrap_or(""));
     for (k, v) in pairs {
         match k.as_str() {
             "sandbox" => out.filter.sandbox = Some(v),
@@ -87,41 +87,6 @@ fn parse_query(q: Option<&str>, headers: &HeaderMap) -> Result<EventsQuery, ApiE
             .ok_or_else(|| ApiError::bad_request("Last-Event-ID is not an event number"))?;
     }
     Ok(out)
-}
-
-/// `k=v&...`, each part percent-decoded.
-fn url_pairs(q: &str) -> Vec<(String, String)> {
-    q.split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| {
-            let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (decode(k), decode(v))
-        })
-        .collect()
-}
-
-fn decode(s: &str) -> String {
-    let s = s.replace('+', " ");
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let hex = b
-            .get(i + 1..i + 3)
-            .and_then(|h| std::str::from_utf8(h).ok())
-            .and_then(|h| u8::from_str_radix(h, 16).ok());
-        match (b[i], hex) {
-            (b'%', Some(v)) => {
-                out.push(v);
-                i += 3;
-            }
-            (c, _) => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 fn sse(e: &EventRow) -> Event {

@@ -401,7 +401,7 @@ async fn list(State(e2b): State<Shared>, RawQuery(q): RawQuery) -> Result<Respon
     let mut metadata = Vec::new();
     let mut states: Option<Vec<String>> = None;
     let (mut limit, mut offset) = (MAX_PAGE, 0usize);
-    for (k, v) in form_pairs(q.as_deref().unwrap_or("")) {
+    for (k, v) in crate::api::form_pairs(q.as_deref().unwrap_or("")) {
         match k.as_str() {
             "metadata" => metadata = metadata_filter(&v),
             "state" => states = Some(v.split(',').map(str::to_owned).collect()),
@@ -456,50 +456,17 @@ async fn list(State(e2b): State<Shared>, RawQuery(q): RawQuery) -> Result<Respon
     Ok(r)
 }
 
-/// `application/x-www-form-urlencoded` pairs, decoded.
-fn form_pairs(s: &str) -> Vec<(String, String)> {
-    s.split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| {
-            let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (percent_decode(k), percent_decode(v))
-        })
-        .collect()
-}
-
-fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let escaped = (b[i] == b'%')
-            .then(|| s.get(i + 1..i + 3))
-            .flatten()
-            .and_then(|h| u8::from_str_radix(h, 16).ok());
-        match (b[i], escaped) {
-            (_, Some(v)) => {
-                out.push(v);
-                i += 3;
-            }
-            (b'+', None) => {
-                out.push(b' ');
-                i += 1;
-            }
-            (c, None) => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 /// The metadata filter: the SDKs quote each key and value, join them as a query string
 /// and send that as one query value, so each part is decoded once more here.
 fn metadata_filter(v: &str) -> Vec<(String, String)> {
-    form_pairs(v)
+    crate::api::form_pairs(v)
         .into_iter()
-        .map(|(k, v)| (percent_decode(&k), percent_decode(&v)))
+        .map(|(k, v)| {
+            (
+                crate::api::percent_decode(&k),
+                crate::api::percent_decode(&v),
+            )
+        })
         .collect()
 }
 
@@ -565,7 +532,7 @@ mod tests {
         // {"a b": "c&d", "k": "v"}: each part quoted, joined as a query, then the whole
         // sent as one query value.
         let q = "metadata=a%252520b%3Dc%252526d%26k%3Dv&limit=5";
-        let outer = form_pairs(q);
+        let outer = crate::api::form_pairs(q);
         assert_eq!(outer[0].0, "metadata");
         let inner = metadata_filter(&outer[0].1);
         assert_eq!(
@@ -577,8 +544,8 @@ mod tests {
 
     #[test]
     fn bad_escapes_stay_as_they_are() {
-        assert_eq!(percent_decode("100%"), "100%");
-        assert_eq!(percent_decode("%zz"), "%zz");
-        assert_eq!(percent_decode("%41+b"), "A b");
+        assert_eq!(crate::api::percent_decode("100%"), "100%");
+        assert_eq!(crate::api::percent_decode("%zz"), "%zz");
+        assert_eq!(crate::api::percent_decode("%41+b"), "A b");
     }
 }

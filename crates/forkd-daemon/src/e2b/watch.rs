@@ -189,6 +189,11 @@ pub(super) async fn create_watcher(
     .await
 }
 
+/// A watcher this sandbox does not have.
+fn unknown(id: &str) -> RpcError {
+    RpcError::new(Code::NotFound, format!("watcher {id} not found"))
+}
+
 /// `GetWatcherEvents`: the events since the last poll.
 pub(super) async fn get_watcher_events(
     State(e2b): State<Shared>,
@@ -201,12 +206,7 @@ pub(super) async fn get_watcher_events(
         let w = table
             .get(&req.watcher_id)
             .filter(|w| w.sandbox == t.id)
-            .ok_or_else(|| {
-                RpcError::new(
-                    Code::NotFound,
-                    format!("watcher {} not found", req.watcher_id),
-                )
-            })?;
+            .ok_or_else(|| unknown(&req.watcher_id))?;
         let events: Vec<Value> = lock(&w.events).drain(..).collect();
         if events.is_empty() {
             if let Some(why) = lock(&w.ended).clone() {
@@ -230,16 +230,11 @@ pub(super) async fn remove_watcher(
     unary(async {
         let req: WatcherRequest = connect::unary_request(&body)?;
         let mut table = lock(&e2b.watchers.table);
-        match table.get(&req.watcher_id) {
-            Some(w) if w.sandbox == t.id => {
-                table.remove(&req.watcher_id);
-                Ok(json!({}))
-            }
-            _ => Err(RpcError::new(
-                Code::NotFound,
-                format!("watcher {} not found", req.watcher_id),
-            )),
+        if table.get(&req.watcher_id).is_none_or(|w| w.sandbox != t.id) {
+            return Err(unknown(&req.watcher_id));
         }
+        table.remove(&req.watcher_id);
+        Ok(json!({}))
     })
     .await
 }
