@@ -17,6 +17,9 @@ pub enum ProcessCommand {
         /// Run through /bin/sh -c (the words are joined with spaces).
         #[arg(long)]
         shell: bool,
+        /// Print the process as JSON.
+        #[arg(long)]
+        json: bool,
         /// The command and its arguments.
         #[arg(last = true, required = true)]
         command: Vec<String>,
@@ -40,6 +43,9 @@ pub enum ProcessCommand {
         /// To the process alone, not to its group.
         #[arg(long)]
         process_only: bool,
+        /// Print the process as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Kill a background process's group and forget it.
     Kill {
@@ -47,13 +53,21 @@ pub enum ProcessCommand {
         id: String,
         /// The process's number.
         process: u64,
+        /// Print how it ended as JSON.
+        #[arg(long)]
+        json: bool,
     },
 }
 
 /// Runs a `forkd process` command.
 pub async fn run(client: &Client, cmd: ProcessCommand) -> Result<()> {
     match cmd {
-        ProcessCommand::Start { id, shell, command } => {
+        ProcessCommand::Start {
+            id,
+            shell,
+            json,
+            command,
+        } => {
             let body = if shell {
                 json!({ "shell": command.join(" ") })
             } else {
@@ -61,7 +75,7 @@ pub async fn run(client: &Client, cmd: ProcessCommand) -> Result<()> {
             };
             let path = format!("/v1/sandboxes/{}/processes", path_id(&id)?);
             let v: Value = client.json(Method::POST, &path, Some(&body)).await?;
-            println!("{}", v["id"]);
+            print(&v, json, || v["id"].to_string());
         }
         ProcessCommand::Ls { id, json } => {
             let path = format!("/v1/sandboxes/{}/processes", path_id(&id)?);
@@ -86,6 +100,7 @@ pub async fn run(client: &Client, cmd: ProcessCommand) -> Result<()> {
             process,
             signal,
             process_only,
+            json,
         } => {
             // A number is sent as one, anything else as a name: the daemon checks both.
             let signal = signal
@@ -94,18 +109,27 @@ pub async fn run(client: &Client, cmd: ProcessCommand) -> Result<()> {
             let path = format!("/v1/sandboxes/{}/processes/{process}/signal", path_id(&id)?);
             let body = json!({ "signal": signal, "group": !process_only });
             let v: Value = client.json(Method::POST, &path, Some(&body)).await?;
-            println!("{process}: {}", state(&v));
+            print(&v, json, || format!("{process}: {}", state(&v)));
         }
-        ProcessCommand::Kill { id, process } => {
+        ProcessCommand::Kill { id, process, json } => {
             let path = format!("/v1/sandboxes/{}/processes/{process}", path_id(&id)?);
             let v: Value = client.json(Method::DELETE, &path, None).await?;
             if v["running"] == true {
                 bail!("process {process} still runs");
             }
-            println!("{process}: {}", state(&v));
+            print(&v, json, || format!("{process}: {}", state(&v)));
         }
     }
     Ok(())
+}
+
+/// `v` as JSON, or as `line` says.
+fn print(v: &Value, json: bool, line: impl FnOnce() -> String) {
+    if json {
+        println!("{v}");
+    } else {
+        println!("{}", line());
+    }
 }
 
 /// `running`, or how it ended.
