@@ -94,17 +94,41 @@ impl Events {
     /// Records that `kind` happened to the sandbox of `row`. A failure to record is
     /// logged, never passed on: the operation it describes has happened.
     pub fn emit(&self, kind: EventKind, row: &SandboxRow, reason: Option<&str>) {
-        let _order = self.order.lock().unwrap_or_else(|p| p.into_inner());
+        self.emit_all(kind, std::iter::once(row), reason);
+    }
+
+    /// [`Events::emit`] for several sandboxes at once (a fork's children), written in
+    /// one transaction.
+    pub fn emit_all<'a>(
+        &self,
+        kind: EventKind,
+        rows: impl IntoIterator<Item = &'a SandboxRow>,
+        reason: Option<&str>,
+    ) {
         let at_ms = now_ms();
-        match self
-            .state
-            .insert_event(at_ms, kind.as_str(), &row.id, &row.labels, reason)
-        {
-            Ok(e) => {
-                // No listener is no error.
-                let _ = self.tx.send(e);
+        let events: Vec<EventRow> = rows
+            .into_iter()
+            .map(|row| EventRow {
+                id: 0,
+                at_ms,
+                kind: kind.as_str().to_owned(),
+                sandbox: row.id.clone(),
+                labels: row.labels.clone(),
+                reason: reason.map(str::to_owned),
+            })
+            .collect();
+        if events.is_empty() {
+            return;
+        }
+        let _order = self.order.lock().unwrap_or_else(|p| p.into_inner());
+        match self.state.insert_events(events) {
+            Ok(written) => {
+                for e in written {
+                    // No listener is no error.
+                    let _ = self.tx.send(e);
+                }
             }
-            Err(e) => tracing::warn!(id = %row.id, "recording event {}: {e}", kind.as_str()),
+            Err(e) => tracing::warn!("recording {} events: {e}", kind.as_str()),
         }
     }
 

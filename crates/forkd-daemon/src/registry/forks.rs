@@ -123,10 +123,11 @@ impl Registry {
             })
             .collect();
         drop(slots);
-        for e in &entries {
-            self.events
-                .emit(crate::events::EventKind::Started, &e.row, None);
-        }
+        self.events.emit_all(
+            crate::events::EventKind::Started,
+            entries.iter().map(|e| &e.row),
+            None,
+        );
         Ok(entries)
     }
 
@@ -270,10 +271,8 @@ impl Registry {
         self.state
             .insert_sandboxes(&rows)
             .map_err(|e| recording_failed(self, e))?;
-        for row in &rows {
-            self.events
-                .emit(crate::events::EventKind::Created, row, None);
-        }
+        self.events
+            .emit_all(crate::events::EventKind::Created, &rows, None);
         let mut slots = self.slots();
         for row in rows {
             slots.starting.insert(row.id.clone(), row);

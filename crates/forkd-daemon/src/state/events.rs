@@ -71,28 +71,22 @@ fn event_row(
 }
 
 impl State {
-    /// Records an event; returns it with its number.
-    pub fn insert_event(
-        &self,
-        at_ms: i64,
-        kind: &str,
-        sandbox: &str,
-        labels: &BTreeMap<String, String>,
-        reason: Option<&str>,
-    ) -> Result<EventRow, StateError> {
-        let conn = self.conn();
-        conn.execute(
-            "INSERT INTO events (at_ms, type, sandbox, labels, reason) VALUES (?1, ?2, ?3, ?4, ?5)",
-            params![at_ms, kind, sandbox, serde_json::to_string(labels)?, reason],
-        )?;
-        Ok(EventRow {
-            id: conn.last_insert_rowid(),
-            at_ms,
-            kind: kind.to_owned(),
-            sandbox: sandbox.to_owned(),
-            labels: labels.clone(),
-            reason: reason.map(str::to_owned),
-        })
+    /// Records events (their `id`s are ignored) in one transaction: a fork of N children
+    /// writes its N events with one sync, not N. Returns them with their numbers.
+    pub fn insert_events(&self, events: Vec<EventRow>) -> Result<Vec<EventRow>, StateError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let mut out = Vec::with_capacity(events.len());
+        for mut e in events {
+            tx.execute(
+                "INSERT INTO events (at_ms, type, sandbox, labels, reason) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![e.at_ms, e.kind, e.sandbox, serde_json::to_string(&e.labels)?, e.reason],
+            )?;
+            e.id = tx.last_insert_rowid();
+            out.push(e);
+        }
+        tx.commit()?;
+        Ok(out)
     }
 
     /// Events after number `after`, oldest first, at most `limit`.
