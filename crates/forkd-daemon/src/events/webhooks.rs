@@ -13,7 +13,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 use tokio::sync::Semaphore;
 
 /// The signature's header.
@@ -102,7 +102,22 @@ pub fn spawn(events: Arc<Events>, state: Arc<State>) -> tokio::task::JoinHandle<
         let mut last = 0i64;
         loop {
             let batch = match rx.recv().await {
-                Ok(e) => vec![e],
+                // With what else is waiting (a fork's children come together): the
+                // webhooks are read once for them all.
+                Ok(e) => {
+                    let mut batch = vec![e];
+                    loop {
+                        match rx.try_recv() {
+                            Ok(e) => batch.push(e),
+                            Err(TryRecvError::Lagged(_)) => {
+                                batch = events.after(last, 100_000).unwrap_or_default();
+                                break;
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    batch
+                }
                 // Fallen behind: what was missed is in the database.
                 Err(RecvError::Lagged(_)) => events.after(last, 100_000).unwrap_or_default(),
                 Err(RecvError::Closed) => return,
