@@ -292,6 +292,16 @@ fn a_timeout_idleness_or_a_stop_pauses_a_sandbox_that_asks_for_it() {
             assert_eq!(stdout(&exec(&c, id, "cat /root/file").await), "mine\n");
             assert_eq!(sandbox(&c, id).await["status"], "running");
         }
+        // What a pause keeps must be one it knows; the sandbox runs on.
+        let (s, v) = call(
+            &c,
+            Method::POST,
+            &format!("/v1/sandboxes/{timed}/pause"),
+            Some(json!({"keep": "sideways"})),
+        )
+        .await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+        assert_eq!(sandbox(&c, timed).await["status"], "running");
         // Each pause and resume is an event of the sandbox's.
         let kinds: Vec<String> = common::events_of(&c, &format!("sandbox={timed}"))
             .await
