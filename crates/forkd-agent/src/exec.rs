@@ -50,28 +50,50 @@ pub struct Spawned {
     pub started: Instant,
 }
 
+/// Where a spawned command's stdin, stdout and stderr go.
+pub enum Stdios {
+    /// stdout and stderr are pipes; stdin as given.
+    Pipes(Stdio),
+    /// The three are the slave of a terminal ([`crate::pty::open`]), which becomes the
+    /// command's controlling terminal.
+    Terminal([Stdio; 3]),
+}
+
 /// Spawns `req` in its own session and process group, with the default environment plus
-/// `req.env`, in `req.cwd` (or `/`). stdout and stderr are pipes.
+/// `req.env`, in `req.cwd` (or `/`). On a terminal, an empty argv is the user's login
+/// shell.
 pub fn spawn(
     children: &Arc<Children>,
     defaults: &ExecDefaults,
     req: &ExecRequest,
-    stdin: Stdio,
+    stdios: Stdios,
 ) -> Result<Spawned, ApiError> {
-    let argv = req.command.to_argv();
-    let Some(program) = argv.first() else {
-        return Err(ApiError::invalid("the command's argv is empty"));
-    };
-    let account = match req.user.as_deref().or(defaults.user.as_deref()) {
+    let user = match req.user.as_deref().or(defaults.user.as_deref()) {
         None => None,
         Some(name) => Some(account(name)?),
+    };
+    let mut argv = req.command.to_argv();
+    let terminal = matches!(stdios, Stdios::Terminal(_));
+    // A login shell: named with a leading '-', as login(1) and sshd start one.
+    let mut arg0 = None;
+    if argv.is_empty() && terminal {
+        let shell = match &user {
+            Some(a) => a.shell.clone(),
+            None => account("root").map_or_else(|_| "/bin/sh".to_owned(), |a| a.shell),
+        };
+        let base = shell.rsplit('/').next().unwrap_or("sh").to_owned();
+        arg0 = Some(format!("-{base}"));
+        argv = vec![shell];
+    }
+    let Some(program) = argv.first() else {
+        return Err(ApiError::invalid("the command's argv is empty"));
     };
     // The request's directory, else the image's WorkingDir, else the user's home.
     let cwd = req
         .cwd
         .as_deref()
         .or(defaults.cwd.as_deref())
-        .or(account.as_ref().map(|u| u.dir.as_str()))
+        .or(user.as_ref().map(|u| u.dir.as_str()))
         .unwrap_or("/");
     let default_env = &defaults.env;
     // Checked beforehand because a failing chdir in the child surfaces as the same
@@ -94,7 +116,7 @@ pub fn spawn(
     }
     let mut cmd = Command::new(program);
     cmd.args(&argv[1..]).env_clear().envs(default_env);
-    if let Some(u) = &account {
+    if let Some(u) = &user {
         // std drops the supplementary groups when it changes the uid as root.
         cmd.uid(u.uid)
             .gid(u.gid)
@@ -102,21 +124,39 @@ pub fn spawn(
             .env("USER", &u.name)
             .env("LOGNAME", &u.name);
     }
+    if let Some(a) = &arg0 {
+        cmd.arg0(a);
+    }
+    if terminal {
+        // What a terminal program needs to know; the request may say otherwise.
+        cmd.env("TERM", "xterm-256color");
+    }
     cmd.envs(&req.env)
         .current_dir(cwd)
-        .stdin(stdin)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
         // The agent kills the whole process group itself, when it means to.
         .kill_on_drop(false);
-    // SAFETY: the closure runs in the forked child before exec; it only calls setsid(2),
-    // which is async-signal-safe, and allocates nothing (errno converts to io::Error
-    // without allocating).
-    unsafe {
-        cmd.pre_exec(|| {
-            nix::unistd::setsid().map_err(std::io::Error::from)?;
-            Ok(())
-        });
+    match stdios {
+        Stdios::Pipes(stdin) => {
+            cmd.stdin(stdin)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            // SAFETY: the closure runs in the forked child before exec; it only calls
+            // setsid(2), which is async-signal-safe, and allocates nothing (errno
+            // converts to io::Error without allocating).
+            unsafe {
+                cmd.pre_exec(|| {
+                    nix::unistd::setsid().map_err(std::io::Error::from)?;
+                    Ok(())
+                });
+            }
+        }
+        Stdios::Terminal([stdin, stdout, stderr]) => {
+            cmd.stdin(stdin).stdout(stdout).stderr(stderr);
+            // SAFETY: as above; make_controlling calls only setsid(2) and ioctl(2).
+            unsafe {
+                cmd.pre_exec(crate::pty::make_controlling);
+            }
+        }
     }
     let started = Instant::now();
     let (child, tracked) = children.spawn(&mut cmd).map_err(|e| {
@@ -139,6 +179,8 @@ pub(crate) struct Account {
     pub uid: u32,
     pub gid: u32,
     pub dir: String,
+    /// Its login shell.
+    pub shell: String,
 }
 
 /// The guest's account `name`, read from `/etc/passwd` itself: the agent is linked
@@ -162,6 +204,7 @@ pub(crate) fn account(name: &str) -> Result<Account, ApiError> {
                 uid,
                 gid: gid.unwrap_or(uid),
                 dir: "/".into(),
+                shell: "/bin/sh".into(),
             },
         });
     }
@@ -211,6 +254,11 @@ fn passwd_entry(passwd: &str, name: &str) -> Option<Account> {
                 "/".into()
             } else {
                 f[5].to_owned()
+            },
+            shell: if f[6].is_empty() {
+                "/bin/sh".into()
+            } else {
+                f[6].to_owned()
             },
         })
     })
@@ -310,12 +358,26 @@ async fn run(
     dec: Decoder,
     tx: mpsc::Sender<Bytes>,
 ) {
-    let stdin = if req.stdin {
-        Stdio::piped()
-    } else {
-        Stdio::null()
+    let (stdios, terminal) = match req.pty {
+        None if req.stdin => (Stdios::Pipes(Stdio::piped()), None),
+        None => (Stdios::Pipes(Stdio::null()), None),
+        Some(size) => {
+            let opened = match size.problem() {
+                Some(p) => Err(ApiError::invalid(p)),
+                None => crate::pty::open(size).map_err(|e| {
+                    ApiError::new(ErrorCode::Internal, format!("opening a terminal: {e}"))
+                }),
+            };
+            match opened {
+                Ok((master, slave)) => (Stdios::Terminal(slave), Some(Arc::new(master))),
+                Err(e) => {
+                    let _ = tx.send(event_frame(ExecEvent::Error(e.detail()))).await;
+                    return;
+                }
+            }
+        }
     };
-    let mut sp = match spawn(&state.children, &state.exec_defaults(), &req, stdin) {
+    let mut sp = match spawn(&state.children, &state.exec_defaults(), &req, stdios) {
         Ok(sp) => sp,
         Err(e) => {
             let _ = tx.send(event_frame(ExecEvent::Error(e.detail()))).await;
@@ -334,12 +396,22 @@ async fn run(
         return;
     }
 
-    let stdin_task = sp
-        .child
-        .stdin
-        .take()
-        .map(|w| tokio::spawn(forward_stdin(body, dec, w)));
     let mut pumps = Pumps::default();
+    let stdin_task = match &terminal {
+        Some(master) => {
+            pumps.spawn(pump_terminal(master.clone(), tx.clone()));
+            Some(tokio::spawn(forward_terminal_input(
+                body,
+                dec,
+                master.clone(),
+            )))
+        }
+        None => sp
+            .child
+            .stdin
+            .take()
+            .map(|w| tokio::spawn(forward_stdin(body, dec, w))),
+    };
     if let Some(r) = sp.child.stdout.take() {
         pumps.spawn(pump(r, Tag::Stdout, tx.clone()));
     }
@@ -363,10 +435,16 @@ async fn run(
         HostGone,
     }
     let outcome = tokio::select! {
-        // The exit is reported only once both pipes hit EOF, so no output is lost.
+        // The exit is reported only once both pipes hit EOF, so no output is lost. A
+        // terminal reads as ended once no process holds it; a job the command left
+        // running may hold it for ever, so its output is awaited a grace period only.
         r = async {
             let status = sp.child.wait().await;
-            pumps.join().await;
+            if terminal.is_some() {
+                let _ = tokio::time::timeout(KILL_GRACE, pumps.join()).await;
+            } else {
+                pumps.join().await;
+            }
             status
         } => Outcome::Done(r),
         () = timer => Outcome::TimedOut,
@@ -477,6 +555,62 @@ async fn pump(mut r: impl AsyncRead + Unpin, tag: Tag, tx: mpsc::Sender<Bytes>) 
                     if tx.send(f).await.is_err() {
                         return;
                     }
+                }
+            }
+        }
+    }
+}
+
+/// Forwards what a command wrote to its terminal as `Stdout` frames.
+async fn pump_terminal(master: Arc<crate::pty::Master>, tx: mpsc::Sender<Bytes>) {
+    let mut buf = vec![0u8; CHUNK];
+    loop {
+        match master.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                for f in frame::encode_chunked(Tag::Stdout, &buf[..n]) {
+                    if tx.send(f).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Types `Stdin` frames from the request body into the command's terminal and applies
+/// `Resize` frames to it. The end of the body ends nothing: a terminal has no end of
+/// input but the one its user types (^D).
+async fn forward_terminal_input(mut body: Body, mut dec: Decoder, master: Arc<crate::pty::Master>) {
+    loop {
+        loop {
+            match dec.next_frame() {
+                Ok(Some(f)) if f.tag == Tag::Stdin => {
+                    if master.write_all(&f.payload).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(Some(f)) if f.tag == Tag::Resize => {
+                    // A size that does not parse or is zero is ignored, as a terminal
+                    // emulator ignores a bad escape.
+                    if let Ok(size) =
+                        serde_json::from_slice::<forkd_proto::exec::PtySize>(&f.payload)
+                    {
+                        if size.problem().is_none() {
+                            let _ = master.resize(size);
+                        }
+                    }
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(_) => return,
+            }
+        }
+        match body.frame().await {
+            None | Some(Err(_)) => return,
+            Some(Ok(f)) => {
+                if let Ok(data) = f.into_data() {
+                    dec.push(&data);
                 }
             }
         }

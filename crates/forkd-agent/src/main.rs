@@ -18,6 +18,7 @@ mod network;
 mod pid1;
 mod port;
 mod processes;
+mod pty;
 mod resume;
 mod server;
 mod session;

@@ -132,12 +132,19 @@ pub async fn start(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
+    if req.pty.is_some() {
+        return ApiError::invalid(
+            "a background process cannot have a terminal: run it in the foreground (/v1/exec)",
+        )
+        .into_response();
+    }
     let stdin = if req.stdin {
         Stdio::piped()
     } else {
         Stdio::null()
     };
-    let mut sp = match exec::spawn(&state.children, &state.exec_defaults(), &req, stdin) {
+    let stdios = exec::Stdios::Pipes(stdin);
+    let mut sp = match exec::spawn(&state.children, &state.exec_defaults(), &req, stdios) {
         Ok(sp) => sp,
         Err(e) => return e.into_response(),
     };

@@ -549,6 +549,24 @@ impl Sandbox {
         })
     }
 
+    /// Starts a command on a terminal of `size`, fed from `input` (see
+    /// [`crate::agent::AgentClient::exec_on_terminal`]); watched like
+    /// [`Sandbox::exec_stream`].
+    pub async fn exec_on_terminal(
+        &self,
+        req: ExecRequest,
+        size: forkd_proto::exec::PtySize,
+        input: tokio::sync::mpsc::Receiver<crate::agent::TerminalInput>,
+    ) -> Result<WatchedExec, SandboxError> {
+        let stream = self
+            .call(|a| async move { a.exec_on_terminal(req, size, input).await })
+            .await?;
+        Ok(WatchedExec {
+            stream,
+            inner: self.inner.clone(),
+        })
+    }
+
     /// Watches the guest directory `path` (recursively, if asked): its events until the
     /// caller drops the watch, the directory goes, or the sandbox ends or pauses (which
     /// the watch reports as the sandbox's failure).

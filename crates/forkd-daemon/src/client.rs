@@ -10,6 +10,9 @@ use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 use std::path::PathBuf;
 
+/// A WebSocket to the daemon ([`Client::websocket`]).
+pub type WebSocket = tokio_tungstenite::WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>;
+
 /// Where the daemon is.
 #[derive(Debug, Clone)]
 pub enum Endpoint {
@@ -127,6 +130,40 @@ impl Client {
             return Err(failure(status, &body).into());
         }
         Ok(hyper::upgrade::on(resp).await?)
+    }
+
+    /// Opens the WebSocket at `path` (a terminal: `/v1/sandboxes/{id}/pty?...`); the
+    /// daemon's error answer if it does not upgrade.
+    pub async fn websocket(&self, path: &str) -> Result<WebSocket> {
+        use tokio_tungstenite::tungstenite::handshake;
+        let key = handshake::client::generate_key();
+        let req = self
+            .request(Method::GET, path)
+            .header(hyper::header::CONNECTION, "upgrade")
+            .header(hyper::header::UPGRADE, "websocket")
+            .header(hyper::header::SEC_WEBSOCKET_VERSION, "13")
+            .header(hyper::header::SEC_WEBSOCKET_KEY, &key)
+            .body(Full::new(Bytes::new()))?;
+        let resp = self.dispatch(req).await?;
+        if resp.status() != hyper::StatusCode::SWITCHING_PROTOCOLS {
+            let status = resp.status();
+            let body = resp.into_body().collect().await?.to_bytes();
+            return Err(failure(status, &body).into());
+        }
+        let accept = resp
+            .headers()
+            .get(hyper::header::SEC_WEBSOCKET_ACCEPT)
+            .map(hyper::header::HeaderValue::as_bytes);
+        if accept != Some(handshake::derive_accept_key(key.as_bytes()).as_bytes()) {
+            bail!("the daemon answered the WebSocket handshake with a wrong Sec-WebSocket-Accept");
+        }
+        let io = TokioIo::new(hyper::upgrade::on(resp).await?);
+        Ok(tokio_tungstenite::WebSocketStream::from_raw_socket(
+            io,
+            tokio_tungstenite::tungstenite::protocol::Role::Client,
+            None,
+        )
+        .await)
     }
 
     fn request(&self, method: Method, path: &str) -> hyper::http::request::Builder {

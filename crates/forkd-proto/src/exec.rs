@@ -45,6 +45,32 @@ pub struct ExecRequest {
     /// home directory when no `cwd` is given) instead of root.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
+    /// Run on a pseudo-terminal of this size (protocol 7): the command's stdin, stdout
+    /// and stderr are the terminal, which is its controlling terminal; its output comes
+    /// as `Stdout` frames only, and `Resize` frames of the request change its size. An
+    /// empty argv then runs the user's login shell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySize>,
+}
+
+/// The agent protocol from which a command may run on a terminal ([`ExecRequest::pty`]).
+pub const PTY: u32 = 7;
+
+/// A terminal's size in character cells, the payload of a `Resize` frame (as JSON).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PtySize {
+    /// Columns.
+    pub cols: u16,
+    /// Rows.
+    pub rows: u16,
+}
+
+impl PtySize {
+    /// Why this size cannot be a terminal's (a zero side), or None if it can.
+    pub fn problem(&self) -> Option<&'static str> {
+        (self.cols == 0 || self.rows == 0)
+            .then_some("a terminal needs at least one column and one row")
+    }
 }
 
 impl ExecRequest {
@@ -57,6 +83,7 @@ impl ExecRequest {
             timeout_ms: None,
             stdin: false,
             user: None,
+            pty: None,
         }
     }
 }

@@ -23,6 +23,9 @@ pub enum Tag {
     Stderr = 2,
     /// A JSON document: the request header or an [`crate::exec::ExecEvent`].
     Json = 3,
+    /// A new size for the command's terminal, as a JSON [`crate::exec::PtySize`]
+    /// (host → guest, protocol 7).
+    Resize = 4,
 }
 
 impl Tag {
@@ -32,6 +35,7 @@ impl Tag {
             1 => Tag::Stdout,
             2 => Tag::Stderr,
             3 => Tag::Json,
+            4 => Tag::Resize,
             _ => return None,
         })
     }
@@ -169,6 +173,9 @@ mod tests {
         let mut d = Decoder::new();
         d.push(&[9, 0, 0, 0, 0]);
         assert_eq!(d.next_frame(), Err(FrameError::UnknownTag(9)));
+        let mut d = Decoder::new();
+        d.push(&[4, 0, 0, 0, 0]);
+        assert_eq!(d.next_frame().unwrap().unwrap().tag, Tag::Resize);
         let mut d = Decoder::new();
         d.push(&[1, 0xff, 0xff, 0xff, 0xff]);
         assert!(matches!(d.next_frame(), Err(FrameError::TooLarge(_))));

@@ -23,12 +23,12 @@ pub mod routes;
 use serde::{Deserialize, Serialize};
 
 /// Version of the agent protocol. Bump on any change to this crate.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// The oldest agent protocol this host still speaks: version 5 added the resume hook in
 /// the greeting ([`handshake::RESUME_IN_GREETING`]) and version 6 a code run's own
-/// variables ([`context::RUN_ENV`]), which the host uses only with agents that have
-/// them; everything else is as in version 4.
+/// variables ([`context::RUN_ENV`]) and version 7 terminals ([`exec::PTY`]), which the
+/// host uses only with agents that have them; everything else is as in version 4.
 pub const MIN_PROTOCOL_VERSION: u32 = 4;
 
 /// Name of the virtio-serial port the agent listens on (`/sys/class/virtio-ports/*/name`).

@@ -22,6 +22,7 @@ mod run;
 mod sandboxes;
 mod send_image;
 mod snapshots;
+mod terminal;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -107,6 +108,9 @@ enum Command {
     Resume(pause::PauseArgs),
     /// Run a command in a sandbox, streaming its output; exits with its exit code.
     Exec(sandboxes::ExecArgs),
+    /// An interactive terminal in a sandbox: its user's login shell (or the command
+    /// after `--`) on a terminal sized as this one; exits with the command's code.
+    Shell(terminal::ShellArgs),
     /// Run code in one of a sandbox's code contexts (state persists between calls).
     RunCode(sandboxes::RunCodeArgs),
     /// A sandbox's background processes: start, ls, signal, kill.
@@ -214,6 +218,7 @@ fn main() {
                 .await
                 .map(|()| 0),
             Command::Exec(args) => sandboxes::exec(&remote::connect(&home)?, args).await,
+            Command::Shell(args) => terminal::run(&remote::connect(&home)?, args).await,
             Command::RunCode(args) => sandboxes::run_code(&remote::connect(&home)?, args).await,
             Command::Events(args) => events::run(&remote::connect(&home)?, args)
                 .await
@@ -330,6 +335,7 @@ mod tests {
         "kill",             // acts
         "login",            // writes the auth file
         "port-forward",     // serves a local port
+        "shell",            // an interactive terminal
         "quickstart",       // a walk-through
         "daemon",           // serves
         "mcp",              // serves MCP on stdio

@@ -235,6 +235,10 @@ pub struct ExecArgs {
     /// terminal is never read.
     #[arg(long)]
     no_stdin: bool,
+    /// Run the command on a terminal, joined to this one (as `forkd shell`): raw keys in,
+    /// the screen out, resizes followed.
+    #[arg(short = 't', long = "tty", conflicts_with_all = ["json", "no_stdin", "timeout"])]
+    tty: bool,
     /// The command and its arguments.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -437,6 +441,19 @@ async fn follow_fork(client: &Client, op_id: &str, total: u64) -> Result<Value> 
 
 /// Runs a command, streaming its output; returns its exit code.
 pub async fn exec(client: &Client, args: ExecArgs) -> Result<i32> {
+    if args.tty {
+        let command = if args.shell {
+            vec![
+                "/bin/sh".to_owned(),
+                "-c".to_owned(),
+                args.command.join(" "),
+            ]
+        } else {
+            args.command
+        };
+        let shell = crate::terminal::ShellArgs::for_exec(args.id, command);
+        return crate::terminal::run(client, shell).await;
+    }
     let id = path_id(&args.id)?;
     let mut body = if args.shell {
         json!({ "shell": args.command.join(" ") })

@@ -7,7 +7,7 @@
 
 use crate::children::{Children, Tracked};
 use crate::error::ApiError;
-use crate::exec::{kill_group, spawn};
+use crate::exec::{kill_group, spawn, Stdios};
 use crate::server::{parse_json, AppState};
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
@@ -88,7 +88,7 @@ impl Interpreter {
         req.env
             .entry("MPLBACKEND".into())
             .or_insert_with(|| "Agg".into());
-        let mut spawned = spawn(children, defaults, &req, Stdio::piped())?;
+        let mut spawned = spawn(children, defaults, &req, Stdios::Pipes(Stdio::piped()))?;
         let pid = spawned.tracked.pid();
         let child = &mut spawned.child;
         let (Some(requests), Some(stdout), Some(mut stderr)) =

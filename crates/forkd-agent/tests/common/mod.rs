@@ -315,7 +315,7 @@ pub async fn read_exec(mut body: Incoming) -> ExecOutput {
                     }
                     ev => out.last = Some(ev),
                 },
-                Tag::Stdin => panic!("stdin frame from the agent"),
+                Tag::Stdin | Tag::Resize => panic!("input frame from the agent"),
             }
         }
     }
@@ -331,7 +331,16 @@ pub async fn read_until_stdout(
     pred: impl Fn(&[u8]) -> bool,
 ) {
     while !pred(stdout) {
-        let f = body.frame().await.expect("body ended early").expect("body");
+        let f = tokio::time::timeout(Duration::from_secs(60), body.frame())
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "waited a minute for output; so far: {:?}",
+                    String::from_utf8_lossy(stdout)
+                )
+            })
+            .expect("body ended early")
+            .expect("body");
         if let Ok(data) = f.into_data() {
             dec.push(&data);
             while let Some(fr) = dec.next_frame().expect("frames") {

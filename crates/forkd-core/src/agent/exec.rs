@@ -3,7 +3,7 @@
 use super::{empty, with_query, AgentClient, AgentError, ReqBody};
 use bytes::Bytes;
 use forkd_proto::exec::{
-    ExecEvent, ExecRequest, ExitStatus, ProcessInfo, SignalRequest, StdinQuery, WaitQuery,
+    ExecEvent, ExecRequest, ExitStatus, ProcessInfo, PtySize, SignalRequest, StdinQuery, WaitQuery,
 };
 use forkd_proto::frame::{self, Decoder, Tag};
 use forkd_proto::routes;
@@ -77,7 +77,9 @@ impl ExecStream {
         match f.tag {
             Tag::Stdout => Ok(ExecOutput::Stdout(f.payload)),
             Tag::Stderr => Ok(ExecOutput::Stderr(f.payload)),
-            Tag::Stdin => Err(AgentError::Malformed("stdin frame in exec output".into())),
+            Tag::Stdin | Tag::Resize => {
+                Err(AgentError::Malformed("input frame in exec output".into()))
+            }
             Tag::Json => {
                 let ev: ExecEvent = serde_json::from_slice(&f.payload)
                     .map_err(|e| AgentError::Malformed(format!("exec event: {e}")))?;
@@ -123,6 +125,15 @@ impl ExecStream {
 
 /// Stdin for a foreground command.
 pub type Stdin = Box<dyn AsyncRead + Send + Unpin + 'static>;
+
+/// What goes to a command's terminal ([`AgentClient::exec_on_terminal`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TerminalInput {
+    /// Bytes typed.
+    Typed(Bytes),
+    /// The terminal's new size.
+    Resize(PtySize),
+}
 
 impl AgentClient {
     /// Runs a command in the foreground. If `stdin` is given it is streamed to the
@@ -174,6 +185,57 @@ impl AgentClient {
                 StreamBody::new(tokio_stream(rx)).boxed()
             }
         };
+        let resp = self.send(Method::POST, routes::EXEC, body).await?;
+        Ok(ExecStream {
+            body: resp.into_body(),
+            decoder: Decoder::new(),
+            finished: false,
+        })
+    }
+
+    /// Runs a command on a terminal of `size` (an empty argv: the user's login shell);
+    /// what comes from `input` is typed into it or resizes it. Its output is all
+    /// [`ExecOutput::Stdout`]. The end of `input` ends nothing: the command runs until
+    /// it exits, or until the returned stream is dropped (which kills it).
+    pub async fn exec_on_terminal(
+        &self,
+        mut req: ExecRequest,
+        size: PtySize,
+        mut input: tokio::sync::mpsc::Receiver<TerminalInput>,
+    ) -> Result<ExecStream, AgentError> {
+        self.needs(forkd_proto::exec::PTY, "run a command on a terminal")?;
+        req.pty = Some(size);
+        req.stdin = false;
+        let header = frame::encode_json(&req).map_err(|e| AgentError::Agent {
+            status: 413,
+            code: forkd_proto::ErrorCode::InvalidArgument,
+            message: format!("the command, its environment and working directory are too large for the agent protocol ({e})"),
+        })?;
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(4);
+        tokio::spawn(async move {
+            if tx.send(Ok(Frame::data(header))).await.is_err() {
+                return;
+            }
+            while let Some(item) = input.recv().await {
+                let frames = match item {
+                    TerminalInput::Typed(b) => frame::encode_chunked(Tag::Stdin, &b),
+                    TerminalInput::Resize(size) => {
+                        let json = serde_json::to_vec(&size).expect("a size serializes");
+                        frame::encode_chunked(Tag::Resize, &json)
+                    }
+                };
+                for f in frames {
+                    if tx.send(Ok(Frame::data(f))).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            // The body stays open until the command ends: its end would mean nothing
+            // to a terminal, and the agent reads a body that ends as a host that may
+            // have gone.
+            tx.closed().await;
+        });
+        let body = StreamBody::new(tokio_stream(rx)).boxed();
         let resp = self.send(Method::POST, routes::EXEC, body).await?;
         Ok(ExecStream {
             body: resp.into_body(),

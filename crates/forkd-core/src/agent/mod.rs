@@ -14,7 +14,7 @@ mod watch;
 
 pub use contexts::RunStream;
 pub use error::AgentError;
-pub use exec::{ExecOutput, ExecResult, ExecStream, Stdin};
+pub use exec::{ExecOutput, ExecResult, ExecStream, Stdin, TerminalInput};
 pub use files::WriteOptions;
 pub use watch::WatchStream;
 

@@ -11,6 +11,7 @@ mod images;
 pub(crate) mod pause;
 pub mod ports;
 mod processes;
+pub(crate) mod pty;
 pub(crate) mod run;
 pub(crate) mod sandboxes;
 mod snapshots;
@@ -154,6 +155,7 @@ pub fn router(app: App) -> Router {
         .route("/v1/sandboxes/{id}/pause", post(pause::pause))
         .route("/v1/sandboxes/{id}/resume", post(pause::resume))
         .route("/v1/sandboxes/{id}/exec", post(run::exec))
+        .route("/v1/sandboxes/{id}/pty", get(pty::pty))
         .route("/v1/sandboxes/{id}/code", post(run::run_code))
         .route(
             "/v1/sandboxes/{id}/processes",
@@ -257,6 +259,7 @@ pub fn router(app: App) -> Router {
         files::mkdir,
         files::rename,
         files::watch,
+        pty::pty,
         events::stream,
         events::register,
         events::list,
@@ -265,7 +268,12 @@ pub fn router(app: App) -> Router {
     ),
     // The NDJSON line of a streamed exec: no path returns it as its body, but clients
     // (the SDKs) need its schema.
-    components(schemas(types::ExecEventBody, crate::state::EventRow)),
+    components(schemas(
+        types::ExecEventBody,
+        crate::state::EventRow,
+        pty::PtyClientMessage,
+        pty::PtyServerMessage
+    )),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;

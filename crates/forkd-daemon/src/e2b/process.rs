@@ -17,8 +17,8 @@ use axum::routing::post;
 use axum::{Extension, Router};
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine as _;
-use forkd_core::agent::ExecOutput;
-use forkd_proto::exec::{Command, ExecRequest, ExitStatus};
+use forkd_core::agent::{ExecOutput, TerminalInput};
+use forkd_proto::exec::{Command, ExecRequest, ExitStatus, PtySize};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -42,7 +42,7 @@ pub(super) fn routes() -> Router<Shared> {
         .route("/process.Process/SendSignal", post(send_signal))
         .route("/process.Process/CloseStdin", post(close_stdin))
         .route("/process.Process/StreamInput", post(unimplemented))
-        .route("/process.Process/Update", post(unimplemented))
+        .route("/process.Process/Update", post(update))
 }
 
 /// The processes of every sandbox, by (sandbox id, pid). An entry goes when its pump
@@ -64,6 +64,8 @@ struct Proc {
     tag: Option<String>,
     /// Its stdin, while open.
     stdin: Mutex<Option<mpsc::Sender<Bytes>>>,
+    /// Its terminal, for one started with a pty.
+    terminal: Option<mpsc::Sender<TerminalInput>>,
     /// The callers attached to its output.
     attached: Mutex<Vec<mpsc::Sender<Value>>>,
     /// Its `end` event, once it ended (under `attached`'s lock): a caller attaching
@@ -134,7 +136,35 @@ struct StartRequest {
     #[serde(default)]
     stdin: Option<bool>,
     tag: Option<String>,
-    pty: Option<Value>,
+    pty: Option<Pty>,
+}
+
+/// `PTY`: `{"size": {"rows": R, "cols": C}}` (proto3 JSON leaves zeros out).
+#[derive(Debug, Deserialize)]
+struct Pty {
+    #[serde(default)]
+    size: PtySizeJson,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct PtySizeJson {
+    #[serde(default)]
+    rows: u16,
+    #[serde(default)]
+    cols: u16,
+}
+
+impl Pty {
+    fn size(&self) -> Result<PtySize, RpcError> {
+        let size = PtySize {
+            cols: self.size.cols,
+            rows: self.size.rows,
+        };
+        match size.problem() {
+            Some(p) => Err(RpcError::new(Code::InvalidArgument, p)),
+            None => Ok(size),
+        }
+    }
 }
 
 /// `{"process": {"pid": N}}` (the selector may also be `{"tag": ...}`).
@@ -256,12 +286,7 @@ async fn start_process(
     body: &[u8],
 ) -> Result<Response, RpcError> {
     let req: StartRequest = connect::stream_request(body)?;
-    if req.pty.is_some() {
-        return Err(RpcError::new(
-            Code::Unimplemented,
-            "pseudo-terminals are not supported by forkd",
-        ));
-    }
+    let size = req.pty.as_ref().map(Pty::size).transpose()?;
     let user = user_of(headers)?;
     let sandbox = e2b.sandbox(&t.id).await?;
     let p = &req.process;
@@ -281,7 +306,7 @@ async fn start_process(
     if let Some(problem) = forkd_proto::exec::env_problem(&exec.env) {
         return Err(RpcError::new(Code::InvalidArgument, problem));
     }
-    let (stdin_tx, stdin) = if req.stdin.unwrap_or(false) {
+    let (stdin_tx, stdin) = if req.stdin.unwrap_or(false) && size.is_none() {
         let (tx, rx) = mpsc::channel::<Bytes>(STDIN_QUEUED);
         let chunks = futures::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|b| (Ok::<_, std::io::Error>(b), rx))
@@ -291,7 +316,14 @@ async fn start_process(
     } else {
         (None, None)
     };
-    let mut stream = sandbox.exec_stream(exec, stdin).await?;
+    let (terminal, mut stream) = match size {
+        Some(size) => {
+            let (tx, rx) = mpsc::channel(STDIN_QUEUED);
+            (Some(tx), sandbox.exec_on_terminal(exec, size, rx).await?)
+        }
+        None => (None, sandbox.exec_stream(exec, stdin).await?),
+    };
+    let data_field = if terminal.is_some() { "pty" } else { "stdout" };
     let pid = match stream.next().await? {
         Some(ExecOutput::Started(pid)) => pid,
         _ => {
@@ -306,6 +338,7 @@ async fn start_process(
         config: json!({"cmd": p.cmd, "args": p.args, "envs": p.envs, "cwd": p.cwd}),
         tag: req.tag.clone(),
         stdin: Mutex::new(stdin_tx),
+        terminal,
         attached: Mutex::new(Vec::new()),
         ended: Mutex::new(None),
         kill: CancellationToken::new(),
@@ -329,7 +362,7 @@ async fn start_process(
                 () = proc.kill.cancelled() => break killed,
             };
             let event = match item {
-                Ok(Some(ExecOutput::Stdout(b))) => json!({"data": {"stdout": BASE64.encode(&b)}}),
+                Ok(Some(ExecOutput::Stdout(b))) => json!({"data": {data_field: BASE64.encode(&b)}}),
                 Ok(Some(ExecOutput::Stderr(b))) => json!({"data": {"stderr": BASE64.encode(&b)}}),
                 Ok(Some(ExecOutput::Started(_))) => continue,
                 Ok(Some(ExecOutput::Exited(s))) => break end_event(&s),
@@ -416,11 +449,14 @@ async fn send_input(
     unary(async {
         let req: SendInputRequest = connect::unary_request(&body)?;
         let proc = find(&e2b, &t, &req.process)?;
-        if req.input.pty.is_some() {
-            return Err(RpcError::new(
-                Code::Unimplemented,
-                "pseudo-terminals are not supported by forkd",
-            ));
+        if let Some(typed) = req.input.pty {
+            let data = BASE64.decode(typed).map_err(|e| {
+                RpcError::new(
+                    Code::InvalidArgument,
+                    format!("pty input is not base64: {e}"),
+                )
+            })?;
+            return to_terminal(&proc, TerminalInput::Typed(Bytes::from(data))).await;
         }
         let data = BASE64
             .decode(req.input.stdin.unwrap_or_default())
@@ -495,6 +531,46 @@ async fn send_signal(
             ));
         }
         Ok(json!({}))
+    })
+    .await
+}
+
+/// Hands `item` to the terminal of `proc`.
+async fn to_terminal(proc: &Proc, item: TerminalInput) -> Result<Value, RpcError> {
+    let tx = proc.terminal.as_ref().ok_or_else(|| {
+        RpcError::new(
+            Code::FailedPrecondition,
+            format!("process {} has no terminal (start it with pty)", proc.pid),
+        )
+    })?;
+    tx.send(item).await.map_err(|_| {
+        RpcError::new(
+            Code::FailedPrecondition,
+            format!("the terminal of process {} has ended", proc.pid),
+        )
+    })?;
+    Ok(json!({}))
+}
+
+#[derive(Debug, Deserialize)]
+struct UpdateRequest {
+    process: ProcessSelector,
+    pty: Option<Pty>,
+}
+
+/// `Update`: a terminal's new size (the only update envd knows).
+async fn update(
+    State(e2b): State<Shared>,
+    Extension(t): Extension<Target>,
+    body: Bytes,
+) -> Response {
+    unary(async {
+        let req: UpdateRequest = connect::unary_request(&body)?;
+        let proc = find(&e2b, &t, &req.process)?;
+        match req.pty {
+            Some(pty) => to_terminal(&proc, TerminalInput::Resize(pty.size()?)).await,
+            None => Ok(json!({})),
+        }
     })
     .await
 }
