@@ -168,7 +168,7 @@ fn the_sdks_and_the_mcp_server_work_against_a_real_daemon() {
 
     let report = run(&ts, "node", &["--test", "test/"], &env);
     assert!(
-        report.contains("# pass 10") && report.contains("# skipped 0"),
+        report.contains("# pass 11") && report.contains("# skipped 0"),
         "{report}"
     );
 

@@ -12,6 +12,8 @@ import { homedir } from "node:os";
 import { isAbsolute, join } from "node:path";
 import { Readable } from "node:stream";
 
+import WebSocket from "ws";
+
 import { errorFor, ForkdError, UnreachableError } from "./errors.js";
 
 export interface ConnectionOptions {
@@ -174,6 +176,41 @@ export class Connection {
     }
     const rest = pending.toString("utf8").trim();
     if (rest) yield JSON.parse(rest) as Record<string, unknown>;
+  }
+
+  /**
+   * Opens the daemon's WebSocket at `path` (a terminal); rejects with the daemon's error
+   * if it answers otherwise.
+   */
+  websocket(path: string, query: Query): Promise<WebSocket> {
+    const target = path + queryString(query);
+    const url = this.socketPath
+      ? `ws+unix://${this.socketPath}:${target}`
+      : `${this.base!.protocol === "https:" ? "wss" : "ws"}://${this.base!.host}${target}`;
+    const ws = new WebSocket(url, {
+      headers: this.headers,
+      ...(this.ca ? { ca: this.ca } : {}),
+      maxPayload: 4 << 20,
+    });
+    return new Promise((resolve, reject) => {
+      ws.once("open", () => resolve(ws));
+      ws.once("unexpected-response", (req, res) => {
+        // Once this is listened for, ending the request is the listener's to do: an
+        // open one would keep the process alive.
+        Connection.fail(res).catch((e: unknown) => {
+          req.destroy();
+          reject(e);
+        });
+      });
+      ws.once("error", (e: NodeJS.ErrnoException) => {
+        const refused = ["ECONNREFUSED", "ENOENT", "EHOSTUNREACH", "ECONNRESET"];
+        reject(
+          e.code && refused.includes(e.code)
+            ? new UnreachableError(`no forkd daemon answers at ${this.url}: ${e.message}`)
+            : e,
+        );
+      });
+    });
   }
 
   /** One request; its body in chunks as they arrive. */

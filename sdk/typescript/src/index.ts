@@ -12,6 +12,8 @@
 export { Connection, defaultSocket } from "./connection.js";
 export type { ConnectionOptions } from "./connection.js";
 export * from "./errors.js";
+export { Pty, PtyHandle, TerminalClosedError } from "./pty.js";
+export type { PtyCreateOptions } from "./pty.js";
 export { CommandHandle, Commands, Files, Sandbox, Snapshot, WatchHandle } from "./sandbox.js";
 export type {
   BackgroundOptions,

@@ -5,6 +5,7 @@ import { Readable } from "node:stream";
 
 import { Connection, ConnectionOptions } from "./connection.js";
 import { ForkdError, NotFoundError, SandboxFailedError, TimeoutError } from "./errors.js";
+import { Pty } from "./pty.js";
 
 type Json = Record<string, unknown>;
 export type OutputHandler = (text: string) => void;
@@ -668,6 +669,7 @@ export class Sandbox {
   info: SandboxInfo;
   readonly commands: Commands;
   readonly files: Files;
+  readonly pty: Pty;
 
   constructor(
     info: Json,
@@ -677,6 +679,7 @@ export class Sandbox {
     this.info = sandboxInfo(info);
     this.commands = new Commands(this);
     this.files = new Files(this);
+    this.pty = new Pty(conn, this.id);
   }
 
   /** A new sandbox forked from `options.snapshot`, or from the template's snapshot. */

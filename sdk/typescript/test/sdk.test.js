@@ -12,6 +12,7 @@ import {
   NotFoundError,
   Sandbox,
   Snapshot,
+  TerminalClosedError,
   TimeoutError,
   UnreachableError,
 } from "../dist/index.js";
@@ -168,6 +169,36 @@ describe("a sandbox", () => {
     await sbx.resetCodeContext(ctx);
     await sbx.removeCodeContext(ctx);
     assert.ok((await sbx.listCodeContexts()).every((c) => c.id !== ctx.id));
+  });
+});
+
+describe("a terminal", () => {
+  test("bash on a pty: typed into, resized, exits with its code; killed; bad sizes refused", async () => {
+    noDaemon();
+    const sbx = await Sandbox.create("python", { snapshot, labels: { suite: "ts-pty" } });
+    try {
+      let screen = "";
+      const t = await sbx.pty.create({ cols: 80, rows: 24, cmd: ["bash"], envs: { PS1: "$ " }, onData: (d) => (screen += Buffer.from(d).toString("utf8")) });
+      assert.ok(t.pid > 1);
+      const until = async (want) => {
+        for (let i = 0; i < 600 && !screen.includes(want); i++) await new Promise((r) => setTimeout(r, 50));
+        assert.ok(screen.includes(want), `never saw ${want}: ${screen}`);
+      };
+      await t.sendInput("stty size\n");
+      await until("24 80");
+      await t.resize({ cols: 100, rows: 30 });
+      await t.sendInput(new TextEncoder().encode("stty size\n"));
+      await until("30 100");
+      await t.sendInput("exit 3\n");
+      assert.equal(await t.wait(), 3);
+
+      const sleeper = await sbx.pty.create({ cmd: ["sleep", "600"] });
+      sleeper.kill();
+      await assert.rejects(sleeper.wait(), (e) => e instanceof TerminalClosedError && e.reason === "killed");
+      await assert.rejects(sbx.pty.create({ cols: 0 }), BadRequestError);
+    } finally {
+      await sbx.kill();
+    }
   });
 });
 

@@ -246,11 +246,7 @@ async fn serve(
                         closed(reason, message)
                     }
                 };
-                for m in last {
-                    if socket.send(m).await.is_err() {
-                        return;
-                    }
-                }
+                finish(socket, last).await;
                 return;
             }
             msg = socket.recv() => {
@@ -269,9 +265,7 @@ async fn serve(
                         }
                         Err(e) => {
                             let m = closed("failed", format!("a message the terminal does not understand: {e}"));
-                            for m in m {
-                                let _ = socket.send(m).await;
-                            }
+                            finish(socket, m).await;
                             return;
                         }
                     },
@@ -284,6 +278,25 @@ async fn serve(
             }
         }
     }
+}
+
+/// Sends the last messages (the last a close) and waits a moment for the client's close
+/// in answer before the connection goes: a client whose socket is shut before it
+/// answered may drop what came just before the close.
+async fn finish(mut socket: WebSocket, last: [Message; 2]) {
+    for m in last {
+        if socket.send(m).await.is_err() {
+            return;
+        }
+    }
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while let Some(Ok(m)) = socket.recv().await {
+            if matches!(m, Message::Close(_)) {
+                return;
+            }
+        }
+    })
+    .await;
 }
 
 fn exit(s: &ExitStatus) -> [Message; 2] {

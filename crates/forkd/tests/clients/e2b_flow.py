@@ -6,6 +6,7 @@ import asyncio
 import gc
 import hashlib
 import os
+import threading
 import time
 
 from e2b import (
@@ -13,6 +14,7 @@ from e2b import (
     AuthenticationException,
     CommandExitException,
     FileNotFoundException,
+    PtySize,
     Sandbox,
     SandboxException,
     SandboxNotRunningException,
@@ -43,6 +45,41 @@ r = sbx.commands.run('echo "$GREETING $(whoami) $(pwd) $HOME"')
 assert r.stdout == "hi user /home/user /home/user\n", r
 assert sbx.commands.run("whoami", user="root").stdout == "root\n"
 assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+
+# A terminal (the PTY service): bash typed into, resized, and its exit code.
+screen = bytearray()
+term = sbx.pty.create(PtySize(rows=24, cols=80))
+ended: list[object] = []
+
+
+def drain() -> None:
+    try:
+        ended.append(term.wait(on_pty=screen.extend))
+    except CommandExitException as e:
+        ended.append(e)
+
+
+reader = threading.Thread(target=drain)
+reader.start()
+
+
+def shows(want: str) -> None:
+    for _ in range(300):
+        if want in screen.decode(errors="replace"):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the terminal never showed {want!r}: {bytes(screen)!r}")
+
+
+sbx.pty.send_stdin(term.pid, b"stty size\n")
+shows("24 80")
+sbx.pty.resize(term.pid, PtySize(rows=30, cols=100))
+sbx.pty.send_stdin(term.pid, b"stty size; whoami\n")
+shows("30 100")
+shows("user")
+sbx.pty.send_stdin(term.pid, b"exit 3\n")
+reader.join(60)
+assert len(ended) == 1 and getattr(ended[0], "exit_code", None) == 3, ended
 
 # A failing command raises with its exit code and output.
 try:

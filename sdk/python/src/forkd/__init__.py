@@ -11,6 +11,7 @@ The daemon is found through ``FORKD_URL`` (``unix:/path``, ``http://`` or
 """
 
 from ._connection import AsyncConnection, Connection
+from ._pty import AsyncPty, AsyncPtyHandle, Pty, PtyHandle, TerminalClosedError
 from .async_sandbox import (
     AsyncCommandHandle,
     AsyncCommands,
@@ -51,6 +52,11 @@ from .models import (
 from .sandbox import CommandHandle, Commands, Files, Sandbox, Snapshot, WatchHandle
 
 __all__ = [
+    "AsyncPty",
+    "AsyncPtyHandle",
+    "Pty",
+    "PtyHandle",
+    "TerminalClosedError",
     "AsyncCommandHandle",
     "AsyncCommands",
     "AsyncConnection",

@@ -13,7 +13,8 @@ import json
 import os
 import ssl
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple
+from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Tuple
+from urllib.parse import urlencode
 
 import httpx
 
@@ -61,6 +62,43 @@ def _settings(
 
 
 _DOWN = (httpx.ConnectError, httpx.RemoteProtocolError)
+
+# Where a WebSocket goes: the unix socket (if any), the base of its URI, its headers and
+# its TLS context.
+_WsTarget = Tuple[Optional[str], str, Dict[str, str], Optional[ssl.SSLContext]]
+
+
+def _ws_target(options: Dict[str, Any]) -> _WsTarget:
+    headers = dict(options["headers"])
+    if options.get("uds"):
+        return options["uds"], "ws://forkd", headers, None
+    base: str = options["base_url"]
+    if base.startswith("https://"):
+        ctx = options.get("verify")
+        return None, "wss://" + base[len("https://"):], headers, ctx if isinstance(ctx, ssl.SSLContext) else ssl.create_default_context()
+    return None, "ws://" + base[len("http://"):], headers, None
+
+
+def _ws_uri(target: _WsTarget, path: str, query: List[Tuple[str, str]]) -> str:
+    return target[1] + path + ("?" + urlencode(query) if query else "")
+
+
+# The daemon's sockets need no keepalive pings (a terminal may idle for hours), and a
+# message is at most a chunk of output.
+_WS_OPTIONS: Dict[str, Any] = {"ping_interval": None, "max_size": 4 << 20}
+
+
+def _ws_failure(e: Exception) -> Exception:
+    """The daemon's error for a WebSocket it would not open."""
+    response = getattr(e, "response", None)
+    if response is None:
+        return e
+    body: Any = None
+    try:
+        body = json.loads(response.body or b"")
+    except ValueError:
+        pass
+    return error_for(response.status_code, body)
 
 
 def unreachable(url: str, e: Exception) -> UnreachableError:
@@ -119,10 +157,31 @@ class Connection:
         ca: Optional[str] = None,
     ) -> None:
         self.url, options = _settings(url, token, ca)
+        self._ws = _ws_target(options)
         uds = options.pop("uds", None)
         if uds is not None:
             options["transport"] = httpx.HTTPTransport(uds=uds)
         self._http = httpx.Client(**options)
+
+    def websocket(self, path: str, query: List[Tuple[str, str]]) -> Any:
+        """Opens the daemon's WebSocket at ``path``; the daemon's error if it will not."""
+        from websockets.exceptions import InvalidStatus
+        from websockets.sync.client import connect, unix_connect
+
+        uri = _ws_uri(self._ws, path, query)
+        uds, _, headers, ctx = self._ws
+        try:
+            if uds is not None:
+                ws = unix_connect(uds, uri, additional_headers=headers, **_WS_OPTIONS)
+            else:
+                ws = connect(uri, additional_headers=headers, ssl=ctx, **_WS_OPTIONS)
+            # Entered as its context manager would be (the way websockets asks for since
+            # 17.1, and the same connection before): the terminal's handle closes it.
+            return ws.__enter__()
+        except InvalidStatus as e:
+            raise _ws_failure(e) from None
+        except OSError as e:
+            raise unreachable(self.url, e) from e
 
     def close(self) -> None:
         self._http.close()
@@ -190,10 +249,27 @@ class AsyncConnection:
         ca: Optional[str] = None,
     ) -> None:
         self.url, options = _settings(url, token, ca)
+        self._ws = _ws_target(options)
         uds = options.pop("uds", None)
         if uds is not None:
             options["transport"] = httpx.AsyncHTTPTransport(uds=uds)
         self._http = httpx.AsyncClient(**options)
+
+    async def websocket(self, path: str, query: List[Tuple[str, str]]) -> Any:
+        """:meth:`Connection.websocket` on asyncio."""
+        from websockets.asyncio.client import connect, unix_connect
+        from websockets.exceptions import InvalidStatus
+
+        uri = _ws_uri(self._ws, path, query)
+        uds, _, headers, ctx = self._ws
+        try:
+            if uds is not None:
+                return await unix_connect(uds, uri, additional_headers=headers, **_WS_OPTIONS)
+            return await connect(uri, additional_headers=headers, ssl=ctx, **_WS_OPTIONS)
+        except InvalidStatus as e:
+            raise _ws_failure(e) from None
+        except OSError as e:
+            raise unreachable(self.url, e) from e
 
     async def close(self) -> None:
         await self._http.aclose()

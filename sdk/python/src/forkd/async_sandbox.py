@@ -20,6 +20,7 @@ from typing import (
 from . import _api
 from ._api import OutputHandler
 from ._connection import AsyncConnection
+from ._pty import AsyncPty
 from .errors import NotFoundError, SandboxFailedError, TimeoutError
 from .models import (
     CodeContext,
@@ -296,6 +297,7 @@ class AsyncSandbox:
         self.info = SandboxInfo.from_api(info)
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
+        self.pty = AsyncPty(self)
 
     def __repr__(self) -> str:
         return f"AsyncSandbox({self.id!r})"

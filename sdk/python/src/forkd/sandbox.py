@@ -10,6 +10,7 @@ from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Mapping, O
 from . import _api
 from ._api import OutputHandler
 from ._connection import Connection
+from ._pty import Pty
 from .errors import NotFoundError, SandboxFailedError, TimeoutError
 from .models import (
     CodeContext,
@@ -324,6 +325,7 @@ class Sandbox:
         self.info = SandboxInfo.from_api(info)
         self.commands = Commands(self)
         self.files = Files(self)
+        self.pty = Pty(self)
 
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r})"

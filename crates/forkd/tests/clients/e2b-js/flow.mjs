@@ -69,6 +69,24 @@ assert.equal(moved.path, '/home/user/notes/b.txt')
 await sbx.files.remove('notes/b.txt')
 await assert.rejects(sbx.files.read('notes/b.txt'), FileNotFoundError)
 
+// A terminal (the PTY service): bash typed into, resized, and its exit code.
+let screen = ''
+const term = await sbx.pty.create({ cols: 80, rows: 24, onData: (d) => { screen += new TextDecoder().decode(d) } })
+const shows = async (want) => {
+  for (let i = 0; i < 300 && !screen.includes(want); i++) await new Promise((r) => setTimeout(r, 100))
+  assert.ok(screen.includes(want), `the terminal never showed ${want}: ${screen}`)
+}
+const typed = (s) => sbx.pty.sendInput(term.pid, new TextEncoder().encode(s))
+await typed('stty size\n')
+await shows('24 80')
+await sbx.pty.resize(term.pid, { cols: 100, rows: 30 })
+await typed('stty size\n')
+await shows('30 100')
+await typed('exit 3\n')
+const ended = await term.wait().catch((e) => e)
+assert.ok(ended instanceof CommandExitError, String(ended))
+assert.equal(ended.exitCode, 3)
+
 // A directory watch (WatchDir): the events of a command, in order.
 await sbx.files.makeDir('watched')
 const watched = []
