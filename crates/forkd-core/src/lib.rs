@@ -18,6 +18,7 @@ pub mod pause;
 pub mod resume;
 pub mod sandbox;
 pub mod template;
+pub mod watch_queue;
 
 pub use agent::AgentClient;
 pub use error::SandboxError;

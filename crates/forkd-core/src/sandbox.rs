@@ -575,10 +575,23 @@ impl Sandbox {
         let stream = self
             .call(|a| async move { a.watch(&path, recursive).await })
             .await?;
-        Ok(WatchedFiles {
-            stream,
-            inner: self.inner.clone(),
-        })
+        let inner = self.inner.clone();
+        let stream = Arc::new(tokio::sync::Mutex::new(stream));
+        // Read as fast as the guest sends, into a bounded queue (see crate::watch_queue).
+        let queue = crate::watch_queue::WatchQueue::start(move || {
+            let (inner, stream) = (inner.clone(), stream.clone());
+            async move {
+                let mut stream = stream.lock().await;
+                tokio::select! {
+                    r = stream.next() => match r {
+                        Ok(v) => Ok(v),
+                        Err(e) => Err(inner.explain(e).await),
+                    },
+                    _ = inner.cancel.cancelled() => Err(inner.failure_error().unwrap_or(SandboxError::Destroyed { id: inner.id.clone() })),
+                }
+            }
+        });
+        Ok(WatchedFiles { queue })
     }
 
     /// Stops the VM (QMP `quit`, then SIGKILL after a grace period), waits for QEMU to
@@ -623,20 +636,14 @@ pub struct WatchedExec {
 
 /// Events of a watched guest directory ([`Sandbox::watch`]).
 pub struct WatchedFiles {
-    stream: crate::agent::WatchStream,
-    inner: Arc<Inner>,
+    queue: crate::watch_queue::WatchQueue,
 }
 
 impl WatchedFiles {
-    /// The next event (`None` once the directory is gone), or the sandbox's failure.
+    /// The next event (`None` once the directory is gone), an overflow for events the
+    /// reader was too slow for, or the sandbox's failure.
     pub async fn next(&mut self) -> Result<Option<forkd_proto::files::WatchEvent>, SandboxError> {
-        tokio::select! {
-            r = self.stream.next() => match r {
-                Ok(v) => Ok(v),
-                Err(e) => Err(self.inner.explain(e).await),
-            },
-            _ = self.inner.cancel.cancelled() => Err(self.inner.failure_error().unwrap_or(SandboxError::Destroyed { id: self.inner.id.clone() })),
-        }
+        self.queue.next().await
     }
 }
 

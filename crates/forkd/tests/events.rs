@@ -273,6 +273,16 @@ fn hex_of(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// The resident memory of process `pid`, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS in /proc/PID/status")
+}
+
 /// The next line of an NDJSON stream.
 async fn next_line(lines: &mut Lines) -> Value {
     let line = tokio::time::timeout(std::time::Duration::from_secs(60), lines.next_text())
@@ -284,7 +294,7 @@ async fn next_line(lines: &mut Lines) -> Value {
 }
 
 #[test]
-fn a_watch_streams_changes_in_order_and_ends_at_a_pause() {
+fn a_watch_streams_changes_in_order_bounds_a_storm_and_ends_at_a_pause() {
     let d = Daemon::start(&[]);
     d.link_snapshot("minimal", "mini");
     let rt = runtime();
@@ -319,6 +329,31 @@ fn a_watch_streams_changes_in_order_and_ends_at_a_pause() {
                 ("write".into(), a.clone()),
                 ("remove".into(), a)
             ]
+        );
+        // A storm of 10,000 new files while the client reads nothing: the guest drops
+        // what waits beyond its bound and says so with an overflow line; the daemon
+        // holds nothing for the client meanwhile (it reads the guest only as the client
+        // reads it), so its memory stays where it was.
+        let rss_before = rss_kib(d.pid());
+        common::exec(&c, &id, "cd /tmp/w && seq 10000 | xargs touch").await;
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        let rss_storm = rss_kib(d.pid());
+        let mut read = 0;
+        loop {
+            let e = next_line(&mut lines).await;
+            read += 1;
+            if e["type"] == "overflow" {
+                assert!(e["dropped"].as_u64().is_some_and(|n| n > 0), "{e}");
+                break;
+            }
+            assert!(read < 100_000, "no overflow line in {read} lines");
+        }
+        let rss_after = rss_kib(d.pid());
+        eprintln!("storm: overflow after {read} lines; daemon RSS {rss_before} -> {rss_storm} -> {rss_after} KiB");
+        let grown = rss_storm.max(rss_after).saturating_sub(rss_before);
+        assert!(
+            grown <= 16 * 1024,
+            "the daemon grew by {grown} KiB under the storm ({rss_before} -> {rss_storm} -> {rss_after} KiB)"
         );
         // A pause ends the watch with its reason.
         let (s, v) = call(&c, Method::POST, &format!("/v1/sandboxes/{id}/pause"), None).await;
