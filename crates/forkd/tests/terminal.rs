@@ -1,6 +1,7 @@
 //! Terminals in a sandbox, under QEMU: the WebSocket (`/v1/sandboxes/{id}/pty`) running
-//! bash, resized, exiting with a code, going on across a branch of its sandbox and ended
-//! by a pause; and `forkd shell` driven in tmux, a real terminal whose screen is read.
+//! bash, resized, exiting with a code, going on across a branch of its sandbox, ended
+//! by a pause and by a removal, and a flood its client does not read; and `forkd shell`
+//! driven in tmux, a real terminal whose screen is read.
 
 mod common;
 
@@ -80,7 +81,7 @@ async fn open(c: &Client, id: &str, query: &str) -> (WebSocket, Screen) {
 }
 
 #[test]
-fn a_terminal_runs_bash_follows_its_size_survives_a_branch_and_ends_on_pause() {
+fn a_terminal_runs_bash_follows_its_size_survives_a_branch_and_ends_on_pause_or_removal() {
     let d = Daemon::start(&[]);
     d.link_snapshot("minimal", "mini");
     let rt = runtime();
@@ -165,7 +166,46 @@ fn a_terminal_runs_bash_follows_its_size_survives_a_branch_and_ends_on_pause() {
             .expect("a closed message");
         assert_eq!(closed["reason"], "paused", "{closed}");
         assert_eq!(screen.close_reason.as_deref(), Some("paused"));
+
+        // A client that reads nothing of a flood holds the command back, not the
+        // daemon's memory.
+        let (mut ws, _) = open(&c, &id, "cmd=yes").await;
+        let before = rss_kib(d.pid());
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let after = rss_kib(d.pid());
+        assert!(
+            after.saturating_sub(before) <= 16 * 1024,
+            "the daemon grew from {before} to {after} KiB while a terminal's client read nothing"
+        );
+        let mut screen = Screen::default();
+        read_until(&mut ws, &mut screen, |s| s.bytes.len() > 1 << 20).await;
+        assert!(
+            screen.text().starts_with("y\r\ny\r\n"),
+            "{:?}",
+            &screen.text()[..20]
+        );
+
+        // The sandbox removed under its terminal: the terminal says so.
+        let (s, v) = call(&c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+        assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
+        read_until(&mut ws, &mut screen, |s| s.close_reason.is_some()).await;
+        let closed = screen
+            .texts
+            .iter()
+            .find(|t| t["type"] == "closed")
+            .expect("a closed message");
+        assert_eq!(closed["reason"], "removed", "{closed}");
     });
+}
+
+/// The resident memory of process `pid`, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS in /proc/PID/status")
 }
 
 /// Runs `tmux` on the test's own server socket.
