@@ -578,39 +578,48 @@ async fn pump_terminal(master: Arc<crate::pty::Master>, tx: mpsc::Sender<Bytes>)
     }
 }
 
+/// The frames of an exec request's body after its header, as they arrive.
+struct InputFrames {
+    body: Body,
+    dec: Decoder,
+}
+
+impl InputFrames {
+    /// The next frame; `None` at the end of the body or at a malformed frame.
+    async fn next(&mut self) -> Option<frame::Frame> {
+        loop {
+            match self.dec.next_frame() {
+                Ok(Some(f)) => return Some(f),
+                Ok(None) => {}
+                Err(_) => return None,
+            }
+            match self.body.frame().await {
+                None | Some(Err(_)) => return None,
+                Some(Ok(f)) => {
+                    if let Ok(data) = f.into_data() {
+                        self.dec.push(&data);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Types `Stdin` frames from the request body into the command's terminal and applies
 /// `Resize` frames to it. The end of the body ends nothing: a terminal has no end of
 /// input but the one its user types (^D).
-async fn forward_terminal_input(mut body: Body, mut dec: Decoder, master: Arc<crate::pty::Master>) {
-    loop {
-        loop {
-            match dec.next_frame() {
-                Ok(Some(f)) if f.tag == Tag::Stdin => {
-                    if master.write_all(&f.payload).await.is_err() {
-                        return;
-                    }
-                }
-                Ok(Some(f)) if f.tag == Tag::Resize => {
-                    // A size that does not parse or is zero is ignored, as a terminal
-                    // emulator ignores a bad escape.
-                    if let Ok(size) =
-                        serde_json::from_slice::<forkd_proto::exec::PtySize>(&f.payload)
-                    {
-                        if size.problem().is_none() {
-                            let _ = master.resize(size);
-                        }
-                    }
-                }
-                Ok(Some(_)) => {}
-                Ok(None) => break,
-                Err(_) => return,
-            }
+async fn forward_terminal_input(body: Body, dec: Decoder, master: Arc<crate::pty::Master>) {
+    let mut frames = InputFrames { body, dec };
+    while let Some(f) = frames.next().await {
+        if f.tag == Tag::Stdin && master.write_all(&f.payload).await.is_err() {
+            return;
         }
-        match body.frame().await {
-            None | Some(Err(_)) => return,
-            Some(Ok(f)) => {
-                if let Ok(data) = f.into_data() {
-                    dec.push(&data);
+        if f.tag == Tag::Resize {
+            // A size that does not parse or is zero is ignored, as a terminal
+            // emulator ignores a bad escape.
+            if let Ok(size) = serde_json::from_slice::<forkd_proto::exec::PtySize>(&f.payload) {
+                if size.problem().is_none() {
+                    let _ = master.resize(size);
                 }
             }
         }
@@ -619,28 +628,13 @@ async fn forward_terminal_input(mut body: Body, mut dec: Decoder, master: Arc<cr
 
 /// Copies `Stdin` frames from the request body to the child; the end of the body (or a
 /// malformed frame) closes the child's stdin.
-async fn forward_stdin(mut body: Body, mut dec: Decoder, mut w: ChildStdin) {
-    loop {
-        loop {
-            match dec.next_frame() {
-                Ok(Some(f)) if f.tag == Tag::Stdin => {
-                    // A child that closed its stdin is not an error: it just wants no more.
-                    if w.write_all(&f.payload).await.is_err() {
-                        return;
-                    }
-                }
-                Ok(Some(_)) => {} // other tags carry nothing for stdin
-                Ok(None) => break,
-                Err(_) => return,
-            }
-        }
-        match body.frame().await {
-            None | Some(Err(_)) => return,
-            Some(Ok(f)) => {
-                if let Ok(data) = f.into_data() {
-                    dec.push(&data);
-                }
-            }
+async fn forward_stdin(body: Body, dec: Decoder, mut w: ChildStdin) {
+    let mut frames = InputFrames { body, dec };
+    while let Some(f) = frames.next().await {
+        // Other tags carry nothing for stdin. A child that closed its stdin is not an
+        // error: it just wants no more.
+        if f.tag == Tag::Stdin && w.write_all(&f.payload).await.is_err() {
+            return;
         }
     }
 }

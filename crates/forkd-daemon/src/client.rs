@@ -10,6 +10,16 @@ use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 use std::path::PathBuf;
 
+/// `resp` if it is a 101 (Switching Protocols), else the daemon's error it carries.
+async fn switched(resp: Response<Incoming>) -> Result<Response<Incoming>> {
+    if resp.status() == hyper::StatusCode::SWITCHING_PROTOCOLS {
+        return Ok(resp);
+    }
+    let status = resp.status();
+    let body = resp.into_body().collect().await?.to_bytes();
+    Err(failure(status, &body).into())
+}
+
 /// A WebSocket to the daemon ([`Client::websocket`]).
 pub type WebSocket = tokio_tungstenite::WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>;
 
@@ -123,12 +133,7 @@ impl Client {
             .header(hyper::header::CONNECTION, "upgrade")
             .header(hyper::header::UPGRADE, protocol)
             .body(Full::new(Bytes::new()))?;
-        let resp = self.dispatch(req).await?;
-        if resp.status() != hyper::StatusCode::SWITCHING_PROTOCOLS {
-            let status = resp.status();
-            let body = resp.into_body().collect().await?.to_bytes();
-            return Err(failure(status, &body).into());
-        }
+        let resp = switched(self.dispatch(req).await?).await?;
         Ok(hyper::upgrade::on(resp).await?)
     }
 
@@ -144,12 +149,7 @@ impl Client {
             .header(hyper::header::SEC_WEBSOCKET_VERSION, "13")
             .header(hyper::header::SEC_WEBSOCKET_KEY, &key)
             .body(Full::new(Bytes::new()))?;
-        let resp = self.dispatch(req).await?;
-        if resp.status() != hyper::StatusCode::SWITCHING_PROTOCOLS {
-            let status = resp.status();
-            let body = resp.into_body().collect().await?.to_bytes();
-            return Err(failure(status, &body).into());
-        }
+        let resp = switched(self.dispatch(req).await?).await?;
         let accept = resp
             .headers()
             .get(hyper::header::SEC_WEBSOCKET_ACCEPT)

@@ -170,9 +170,9 @@ fn a_terminal_runs_bash_follows_its_size_survives_a_branch_and_ends_on_pause_or_
         // A client that reads nothing of a flood holds the command back, not the
         // daemon's memory.
         let (mut ws, _) = open(&c, &id, "cmd=yes").await;
-        let before = rss_kib(d.pid());
+        let before = common::rss_kib(d.pid());
         tokio::time::sleep(Duration::from_secs(5)).await;
-        let after = rss_kib(d.pid());
+        let after = common::rss_kib(d.pid());
         assert!(
             after.saturating_sub(before) <= 16 * 1024,
             "the daemon grew from {before} to {after} KiB while a terminal's client read nothing"
@@ -196,16 +196,6 @@ fn a_terminal_runs_bash_follows_its_size_survives_a_branch_and_ends_on_pause_or_
             .expect("a closed message");
         assert_eq!(closed["reason"], "removed", "{closed}");
     });
-}
-
-/// The resident memory of process `pid`, in KiB.
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS in /proc/PID/status")
 }
 
 /// Runs `tmux` on the test's own server socket.
