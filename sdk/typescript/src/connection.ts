@@ -56,6 +56,12 @@ function queryString(q: Query | undefined): string {
   return pairs.length ? "?" + new URLSearchParams(pairs).toString() : "";
 }
 
+/** What listens to a WebSocket from its first byte on ({@link Connection.websocket}). */
+export interface WebSocketListeners {
+  message: (data: Buffer, isBinary: boolean) => void;
+  close: () => void;
+}
+
 /** A connection to one daemon. */
 export class Connection {
   readonly url: string;
@@ -182,7 +188,7 @@ export class Connection {
    * Opens the daemon's WebSocket at `path` (a terminal); rejects with the daemon's error
    * if it answers otherwise.
    */
-  websocket(path: string, query: Query): Promise<WebSocket> {
+  websocket(path: string, query: Query, listeners: WebSocketListeners): Promise<WebSocket> {
     const target = path + queryString(query);
     const url = this.socketPath
       ? `ws+unix://${this.socketPath}:${target}`
@@ -192,6 +198,10 @@ export class Connection {
       ...(this.ca ? { ca: this.ca } : {}),
       maxPayload: 4 << 20,
     });
+    // Listening from the start: the first messages may come with the handshake's
+    // answer, in the same read, before whoever awaits the socket could listen.
+    ws.on("message", listeners.message);
+    ws.once("close", listeners.close);
     return new Promise((resolve, reject) => {
       ws.once("open", () => resolve(ws));
       ws.once("unexpected-response", (req, res) => {

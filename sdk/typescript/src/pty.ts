@@ -42,51 +42,66 @@ export interface PtyCreateOptions {
 export class PtyHandle {
   /** Its command's pid in the guest (set once {@link Pty.create} resolves). */
   pid = 0;
-  private readonly ws: WebSocket;
+  private ws: WebSocket | undefined;
   private killed = false;
+  private exitCode: number | undefined;
+  private closed: TerminalClosedError | undefined;
+  private readonly onData: ((data: Uint8Array) => void) | undefined;
+  private onStarted: (pid: number) => void = () => {};
+  private onNotStarted: (e: Error) => void = () => {};
+  private onEnded: (code: number) => void = () => {};
+  private onFailed: (e: Error) => void = () => {};
   private readonly ended: Promise<number>;
   /** @internal Resolves with the pid once the daemon says the command runs. */
   readonly started: Promise<number>;
 
-  /** @internal Listens from the socket's first message on: nothing is missed. */
-  constructor(ws: WebSocket, onData: ((data: Uint8Array) => void) | undefined) {
-    this.ws = ws;
-    let exitCode: number | undefined;
-    let closed: TerminalClosedError | undefined;
-    let onStarted: (pid: number) => void = () => {};
-    let onNotStarted: (e: Error) => void = () => {};
+  /** @internal */
+  constructor(onData: ((data: Uint8Array) => void) | undefined) {
+    this.onData = onData;
     this.started = new Promise((resolve, reject) => {
-      onStarted = resolve;
-      onNotStarted = reject;
-    });
-    ws.on("message", (data: Buffer, isBinary: boolean) => {
-      if (isBinary) {
-        onData?.(new Uint8Array(data));
-        return;
-      }
-      const msg = JSON.parse(data.toString("utf8")) as Record<string, unknown>;
-      if (msg.type === "started") {
-        this.pid = Number(msg.pid);
-        onStarted(this.pid);
-      } else if (msg.type === "exit") exitCode = Number(msg.exit_code);
-      else if (msg.type === "closed") closed = new TerminalClosedError(String(msg.reason), String(msg.message ?? ""));
+      this.onStarted = resolve;
+      this.onNotStarted = reject;
     });
     this.ended = new Promise((resolve, reject) => {
-      ws.once("close", () => {
-        onNotStarted(new TerminalClosedError("failed", "the terminal closed before it started"));
-        if (exitCode !== undefined) resolve(exitCode);
-        else if (closed) reject(closed);
-        else if (this.killed) reject(new TerminalClosedError("killed", ""));
-        else reject(new TerminalClosedError("failed", "the connection to the daemon closed before the command ended"));
-      });
+      this.onEnded = resolve;
+      this.onFailed = reject;
     });
     // A rejection nobody awaits yet is not an unhandled one: wait() hands it out.
     this.ended.catch(() => {});
     this.started.catch(() => {});
   }
 
+  /** @internal Each message of the socket, from its first on. */
+  receive(data: Buffer, isBinary: boolean): void {
+    if (isBinary) {
+      this.onData?.(new Uint8Array(data));
+      return;
+    }
+    const msg = JSON.parse(data.toString("utf8")) as Record<string, unknown>;
+    if (msg.type === "started") {
+      this.pid = Number(msg.pid);
+      this.onStarted(this.pid);
+    } else if (msg.type === "exit") this.exitCode = Number(msg.exit_code);
+    else if (msg.type === "closed") this.closed = new TerminalClosedError(String(msg.reason), String(msg.message ?? ""));
+  }
+
+  /** @internal The socket closed. */
+  close(): void {
+    this.onNotStarted(new TerminalClosedError("failed", "the terminal closed before it started"));
+    if (this.exitCode !== undefined) this.onEnded(this.exitCode);
+    else if (this.closed) this.onFailed(this.closed);
+    else if (this.killed) this.onFailed(new TerminalClosedError("killed", ""));
+    else this.onFailed(new TerminalClosedError("failed", "the connection to the daemon closed before the command ended"));
+  }
+
+  /** @internal */
+  attach(ws: WebSocket): void {
+    this.ws = ws;
+  }
+
   private send(data: string | Uint8Array): Promise<void> {
-    return new Promise((resolve, reject) => this.ws.send(data, (e) => (e ? reject(e) : resolve())));
+    const ws = this.ws!;
+    return new Promise((resolve, reject) => ws.send(data, (e) => (e ? reject(e) : resolve())));
   }
 
   /** Types `data` into the terminal (`"\x03"` is ^C). */
@@ -102,7 +117,7 @@ export class PtyHandle {
   /** Ends the terminal: its command's process group is killed. */
   kill(): void {
     this.killed = true;
-    this.ws.close();
+    this.ws?.close();
   }
 
   /**
@@ -132,8 +147,12 @@ export class Pty {
     for (const [k, v] of Object.entries(opts.envs ?? {})) query.push(["env", `${k}=${v}`]);
     if (opts.cwd !== undefined) query.push(["cwd", opts.cwd]);
     if (opts.user !== undefined) query.push(["user", opts.user]);
-    const ws = await this.conn.websocket(`/v1/sandboxes/${this.sandboxId}/pty`, query);
-    const handle = new PtyHandle(ws, opts.onData);
+    const handle = new PtyHandle(opts.onData);
+    const ws = await this.conn.websocket(`/v1/sandboxes/${this.sandboxId}/pty`, query, {
+      message: (data, isBinary) => handle.receive(data, isBinary),
+      close: () => handle.close(),
+    });
+    handle.attach(ws);
     await handle.started;
     return handle;
   }

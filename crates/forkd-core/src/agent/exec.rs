@@ -41,6 +41,10 @@ pub struct ExecStream {
     body: Incoming,
     decoder: Decoder,
     finished: bool,
+    /// For a terminal: ends the request's body when the stream is dropped. An HTTP/2
+    /// stream whose response was dropped stays open while its request still streams,
+    /// so the agent would not learn that the host went and kill the command.
+    _input: Option<tokio_util::sync::DropGuard>,
 }
 
 impl ExecStream {
@@ -190,6 +194,7 @@ impl AgentClient {
             body: resp.into_body(),
             decoder: Decoder::new(),
             finished: false,
+            _input: None,
         })
     }
 
@@ -212,11 +217,23 @@ impl AgentClient {
             message: format!("the command, its environment and working directory are too large for the agent protocol ({e})"),
         })?;
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(4);
+        let dropped = tokio_util::sync::CancellationToken::new();
+        let guard = dropped.clone().drop_guard();
         tokio::spawn(async move {
             if tx.send(Ok(Frame::data(header))).await.is_err() {
                 return;
             }
-            while let Some(item) = input.recv().await {
+            loop {
+                let item = tokio::select! {
+                    item = input.recv() => item,
+                    () = dropped.cancelled() => {
+                        // A body that fails resets the stream: the agent kills the
+                        // command at once.
+                        let _ = tx.try_send(Err(std::io::Error::other("the terminal was closed")));
+                        return;
+                    }
+                };
+                let Some(item) = item else { break };
                 let frames = match item {
                     TerminalInput::Typed(b) => frame::encode_chunked(Tag::Stdin, &b),
                     TerminalInput::Resize(size) => {
@@ -230,10 +247,14 @@ impl AgentClient {
                     }
                 }
             }
-            // The body stays open until the command ends: its end would mean nothing
-            // to a terminal, and the agent reads a body that ends as a host that may
-            // have gone.
-            tx.closed().await;
+            // The body stays open until the command ends (or the stream is dropped):
+            // its end would mean nothing to a terminal.
+            tokio::select! {
+                () = tx.closed() => {}
+                () = dropped.cancelled() => {
+                    let _ = tx.try_send(Err(std::io::Error::other("the terminal was closed")));
+                }
+            }
         });
         let body = StreamBody::new(tokio_stream(rx)).boxed();
         let resp = self.send(Method::POST, routes::EXEC, body).await?;
@@ -241,6 +262,7 @@ impl AgentClient {
             body: resp.into_body(),
             decoder: Decoder::new(),
             finished: false,
+            _input: Some(guard),
         })
     }
 
