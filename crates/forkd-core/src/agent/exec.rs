@@ -148,16 +148,7 @@ impl AgentClient {
         stdin: Option<Stdin>,
     ) -> Result<ExecStream, AgentError> {
         req.stdin = stdin.is_some();
-        // The request travels as one frame: one that does not fit is the caller's to
-        // shrink (big inputs belong on stdin), not something to cut.
-        let header = frame::encode_json(&req).map_err(|e| AgentError::Agent {
-            status: 413,
-            code: forkd_proto::ErrorCode::InvalidArgument,
-            message: format!(
-                "the command, its environment and working directory are too large for the \
-                 agent protocol ({e}); pass large inputs on stdin or as a file"
-            ),
-        })?;
+        let header = exec_header(&req)?;
         let body: ReqBody = match stdin {
             None => full_body(header),
             Some(mut reader) => {
@@ -189,12 +180,20 @@ impl AgentClient {
                 StreamBody::new(tokio_stream(rx)).boxed()
             }
         };
+        self.exec_request(body, None).await
+    }
+
+    async fn exec_request(
+        &self,
+        body: ReqBody,
+        input: Option<tokio_util::sync::DropGuard>,
+    ) -> Result<ExecStream, AgentError> {
         let resp = self.send(Method::POST, routes::EXEC, body).await?;
         Ok(ExecStream {
             body: resp.into_body(),
             decoder: Decoder::new(),
             finished: false,
-            _input: None,
+            _input: input,
         })
     }
 
@@ -206,16 +205,12 @@ impl AgentClient {
         &self,
         mut req: ExecRequest,
         size: PtySize,
-        mut input: tokio::sync::mpsc::Receiver<TerminalInput>,
+        input: tokio::sync::mpsc::Receiver<TerminalInput>,
     ) -> Result<ExecStream, AgentError> {
         self.needs(forkd_proto::exec::PTY, "run a command on a terminal")?;
         req.pty = Some(size);
         req.stdin = false;
-        let header = frame::encode_json(&req).map_err(|e| AgentError::Agent {
-            status: 413,
-            code: forkd_proto::ErrorCode::InvalidArgument,
-            message: format!("the command, its environment and working directory are too large for the agent protocol ({e})"),
-        })?;
+        let header = exec_header(&req)?;
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(4);
         let dropped = tokio_util::sync::CancellationToken::new();
         let guard = dropped.clone().drop_guard();
@@ -223,9 +218,19 @@ impl AgentClient {
             if tx.send(Ok(Frame::data(header))).await.is_err() {
                 return;
             }
+            // Once `input` ends the body stays open until the command ends: its end
+            // would mean nothing to a terminal.
+            let mut input = Some(input);
             loop {
+                let next = async {
+                    match input.as_mut() {
+                        Some(i) => i.recv().await,
+                        None => std::future::pending().await,
+                    }
+                };
                 let item = tokio::select! {
-                    item = input.recv() => item,
+                    item = next => item,
+                    () = tx.closed() => return,
                     () = dropped.cancelled() => {
                         // A body that fails resets the stream: the agent kills the
                         // command at once.
@@ -233,10 +238,13 @@ impl AgentClient {
                         return;
                     }
                 };
-                let Some(item) = item else { break };
                 let frames = match item {
-                    TerminalInput::Typed(b) => frame::encode_chunked(Tag::Stdin, &b),
-                    TerminalInput::Resize(size) => {
+                    None => {
+                        input = None;
+                        continue;
+                    }
+                    Some(TerminalInput::Typed(b)) => frame::encode_chunked(Tag::Stdin, &b),
+                    Some(TerminalInput::Resize(size)) => {
                         let json = serde_json::to_vec(&size).expect("a size serializes");
                         frame::encode_chunked(Tag::Resize, &json)
                     }
@@ -247,23 +255,9 @@ impl AgentClient {
                     }
                 }
             }
-            // The body stays open until the command ends (or the stream is dropped):
-            // its end would mean nothing to a terminal.
-            tokio::select! {
-                () = tx.closed() => {}
-                () = dropped.cancelled() => {
-                    let _ = tx.try_send(Err(std::io::Error::other("the terminal was closed")));
-                }
-            }
         });
         let body = StreamBody::new(tokio_stream(rx)).boxed();
-        let resp = self.send(Method::POST, routes::EXEC, body).await?;
-        Ok(ExecStream {
-            body: resp.into_body(),
-            decoder: Decoder::new(),
-            finished: false,
-            _input: Some(guard),
-        })
+        self.exec_request(body, Some(guard)).await
     }
 
     /// Runs a command to completion and returns all of its output.
@@ -349,6 +343,19 @@ impl AgentClient {
         self.request_json(Method::DELETE, &routes::process(id))
             .await
     }
+}
+
+/// An exec request's header frame. The request travels as one frame: one that does not
+/// fit is the caller's to shrink (big inputs belong on stdin), not something to cut.
+fn exec_header(req: &ExecRequest) -> Result<Bytes, AgentError> {
+    frame::encode_json(req).map_err(|e| AgentError::Agent {
+        status: 413,
+        code: forkd_proto::ErrorCode::InvalidArgument,
+        message: format!(
+            "the command, its environment and working directory are too large for the \
+             agent protocol ({e}); pass large inputs on stdin or as a file"
+        ),
+    })
 }
 
 fn full_body(header: Bytes) -> ReqBody {
