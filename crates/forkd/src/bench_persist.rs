@@ -59,7 +59,14 @@ struct PauseRow {
     stored_bytes: u64,
     /// (stored - an idle child's stored) / dirtied.
     stored_over_dirtied: f64,
-    /// From the resume request to a first exec answered.
+    /// The same child's fork: from the request to its answer, and to its first exec
+    /// answered (a fresh restore, for comparison).
+    fork_ms: f64,
+    fork_to_exec_ms: f64,
+    /// From the resume request to its answer (the agent answered the restored VM).
+    resume_ms: f64,
+    /// From the resume request to a first exec answered. Under TCG the first exec after
+    /// any restore is slow: the guest's fork and exec paths are translated again.
     resume_to_exec_ms: f64,
     /// resume_to_exec_ms / the median cold boot.
     resume_to_cold_boot: f64,
@@ -129,13 +136,16 @@ pub async fn run(home: &Home, args: PersistArgs) -> Result<()> {
         let (mib, tag) = template_for(&tags, dirty)?;
         let row = pause_once(c, &tag, mib, dirty, idle_stored_bytes, median_cold_boot_ms).await?;
         say(&format!(
-            "{dirty} MiB dirtied: stall {:.1} ms, pause {:.0} ms, {:.1} MiB stored ({:.2} x dirtied beyond idle), resume to exec {:.0} ms ({:.3} x cold boot), state kept: {}",
+            "{dirty} MiB dirtied: stall {:.1} ms, pause {:.0} ms, {:.1} MiB stored ({:.2} x dirtied beyond idle), resume {:.0} ms, to exec {:.0} ms ({:.3} x cold boot; its fork {:.0} ms, to exec {:.0} ms), state kept: {}",
             row.stall_ms,
             row.pause_ms,
             row.stored_bytes as f64 / f64::from(1u32 << 20),
             row.stored_over_dirtied,
+            row.resume_ms,
             row.resume_to_exec_ms,
             row.resume_to_cold_boot,
+            row.fork_ms,
+            row.fork_to_exec_ms,
             row.state_kept
         ));
         pauses.push(row);
@@ -219,7 +229,9 @@ async fn pause_once(
     idle_stored: u64,
     cold_ms: f64,
 ) -> Result<PauseRow> {
-    let (ids, _) = fork_and_exec(c, tag, 1, Mode::Fresh).await?;
+    let t = Instant::now();
+    let (ids, created) = fork_and_exec(c, tag, 1, Mode::Fresh).await?;
+    let (fork_ms, fork_to_exec_ms) = (ms(created), ms(t.elapsed()));
     let id = &ids[0];
     // Random bytes generated in place: `dirty` MiB of new, incompressible pages.
     let sum = run_code(
@@ -236,6 +248,7 @@ async fn pause_once(
     let pause_ms = ms(t.elapsed());
     let t = Instant::now();
     post(c, id, "resume").await?;
+    let resume_ms = ms(t.elapsed());
     shell(c, id, "true").await?;
     let resume_to_exec_ms = ms(t.elapsed());
     let after = run_code(c, id, "int(_bench_dirty.sum())").await?;
@@ -249,6 +262,9 @@ async fn pause_once(
         stored_bytes,
         stored_over_dirtied: stored_bytes.saturating_sub(idle_stored) as f64
             / f64::from(dirty << 20),
+        fork_ms,
+        fork_to_exec_ms,
+        resume_ms,
         resume_to_exec_ms,
         resume_to_cold_boot: resume_to_exec_ms / cold_ms,
         state_kept: !sum.is_empty() && after == sum,
@@ -371,26 +387,28 @@ fn print_report(r: &PersistReport) {
         r.idle_stored_bytes as f64 / f64::from(1u32 << 20)
     );
     println!(
-        "{:>6} {:>5} {:>9} {:>9} {:>11} {:>15} {:>13} {:>11} {:>5}",
+        "{:>6} {:>5} {:>9} {:>9} {:>11} {:>15} {:>10} {:>13} {:>11} {:>5}",
         "dirty",
         "RAM",
         "stall ms",
         "pause ms",
         "stored MiB",
         "beyond idle/d.",
+        "resume",
         "resume+exec",
         "/cold boot",
         "kept"
     );
     for p in &r.pauses {
         println!(
-            "{:>6} {:>5} {:>9.1} {:>9.0} {:>11.1} {:>15.2} {:>10.0} ms {:>11.3} {:>5}",
+            "{:>6} {:>5} {:>9.1} {:>9.0} {:>11.1} {:>15.2} {:>7.0} ms {:>10.0} ms {:>11.3} {:>5}",
             p.dirty_mib,
             p.template_mib,
             p.stall_ms,
             p.pause_ms,
             p.stored_bytes as f64 / f64::from(1u32 << 20),
             p.stored_over_dirtied,
+            p.resume_ms,
             p.resume_to_exec_ms,
             p.resume_to_cold_boot,
             p.state_kept
