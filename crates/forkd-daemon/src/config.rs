@@ -70,6 +70,8 @@ pub struct DaemonConfig {
     /// How long lifecycle events are kept (`--events-retention`), for `GET /v1/events`
     /// to replay.
     pub events_retention: std::time::Duration,
+    /// This daemon's place in a cluster of daemons (`--cluster`), if it has one.
+    pub cluster: Option<crate::cluster::ClusterConfig>,
 }
 
 /// Lifecycle events are kept a week unless the operator says otherwise.
@@ -135,6 +137,12 @@ pub enum ConfigError {
     /// The overcommit must be a positive number.
     #[error("--memory-overcommit must be a number above 0 (1 admits what fits in the available memory), not {0}")]
     Overcommit(f64),
+    /// A cluster member is reached by the others over TCP.
+    #[error("--cluster needs --listen: the other hosts reach this one's API over TCP, at its --advertise address")]
+    ClusterNoListen,
+    /// The cluster options cannot be used.
+    #[error(transparent)]
+    Cluster(#[from] crate::cluster::config::ClusterConfigError),
 }
 
 impl DaemonConfig {
@@ -161,6 +169,7 @@ impl DaemonConfig {
             pause_on_stop: false,
             audit_reset: false,
             events_retention: DEFAULT_EVENTS_RETENTION,
+            cluster: None,
         }
     }
 
@@ -223,6 +232,12 @@ impl DaemonConfig {
             if !addr.ip().is_loopback() && self.tls.is_none() && !self.insecure_plaintext {
                 return Err(ConfigError::NoTls { addr });
             }
+        }
+        if let Some(cluster) = &self.cluster {
+            if self.listen.is_none() {
+                return Err(ConfigError::ClusterNoListen);
+            }
+            cluster.validate()?;
         }
         if let Some(e2b) = &self.e2b {
             if self.token.is_none() {

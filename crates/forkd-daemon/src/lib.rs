@@ -18,6 +18,7 @@
 //! - [`metrics`], [`audit`]: Prometheus metrics and the hash-chained audit log;
 //!   [`failed_auth_log`]: failed authentications in it, aggregated.
 //! - [`e2b`]: E2B's control plane, envd and code interpreter, for E2B's SDKs.
+//! - [`cluster`]: several daemons as one service, coordinated through etcd.
 //! - [`client`]: a small HTTP client over the unix socket or TCP (the CLI and the tests).
 
 pub mod admission;
@@ -26,6 +27,7 @@ pub mod audit;
 pub mod auth_failures;
 pub mod branch;
 pub mod client;
+pub mod cluster;
 pub mod config;
 pub mod e2b;
 pub mod events;

@@ -96,6 +96,88 @@ pub struct DaemonArgs {
     /// replay.
     #[arg(long, value_name = "SECS", default_value_t = forkd_daemon::config::DEFAULT_EVENTS_RETENTION.as_secs())]
     events_retention: u64,
+    /// Join a cluster of daemons coordinated through etcd, at
+    /// etcd://HOST:PORT[,HOST:PORT...] (its members' client addresses; see
+    /// docs/cluster.md). Needs --listen and --advertise.
+    #[arg(long, value_name = "URL", value_parser = parse_cluster_url, requires = "advertise")]
+    cluster: Option<EtcdEndpoints>,
+    /// The HOST:PORT at which the other hosts of the cluster reach this daemon's TCP
+    /// listener.
+    #[arg(long, requires = "cluster")]
+    advertise: Option<String>,
+    /// This host's name in the cluster, unique in it (default: the machine's hostname).
+    #[arg(long, requires = "cluster")]
+    host_name: Option<String>,
+    /// Seconds this host's registration in the cluster lasts without a refresh: a host
+    /// that stops answering is shown unreachable after this long.
+    #[arg(long, value_name = "SECS", requires = "cluster",
+          default_value_t = forkd_daemon::cluster::config::DEFAULT_LEASE_TTL.as_secs())]
+    lease_ttl: u64,
+    /// A label of this host (KEY=VALUE, e.g. zone=eu-1; repeatable).
+    #[arg(long, value_parser = parse_label, requires = "cluster")]
+    label: Vec<(String, String)>,
+    /// The CA certificate (PEM) that signed the etcd members' certificates: talk TLS to
+    /// etcd.
+    #[arg(long, requires = "cluster")]
+    etcd_ca: Option<PathBuf>,
+    /// A client certificate (PEM) for etcd members that ask for one.
+    #[arg(long, requires_all = ["etcd_key", "etcd_ca"])]
+    etcd_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, requires = "etcd_cert")]
+    etcd_key: Option<PathBuf>,
+    /// etcd's user, when its authentication is on (with --etcd-password-file).
+    #[arg(long, requires_all = ["etcd_password_file", "cluster"])]
+    etcd_user: Option<String>,
+    /// A file holding the etcd user's password.
+    #[arg(long, requires = "etcd_user")]
+    etcd_password_file: Option<PathBuf>,
+}
+
+/// The etcd members of `--cluster` (one value to clap, whatever their number).
+#[derive(Debug, Clone)]
+struct EtcdEndpoints(Vec<String>);
+
+fn parse_cluster_url(s: &str) -> Result<EtcdEndpoints, String> {
+    forkd_daemon::cluster::config::parse_url(s)
+        .map(EtcdEndpoints)
+        .map_err(|e| e.to_string())
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    forkd_daemon::cluster::config::parse_label(s).map_err(|e| e.to_string())
+}
+
+/// The cluster options given, as the daemon's configuration takes them.
+fn cluster_config(args: &mut DaemonArgs) -> Result<Option<forkd_daemon::cluster::ClusterConfig>> {
+    use forkd_daemon::cluster::config::{ClusterConfig, EtcdTls};
+    let Some(EtcdEndpoints(endpoints)) = args.cluster.take() else {
+        return Ok(None);
+    };
+    let host_name = match args.host_name.take() {
+        Some(n) => n,
+        None => nix::unistd::gethostname()?.to_string_lossy().into_owned(),
+    };
+    let credentials = match (args.etcd_user.take(), &args.etcd_password_file) {
+        (Some(user), Some(file)) => {
+            let password = std::fs::read_to_string(file)
+                .map_err(|e| anyhow::anyhow!("reading {}: {e}", file.display()))?;
+            Some((user, password.trim_end_matches(['\r', '\n']).to_owned()))
+        }
+        _ => None,
+    };
+    Ok(Some(ClusterConfig {
+        endpoints,
+        host_name,
+        advertise: args.advertise.take().unwrap_or_default(),
+        lease_ttl: std::time::Duration::from_secs(args.lease_ttl),
+        tls: args.etcd_ca.take().map(|ca| EtcdTls {
+            ca,
+            identity: args.etcd_cert.take().zip(args.etcd_key.take()),
+        }),
+        credentials,
+        labels: args.label.drain(..).collect(),
+    }))
 }
 
 fn parse_token_file(s: &str) -> Result<(String, PathBuf), String> {
@@ -145,8 +227,9 @@ pub enum AuditCommand {
 }
 
 /// Runs the daemon until SIGTERM or SIGINT.
-pub async fn run(home: &Home, args: DaemonArgs) -> Result<()> {
+pub async fn run(home: &Home, mut args: DaemonArgs) -> Result<()> {
     let mut config = DaemonConfig::new(home.clone());
+    config.cluster = cluster_config(&mut args)?;
     if let Some(s) = args.socket {
         config.socket = s;
     }

@@ -8,6 +8,7 @@ mod bench_network;
 mod bench_persist;
 mod bench_scale;
 mod branch;
+mod cluster;
 mod daemon;
 mod doctor;
 mod events;
@@ -134,10 +135,13 @@ enum Command {
     Quickstart(quickstart::QuickstartArgs),
     /// Run the daemon: the REST API on a unix socket (and TCP when asked). Sandboxes
     /// keep running when it stops and are adopted again when it starts.
-    Daemon(daemon::DaemonArgs),
+    Daemon(Box<daemon::DaemonArgs>),
     /// The daemon's audit log.
     #[command(subcommand)]
     Audit(daemon::AuditCommand),
+    /// The cluster of daemons this one is a host of (`forkd daemon --cluster`).
+    #[command(subcommand)]
+    Cluster(cluster::ClusterCommand),
     /// Serve MCP on stdin/stdout: tools for an MCP client's model to list snapshots,
     /// create, branch and kill sandboxes, run commands and code, and read and write
     /// files in them, through the daemon.
@@ -239,8 +243,11 @@ fn main() {
                 .await
                 .map(|()| 0),
             Command::Quickstart(args) => quickstart::run(&home, args).await.map(|()| 0),
-            Command::Daemon(args) => daemon::run(&home, args).await.map(|()| 0),
+            Command::Daemon(args) => daemon::run(&home, *args).await.map(|()| 0),
             Command::Audit(cmd) => daemon::audit(&home, cmd).map(|()| 0),
+            Command::Cluster(cmd) => cluster::run(&remote::connect(&home)?, cmd)
+                .await
+                .map(|()| 0),
             Command::Mcp => mcp::serve(remote::connect(&home)?).await.map(|()| 0),
         }
     });

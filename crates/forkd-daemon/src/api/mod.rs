@@ -3,6 +3,7 @@
 
 mod archive;
 pub(crate) mod branch;
+pub(crate) mod cluster;
 mod distribution;
 pub mod error;
 pub(crate) mod events;
@@ -37,6 +38,8 @@ pub struct AppState {
     pub config: DaemonConfig,
     /// Metrics.
     pub metrics: crate::metrics::Metrics,
+    /// The cluster this daemon is a host of, if any.
+    pub cluster: Option<Arc<crate::cluster::Cluster>>,
 }
 
 /// Shared state, as handlers receive it.
@@ -130,6 +133,7 @@ pub fn router(app: App) -> Router {
             "/v1/snapshots/{tag}/pool",
             get(snapshots::get_pool).put(snapshots::set_pool),
         )
+        .route("/v1/cluster/hosts", get(cluster::hosts))
         .route("/v1/events", get(events::stream))
         .route("/v1/webhooks", get(events::list).post(events::register))
         .route("/v1/webhooks/{id}", get(events::get).delete(events::delete))
@@ -265,6 +269,7 @@ pub fn router(app: App) -> Router {
         events::list,
         events::get,
         events::delete,
+        cluster::hosts,
     ),
     // The NDJSON line of a streamed exec: no path returns it as its body, but clients
     // (the SDKs) need its schema.

@@ -388,6 +388,7 @@ mod tests {
             registry,
             config: crate::DaemonConfig::new(home),
             metrics: crate::metrics::Metrics::new(),
+            cluster: None,
         });
         let mut config = E2bConfig::new("127.0.0.1:0".parse().unwrap());
         config.domain = Some("e2b.test".into());

@@ -212,12 +212,18 @@ pub async fn run(
         tls,
     } = Listeners::bind(&config).await?;
     let tcp_addr = tcp.as_ref().and_then(|l| l.local_addr().ok());
+    let cluster = match config.cluster.clone() {
+        Some(c) => Some(Arc::new(crate::cluster::Cluster::connect(c).await?)),
+        None => None,
+    };
 
     let app: App = Arc::new(AppState {
         registry,
         config: config.clone(),
         metrics: crate::metrics::Metrics::new(),
+        cluster: cluster.clone(),
     });
+    let membership = cluster.map(|c| tokio::spawn(crate::cluster::membership::run(c, app.clone())));
     let reaper = tokio::spawn(reap(app.clone()));
     let deliverer =
         crate::events::webhooks::spawn(app.registry.events().clone(), app.registry.state_arc());
@@ -313,6 +319,9 @@ pub async fn run(
     filler.abort();
     closer.abort();
     failed_auth.abort();
+    if let Some(m) = membership {
+        m.abort();
+    }
     append_failed_authentications(&failures, &audit);
     app.registry.drain_all_pools().await;
     if config.pause_on_stop {

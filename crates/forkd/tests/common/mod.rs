@@ -2,6 +2,7 @@
 //! its own that shares the built guest assets.
 #![allow(dead_code)]
 
+pub mod etcd;
 pub mod fixture;
 
 use forkd_daemon::client::{Client, Endpoint};

@@ -1,0 +1,67 @@
+//! What the cluster keeps in etcd, and under which keys. etcd holds only who is there
+//! and who owns what; each host's own database stays the one record of its sandboxes.
+//!
+//! ```text
+//! /forkd/hosts/NAME    HostRecord  a host as it registered; kept when its lease lapses,
+//!                                  so that the cluster shows it unreachable, not gone
+//! /forkd/alive/NAME    HostLive    under the host's lease: present while it lives,
+//!                                  refreshed with its free slots, memory and snapshots
+//! ```
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Every key forkd writes starts with this.
+pub const PREFIX: &str = "/forkd/";
+
+/// The permanent records of the hosts.
+pub const HOSTS: &str = "/forkd/hosts/";
+
+/// The leased records of the hosts that live.
+pub const ALIVE: &str = "/forkd/alive/";
+
+/// The key of host `name`'s permanent record.
+pub fn host(name: &str) -> String {
+    format!("{HOSTS}{name}")
+}
+
+/// The key of host `name`'s leased record.
+pub fn alive(name: &str) -> String {
+    format!("{ALIVE}{name}")
+}
+
+/// A host as it registered.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct HostRecord {
+    /// Where the other hosts reach its API (`HOST:PORT`).
+    pub address: String,
+    /// Its labels.
+    pub labels: BTreeMap<String, String>,
+    /// When it last registered (RFC 3339).
+    pub registered_at: String,
+}
+
+/// What a living host says of itself, under its lease.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
+pub struct HostLive {
+    /// Where the other hosts reach its API (`HOST:PORT`).
+    pub address: String,
+    /// Its accelerator (`kvm`, `tcg`).
+    pub accel: String,
+    /// Its CPUs.
+    pub cpus: u32,
+    /// The memory its kernel says is available, MiB.
+    pub memory_available_mib: u64,
+    /// Its most live sandboxes.
+    pub max_sandboxes: usize,
+    /// Its live sandboxes.
+    pub running: usize,
+    /// Its snapshots: tag to the sha256 of its manifest.
+    pub snapshots: BTreeMap<String, String>,
+    /// Its labels.
+    pub labels: BTreeMap<String, String>,
+    /// Its forkd version.
+    pub version: String,
+    /// When it wrote this (RFC 3339).
+    pub updated_at: String,
+}

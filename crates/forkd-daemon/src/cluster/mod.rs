@@ -1,0 +1,199 @@
+//! Several daemons as one service: what they must agree on is kept in etcd, a
+//! well-kept distributed store, never in a consensus of forkd's own.
+//!
+//! - [`config`]: `--cluster etcd://...`, the host's name, address, lease and labels.
+//! - [`keys`]: the key layout and the records under it.
+//! - [`membership`]: the host's registration under a lease, refreshed while it lives
+//!   and made again when etcd comes back.
+//!
+//! The client is `etcd-client` (tonic over HTTP/2): the maintained Rust client of
+//! etcd's v3 API, with leases, transactions and TLS, on the tokio and rustls the daemon
+//! already runs.
+//!
+//! When etcd cannot be reached (no quorum, no member answering), each daemon goes on
+//! serving its own sandboxes; what needs the cluster answers 503
+//! ([`ClusterError::Unavailable`]).
+
+pub mod config;
+pub mod keys;
+pub mod membership;
+
+pub use config::ClusterConfig;
+
+use etcd_client::{Certificate, Client, ConnectOptions, GetOptions, Identity, TlsOptions};
+use keys::{HostLive, HostRecord};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// How long one request to etcd may take before the cluster counts as unreachable.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Why a cluster operation could not be done.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// etcd did not answer (or answered an error).
+    #[error("the cluster's store (etcd at {endpoints}) is unavailable: {detail}")]
+    Unavailable {
+        /// Its endpoints.
+        endpoints: String,
+        /// What failed.
+        detail: String,
+    },
+    /// A record in etcd is not what forkd writes.
+    #[error("the cluster's record {key} is not valid: {detail}")]
+    Record {
+        /// Its key.
+        key: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// The daemon's TLS or credentials for etcd cannot be used.
+    #[error("connecting to etcd: {0}")]
+    Setup(String),
+}
+
+/// Whether a host of the cluster lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum HostState {
+    /// Its lease is held: it refreshes its registration.
+    Up,
+    /// Its lease lapsed: its daemon or its host stopped answering. Its sandboxes are
+    /// not dropped; they are shown `unknown` until it is back.
+    Unreachable,
+}
+
+/// A host of the cluster, as etcd knows it.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct HostView {
+    /// Its name.
+    pub name: String,
+    /// Where the other hosts reach its API.
+    pub address: String,
+    /// Whether it lives.
+    pub state: HostState,
+    /// Its labels.
+    pub labels: BTreeMap<String, String>,
+    /// When it last registered (RFC 3339).
+    pub registered_at: String,
+    /// What it said of itself last, while it lives.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub live: Option<HostLive>,
+}
+
+/// This daemon's handle on the cluster.
+pub struct Cluster {
+    config: ClusterConfig,
+    client: Client,
+}
+
+impl Cluster {
+    /// A client for the cluster's etcd. Nothing is sent yet: a daemon starts (and
+    /// serves its own sandboxes) whether etcd answers or not.
+    pub async fn connect(config: ClusterConfig) -> Result<Cluster, ClusterError> {
+        let mut options = ConnectOptions::new()
+            .with_timeout(REQUEST_TIMEOUT)
+            .with_connect_timeout(Duration::from_secs(2))
+            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3));
+        if let Some(tls) = &config.tls {
+            let read = |p: &std::path::Path| {
+                std::fs::read(p).map_err(|e| ClusterError::Setup(format!("{}: {e}", p.display())))
+            };
+            let mut t = TlsOptions::new().ca_certificate(Certificate::from_pem(read(&tls.ca)?));
+            if let Some((cert, key)) = &tls.identity {
+                t = t.identity(Identity::from_pem(read(cert)?, read(key)?));
+            }
+            options = options.with_tls(t);
+        }
+        if let Some((user, password)) = &config.credentials {
+            options = options.with_user(user, password);
+        }
+        // With credentials the client asks for a token at once; etcd may be down now,
+        // so that request is retried by the membership task, not made a start failure.
+        let client = Client::connect(&config.endpoints, Some(options))
+            .await
+            .map_err(|e| ClusterError::Setup(e.to_string()))?;
+        Ok(Cluster { config, client })
+    }
+
+    /// How this daemon joined.
+    pub fn config(&self) -> &ClusterConfig {
+        &self.config
+    }
+
+    /// This host's name.
+    pub fn host_name(&self) -> &str {
+        &self.config.host_name
+    }
+
+    /// A client to send requests with (cheap: clones share one channel).
+    fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    /// An error of a request to etcd.
+    fn unavailable(&self, e: impl std::fmt::Display) -> ClusterError {
+        ClusterError::Unavailable {
+            endpoints: self.config.endpoints.join(","),
+            detail: e.to_string(),
+        }
+    }
+
+    /// Every host that ever registered, with whether it lives now.
+    pub async fn hosts(&self) -> Result<Vec<HostView>, ClusterError> {
+        let mut c = self.client();
+        let prefix = Some(GetOptions::new().with_prefix());
+        // One read of the records and one of the leases; a host that registers in
+        // between is shown unreachable until the next read, never missing.
+        let records = c
+            .get(keys::HOSTS, prefix.clone())
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        let alive = c
+            .get(keys::ALIVE, prefix)
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        let mut live: BTreeMap<String, HostLive> = BTreeMap::new();
+        for kv in alive.kvs() {
+            let (name, value) = decode::<HostLive>(kv, keys::ALIVE)?;
+            live.insert(name, value);
+        }
+        let mut hosts = Vec::new();
+        for kv in records.kvs() {
+            let (name, record) = decode::<HostRecord>(kv, keys::HOSTS)?;
+            let live = live.remove(&name);
+            hosts.push(HostView {
+                state: if live.is_some() {
+                    HostState::Up
+                } else {
+                    HostState::Unreachable
+                },
+                address: live.as_ref().map_or(record.address, |l| l.address.clone()),
+                labels: record.labels,
+                registered_at: record.registered_at,
+                name,
+                live,
+            });
+        }
+        Ok(hosts)
+    }
+}
+
+/// The name after `prefix` in `kv`'s key and its JSON value.
+fn decode<T: serde::de::DeserializeOwned>(
+    kv: &etcd_client::KeyValue,
+    prefix: &str,
+) -> Result<(String, T), ClusterError> {
+    let key = String::from_utf8_lossy(kv.key()).into_owned();
+    let bad = |detail: String| ClusterError::Record {
+        key: key.clone(),
+        detail,
+    };
+    let name = key
+        .strip_prefix(prefix)
+        .ok_or_else(|| bad(format!("it is not under {prefix}")))?
+        .to_owned();
+    let value = serde_json::from_slice(kv.value()).map_err(|e| bad(e.to_string()))?;
+    Ok((name, value))
+}

@@ -1,0 +1,70 @@
+//! `forkd cluster ...`: the cluster of daemons the one this CLI talks to is a host of.
+
+use anyhow::Result;
+use forkd_daemon::client::Client;
+use hyper::Method;
+use serde_json::Value;
+
+/// `forkd cluster ...`.
+#[derive(clap::Subcommand, Debug)]
+pub enum ClusterCommand {
+    /// List the cluster's hosts: whether each lives, its address, free slots, memory
+    /// and snapshots.
+    Hosts {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Runs a `forkd cluster` verb.
+pub async fn run(client: &Client, cmd: ClusterCommand) -> Result<()> {
+    match cmd {
+        ClusterCommand::Hosts { json } => hosts(client, json).await,
+    }
+}
+
+async fn hosts(client: &Client, json: bool) -> Result<()> {
+    let v: Value = client.json(Method::GET, "/v1/cluster/hosts", None).await?;
+    if json {
+        return crate::remote::print_json(&v);
+    }
+    let this = v["this_host"].as_str().unwrap_or("");
+    println!(
+        "{:20} {:12} {:22} {:5} {:>6} {:>11} {:>10}  SNAPSHOTS",
+        "HOST", "STATE", "ADDRESS", "ACCEL", "CPUS", "SLOTS FREE", "MEM MiB"
+    );
+    for h in v["hosts"].as_array().cloned().unwrap_or_default() {
+        let name = h["name"].as_str().unwrap_or("");
+        let live = &h["live"];
+        let dash = |x: &Value| match x {
+            Value::Null => "-".to_owned(),
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        let slots = match (live["max_sandboxes"].as_u64(), live["running"].as_u64()) {
+            (Some(max), Some(running)) => max.saturating_sub(running).to_string(),
+            _ => "-".to_owned(),
+        };
+        let snapshots = live["snapshots"]
+            .as_object()
+            .map(|m| m.keys().cloned().collect::<Vec<_>>().join(","))
+            .unwrap_or_default();
+        println!(
+            "{:20} {:12} {:22} {:5} {:>6} {:>11} {:>10}  {}",
+            if name == this {
+                format!("{name} (this)")
+            } else {
+                name.to_owned()
+            },
+            h["state"].as_str().unwrap_or(""),
+            h["address"].as_str().unwrap_or(""),
+            dash(&live["accel"]),
+            dash(&live["cpus"]),
+            slots,
+            dash(&live["memory_available_mib"]),
+            snapshots
+        );
+    }
+    Ok(())
+}
