@@ -125,6 +125,24 @@ impl Client {
         self.dispatch(req).await
     }
 
+    /// Sends `req` as it is (its method, path, headers and streamed body) to this
+    /// client's daemon, with this client's `Host` and token in place of its own; the
+    /// answer comes back with its body unread, and an upgrade (`101`) can be taken from
+    /// it. This is how a host of a cluster forwards a request to the sandbox's owner.
+    pub async fn forward<B>(&self, mut req: Request<B>) -> Result<Response<Incoming>>
+    where
+        B: hyper::body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let template = self.request(Method::GET, "/").body(())?;
+        let headers = req.headers_mut();
+        headers.remove(hyper::header::AUTHORIZATION);
+        for (name, value) in template.headers() {
+            headers.insert(name, value.clone());
+        }
+        self.dispatch(req).await
+    }
+
     /// Asks for `path` to become a byte stream speaking `protocol` (`Upgrade:`); returns
     /// the stream once the daemon answers 101, else its error.
     pub async fn upgrade(&self, path: &str, protocol: &str) -> Result<hyper::upgrade::Upgraded> {

@@ -132,6 +132,10 @@ pub struct DaemonArgs {
     /// A file holding the etcd user's password.
     #[arg(long, requires = "etcd_user")]
     etcd_password_file: Option<PathBuf>,
+    /// The CA certificate (PEM) that signed the other hosts' API certificates: requests
+    /// forwarded to them go over TLS (without it, over plain HTTP).
+    #[arg(long, requires = "cluster")]
+    peer_ca: Option<PathBuf>,
 }
 
 /// The etcd members of `--cluster` (one value to clap, whatever their number).
@@ -177,6 +181,7 @@ fn cluster_config(args: &mut DaemonArgs) -> Result<Option<forkd_daemon::cluster:
         }),
         credentials,
         labels: args.label.drain(..).collect(),
+        peer_ca: args.peer_ca.take(),
     }))
 }
 

@@ -271,6 +271,9 @@ pub struct LsArgs {
     /// Only sandboxes with this label (KEY=VALUE).
     #[arg(long)]
     label: Option<String>,
+    /// In a cluster: only the sandboxes of this host (`forkd cluster hosts` names them).
+    #[arg(long)]
+    host: Option<String>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -598,21 +601,45 @@ pub async fn ls(client: &Client, args: LsArgs) -> Result<()> {
         q => format!("/v1/sandboxes?{q}"),
     };
     let v: Value = client.json(Method::GET, &path, None).await?;
+    let list: Vec<Value> = v["sandboxes"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|s| args.host.as_deref().is_none_or(|h| s["host"] == h))
+        .collect();
     if args.json {
-        return print_json(&v["sandboxes"]);
+        return print_json(&Value::Array(list));
     }
-    let list = v["sandboxes"].as_array().cloned().unwrap_or_default();
     if list.is_empty() {
         println!("no sandboxes (fork some: forkd fork --tag python -n 3)");
         return Ok(());
     }
+    // A daemon in a cluster names each sandbox's host.
+    let hosts = list.iter().any(|s| s["host"].is_string());
+    let host = |s: &Value| match (hosts, s["host"].as_str()) {
+        (false, _) => String::new(),
+        (true, h) => format!("{:12} ", h.unwrap_or("")),
+    };
     println!(
-        "{:16} {:20} {:8} {:>8} {:>6} {:>15} {:9}  CREATED",
-        "ID", "SNAPSHOT", "STATUS", "PID", "CPUS", "MEMORY", "EGRESS"
+        "{}{:16} {:20} {:8} {:>8} {:>6} {:>15} {:9}  CREATED",
+        if hosts {
+            format!("{:12} ", "HOST")
+        } else {
+            String::new()
+        },
+        "ID",
+        "SNAPSHOT",
+        "STATUS",
+        "PID",
+        "CPUS",
+        "MEMORY",
+        "EGRESS"
     );
     for s in list {
         println!(
-            "{:16} {:20} {:8} {:>8} {:>6} {:>15} {:9}  {}",
+            "{}{:16} {:20} {:8} {:>8} {:>6} {:>15} {:9}  {}",
+            host(&s),
             s["id"].as_str().unwrap_or(""),
             s["snapshot"].as_str().unwrap_or(""),
             s["status"].as_str().unwrap_or(""),

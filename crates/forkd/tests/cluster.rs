@@ -145,8 +145,8 @@ fn hosts_register_lapse_return_and_survive_losing_etcd() {
         tokio::time::sleep(Duration::from_secs(4)).await;
         wait_for(&c.unix(), &all_up, 20).await;
 
-        // Two stopped: no quorum. Cluster operations answer 503 naming etcd; each host
-        // still serves its own API.
+        // Two stopped: no quorum. Cluster operations (the hosts, the cluster's list of
+        // sandboxes) answer 503 naming etcd; each host still serves its own API.
         etcd.stop_member(1);
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -162,8 +162,14 @@ fn hosts_register_lapse_return_and_survive_losing_etcd() {
             assert!(Instant::now() < deadline, "still {s} without quorum: {v}");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        let (s, v) = call(&a.unix(), Method::GET, "/v1/sandboxes", None).await;
+        assert_eq!(
+            s,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the cluster's list: {v}"
+        );
         for d in [&a, &b, &c] {
-            let (s, v) = call(&d.unix(), Method::GET, "/v1/sandboxes", None).await;
+            let (s, v) = call(&d.unix(), Method::GET, "/v1/sandboxes?scope=host", None).await;
             assert_eq!(s, StatusCode::OK, "{v}");
             let (s, _) = call(&d.unix(), Method::GET, "/v1/health", None).await;
             assert_eq!(s, StatusCode::OK);
@@ -200,4 +206,157 @@ fn a_cluster_member_needs_a_listener() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("etcd://HOST:PORT"), "{err}");
+}
+
+fn stdout(v: &Value) -> String {
+    String::from_utf8(common::b64(&v["stdout_b64"])).unwrap()
+}
+
+/// The sandboxes `c`'s daemon lists, as (id, host, status).
+async fn listed(c: &Client) -> Vec<(String, String, String)> {
+    let (s, v) = call(c, Method::GET, "/v1/sandboxes", None).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    v["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["id"].as_str().unwrap().to_owned(),
+                s["host"].as_str().unwrap_or("").to_owned(),
+                s["status"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// Waits (at most `secs`) until `c`'s daemon lists `want` (sorted by id).
+async fn wait_listed(c: &Client, want: &[(String, String, String)], secs: u64) {
+    let mut want = want.to_vec();
+    want.sort();
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let mut got = listed(c).await;
+        got.sort();
+        if got == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "listed {got:?}, not {want:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Any host is a front door: a sandbox of host B is listed, run, streamed, typed into
+/// and removed through host A; B killed, its sandbox is `unknown` and a request for it
+/// answers 503 naming B; B back, the sandbox answers again.
+#[test]
+fn any_host_is_a_front_door_to_every_sandbox() {
+    let etcd = Etcd::start(1);
+    let a = start_host(&etcd, "a", "z1");
+    let mut b = start_host(&etcd, "b", "z1");
+    b.link_snapshot("minimal", "mini");
+    let rt = runtime();
+    rt.block_on(async {
+        wait_for(&a.unix(), &[("a", "up"), ("b", "up")], 30).await;
+        let ids = common::create(&b.unix(), "mini", 2).await;
+        let row = |id: &String, status: &str| (id.clone(), "b".to_owned(), status.to_owned());
+        let running: Vec<_> = ids.iter().map(|id| row(id, "running")).collect();
+        // Both hosts list the cluster's sandboxes, each with its host.
+        wait_listed(&a.unix(), &running, 20).await;
+        wait_listed(&b.unix(), &running, 5).await;
+        let (s, v) = call(&a.unix(), Method::GET, "/v1/sandboxes?scope=host", None).await;
+        assert_eq!(
+            (s, v["sandboxes"].as_array().unwrap().len()),
+            (StatusCode::OK, 0)
+        );
+        let out = a.forkd().args(["ls"]).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("HOST") && text.contains(&ids[0]), "{text}");
+
+        // Through A: one sandbox's record, an exec, a streamed exec, a file both ways.
+        let (id, ac) = (&ids[0], a.unix());
+        let (s, v) = call(&ac, Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+        assert_eq!(
+            (s, v["id"].as_str()),
+            (StatusCode::OK, Some(id.as_str())),
+            "{v}"
+        );
+        let v = common::exec(&ac, id, "echo via-a-$(hostname)").await;
+        assert_eq!(stdout(&v).trim(), format!("via-a-{id}"));
+        let (s, body) = ac
+            .call(
+                Method::POST,
+                &format!("/v1/sandboxes/{id}/exec"),
+                Some(&serde_json::json!({"shell": "echo one; echo two", "stream": true})),
+            )
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&body);
+        assert_eq!(s, StatusCode::OK, "{text}");
+        assert!(text.lines().any(|l| l.contains("\"exit\"")), "{text}");
+        let file = format!("/v1/sandboxes/{id}/files?path=/root/f");
+        let resp = ac
+            .send(Method::PUT, &file, Some(b"written-through-a".to_vec()))
+            .await
+            .unwrap();
+        assert!(resp.status().is_success(), "{}", resp.status());
+        let v = common::exec(&b.unix(), id, "cat /root/f").await;
+        assert_eq!(stdout(&v), "written-through-a");
+        let (s, body) = ac.call(Method::GET, &file, None).await.unwrap();
+        assert_eq!((s, &body[..]), (StatusCode::OK, &b"written-through-a"[..]));
+
+        // A terminal through A: the upgrade is joined end to end.
+        use futures::StreamExt;
+        use tokio_tungstenite::tungstenite::Message;
+        let mut ws = ac
+            .websocket(&format!(
+                "/v1/sandboxes/{id}/pty?cmd=sh&cmd=-c&cmd=echo+pty-$((6*7))"
+            ))
+            .await
+            .unwrap();
+        let mut seen = String::new();
+        while let Some(Ok(m)) = ws.next().await {
+            match m {
+                Message::Binary(b) => seen.push_str(&String::from_utf8_lossy(&b)),
+                Message::Text(t) if t.contains("\"exit\"") => break,
+                _ => {}
+            }
+        }
+        assert!(seen.contains("pty-42"), "{seen:?}");
+        let _ = ws.close(None).await;
+
+        // Removed through A: gone from both.
+        let (s, v) = call(
+            &ac,
+            Method::DELETE,
+            &format!("/v1/sandboxes/{}", ids[1]),
+            None,
+        )
+        .await;
+        assert!(s.is_success(), "{s} {v}");
+        wait_listed(&a.unix(), &running[..1], 10).await;
+
+        // B killed: its sandbox is unknown, and requests for it answer 503 naming B.
+        b.kill9();
+        wait_listed(&a.unix(), &[row(id, "unknown")], 20).await;
+        let (s, v) = call(
+            &ac,
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(serde_json::json!({"shell": "true"})),
+        )
+        .await;
+        assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+        assert_eq!(v["error"]["code"], "host_unreachable", "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("host b"),
+            "{v}"
+        );
+
+        // B back: its sandbox is running and answers through A again.
+        b.spawn();
+        wait_listed(&a.unix(), &running[..1], 30).await;
+        let v = common::exec(&ac, id, "cat /root/f").await;
+        assert_eq!(stdout(&v), "written-through-a");
+    });
 }

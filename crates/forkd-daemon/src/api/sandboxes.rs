@@ -73,6 +73,7 @@ pub fn info(e: &Listed, hv: &dyn forkd_hypervisor::Hypervisor) -> SandboxInfo {
         timeout_at: e.row.timeout_at,
         limits: limits(e, hv),
         network: e.row.config.network.as_ref().map(|n| (&n.policy).into()),
+        host: None,
     }
 }
 
@@ -161,6 +162,19 @@ pub struct ListFilter {
     /// Only sandboxes with this label, as `key=value`.
     #[param(pattern = "^[^=]+=")]
     label: Option<String>,
+    /// In a cluster: `cluster` (the default) lists every host's sandboxes, `host` only
+    /// this one's.
+    scope: Option<ListScope>,
+}
+
+/// Which sandboxes a daemon in a cluster lists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ListScope {
+    /// Every host's.
+    Cluster,
+    /// This host's.
+    Host,
 }
 
 /// Lists the sandboxes, oldest first.
@@ -184,6 +198,13 @@ pub async fn list(
         .filter(|e| label.is_none_or(|(k, v)| e.row.labels.get(k).map(String::as_str) == Some(v)))
         .map(|e| info(e, app.registry.hypervisor().as_ref()))
         .collect();
+    let sandboxes = match (&app.cluster, f.scope) {
+        (Some(_), None | Some(ListScope::Cluster)) => {
+            let query = [("snapshot", &f.snapshot), ("label", &f.label)];
+            service::cluster::list(&app, sandboxes, &query).await?
+        }
+        _ => sandboxes,
+    };
     Ok(Json(SandboxList { sandboxes }))
 }
 

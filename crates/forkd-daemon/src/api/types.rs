@@ -209,6 +209,10 @@ pub struct SandboxInfo {
     /// Its egress policy; null when its guest has no NIC.
     #[serde(default)]
     pub network: Option<NetworkBody>,
+    /// The host of the cluster that owns it (only when the daemon is in a cluster).
+    /// While that host is unreachable its status is `unknown`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
 }
 
 /// A list of sandboxes.

@@ -31,6 +31,9 @@ pub struct ClusterConfig {
     pub credentials: Option<(String, String)>,
     /// Labels other hosts place forks by (`zone=eu-1`).
     pub labels: BTreeMap<String, String>,
+    /// The CA that signed the other hosts' API certificates: they are reached over TLS.
+    /// Without it, over plain HTTP (hosts on one machine or a private network).
+    pub peer_ca: Option<PathBuf>,
 }
 
 /// PEM files for TLS to etcd.
@@ -144,6 +147,7 @@ mod tests {
             tls: None,
             credentials: None,
             labels: BTreeMap::new(),
+            peer_ca: None,
         }
     }
 

@@ -6,6 +6,9 @@
 //!                                  so that the cluster shows it unreachable, not gone
 //! /forkd/alive/NAME    HostLive    under the host's lease: present while it lives,
 //!                                  refreshed with its free slots, memory and snapshots
+//! /forkd/sandboxes/ID  OwnerRecord which host owns the sandbox (claimed in a transaction
+//!                                  that fails if any host holds the id)
+//! /forkd/owned/NAME/ID OwnerRecord the same, indexed by host: what it claimed
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -19,6 +22,20 @@ pub const HOSTS: &str = "/forkd/hosts/";
 
 /// The leased records of the hosts that live.
 pub const ALIVE: &str = "/forkd/alive/";
+
+/// Sandbox ownership, by id.
+pub const SANDBOXES: &str = "/forkd/sandboxes/";
+
+/// The key of sandbox `id`'s owner.
+pub fn sandbox(id: &str) -> String {
+    format!("{SANDBOXES}{id}")
+}
+
+/// The key of host `host`'s claim on sandbox `id` (with `id` empty: the prefix of all
+/// its claims).
+pub fn owned(host: &str, id: &str) -> String {
+    format!("/forkd/owned/{host}/{id}")
+}
 
 /// The key of host `name`'s permanent record.
 pub fn host(name: &str) -> String {

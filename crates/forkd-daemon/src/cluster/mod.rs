@@ -5,6 +5,7 @@
 //! - [`keys`]: the key layout and the records under it.
 //! - [`membership`]: the host's registration under a lease, refreshed while it lives
 //!   and made again when etcd comes back.
+//! - [`ownership`]: which host owns which sandbox, claimed in transactions.
 //!
 //! The client is `etcd-client` (tonic over HTTP/2): the maintained Rust client of
 //! etcd's v3 API, with leases, transactions and TLS, on the tokio and rustls the daemon
@@ -17,6 +18,7 @@
 pub mod config;
 pub mod keys;
 pub mod membership;
+pub mod ownership;
 
 pub use config::ClusterConfig;
 
@@ -140,6 +142,20 @@ impl Cluster {
         }
     }
 
+    /// What host `name` says of itself, if it lives.
+    pub async fn live(&self, name: &str) -> Result<Option<HostLive>, ClusterError> {
+        let answer = self
+            .client()
+            .get(keys::alive(name), None)
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        answer
+            .kvs()
+            .first()
+            .map(|kv| decode::<HostLive>(kv, keys::ALIVE).map(|(_, live)| live))
+            .transpose()
+    }
+
     /// Every host that ever registered, with whether it lives now.
     pub async fn hosts(&self) -> Result<Vec<HostView>, ClusterError> {
         let mut c = self.client();
@@ -181,7 +197,7 @@ impl Cluster {
 }
 
 /// The name after `prefix` in `kv`'s key and its JSON value.
-fn decode<T: serde::de::DeserializeOwned>(
+pub(crate) fn decode<T: serde::de::DeserializeOwned>(
     kv: &etcd_client::KeyValue,
     prefix: &str,
 ) -> Result<(String, T), ClusterError> {

@@ -20,6 +20,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
 
+mod forward;
 mod middleware;
 use middleware::{
     append_failed_authentications, authenticate, observe, record_failed_authentications,
@@ -223,7 +224,12 @@ pub async fn run(
         metrics: crate::metrics::Metrics::new(),
         cluster: cluster.clone(),
     });
-    let membership = cluster.map(|c| tokio::spawn(crate::cluster::membership::run(c, app.clone())));
+    let membership = cluster.map(|c| {
+        (
+            tokio::spawn(crate::cluster::membership::run(c.clone(), app.clone())),
+            tokio::spawn(crate::cluster::ownership::run(c, app.clone())),
+        )
+    });
     let reaper = tokio::spawn(reap(app.clone()));
     let deliverer =
         crate::events::webhooks::spawn(app.registry.events().clone(), app.registry.state_arc());
@@ -240,12 +246,17 @@ pub async fn run(
     ));
     let observed = axum::middleware::from_fn_with_state((app.clone(), audit.clone()), observe);
     let recorded = axum::middleware::from_fn_with_state(audit.clone(), record_request);
+    // In a cluster, a request for another host's sandbox goes to that host (inside
+    // authentication, so only an authenticated request is forwarded).
+    let to_owner = axum::middleware::from_fn_with_state(app.clone(), forward::to_owner);
     let base = api::router(app.clone())
+        .layer(to_owner.clone())
         .merge(extra.clone())
         .layer(recorded.clone())
         .layer(observed.clone());
     let tokens = Arc::new(config.named_tokens());
     let tcp_router = api::router(app.clone())
+        .layer(to_owner)
         .merge(extra)
         .layer(recorded.clone())
         .layer(axum::middleware::from_fn_with_state(
@@ -319,8 +330,9 @@ pub async fn run(
     filler.abort();
     closer.abort();
     failed_auth.abort();
-    if let Some(m) = membership {
+    if let Some((m, o)) = membership {
         m.abort();
+        o.abort();
     }
     append_failed_authentications(&failures, &audit);
     app.registry.drain_all_pools().await;

@@ -11,6 +11,7 @@
 //! door renders in its own shape.
 
 pub mod branch;
+pub mod cluster;
 pub mod fork;
 pub mod pause;
 pub mod sandbox;

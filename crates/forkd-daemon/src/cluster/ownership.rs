@@ -1,0 +1,212 @@
+//! Which host owns which sandbox, in etcd. A host claims a sandbox with a transaction
+//! that succeeds only if no host holds its id, so two hosts never own one; it releases
+//! it when the sandbox is removed. The claims follow the host's own database: each
+//! fork's children are claimed as they are recorded (from the daemon's lifecycle
+//! events) and a reconciliation after every registration, and every few seconds,
+//! claims what is missing and releases what is gone (a claim lost with etcd, a removal
+//! done while etcd was down).
+//!
+//! The owner's record carries what the other hosts show of a sandbox while its owner is
+//! unreachable (its snapshot, labels and creation time), with the state `unknown`.
+
+use super::keys;
+use super::{Cluster, ClusterError};
+use crate::api::App;
+use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+/// How often the claims are checked against the host's sandboxes.
+const RECONCILE_EVERY: Duration = Duration::from_secs(5);
+
+/// A sandbox's owner, as etcd records it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct OwnerRecord {
+    /// The host that owns it.
+    pub host: String,
+    /// The snapshot it was forked from.
+    pub snapshot: String,
+    /// Its labels.
+    pub labels: BTreeMap<String, String>,
+    /// When it was made (RFC 3339).
+    pub created_at: String,
+}
+
+/// What a claim found.
+#[derive(Debug, PartialEq)]
+pub enum Claimed {
+    /// The sandbox is this host's (now, or already).
+    Mine,
+    /// Another host holds its id.
+    Other(String),
+}
+
+impl Cluster {
+    /// Claims `record`'s sandbox `id` for this host.
+    pub async fn claim(&self, id: &str, record: &OwnerRecord) -> Result<Claimed, ClusterError> {
+        let key = keys::sandbox(id);
+        let value = serde_json::to_vec(record).expect("records serialize");
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([
+                TxnOp::put(key.clone(), value.clone(), None),
+                TxnOp::put(keys::owned(self.host_name(), id), value, None),
+            ])
+            .or_else([TxnOp::get(key.clone(), None)]);
+        let answer = self
+            .client()
+            .txn(txn)
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        if answer.succeeded() {
+            return Ok(Claimed::Mine);
+        }
+        let held = self.owner(id).await?;
+        Ok(match held {
+            Some(r) if r.host == self.host_name() => Claimed::Mine,
+            Some(r) => Claimed::Other(r.host),
+            // Released between the two reads: claim again.
+            None => Box::pin(self.claim(id, record)).await?,
+        })
+    }
+
+    /// Releases this host's claim on `id` (nothing if it holds none).
+    pub async fn release(&self, id: &str) -> Result<(), ClusterError> {
+        let mine = keys::owned(self.host_name(), id);
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                mine.clone(),
+                CompareOp::Greater,
+                0,
+            )])
+            .and_then([
+                TxnOp::delete(keys::sandbox(id), None),
+                TxnOp::delete(mine, None),
+            ]);
+        self.client()
+            .txn(txn)
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        Ok(())
+    }
+
+    /// The owner of sandbox `id`, if a host claimed it.
+    pub async fn owner(&self, id: &str) -> Result<Option<OwnerRecord>, ClusterError> {
+        let key = keys::sandbox(id);
+        let answer = self
+            .client()
+            .get(key.clone(), None)
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        answer
+            .kvs()
+            .first()
+            .map(|kv| {
+                serde_json::from_slice(kv.value()).map_err(|e| ClusterError::Record {
+                    key: key.clone(),
+                    detail: e.to_string(),
+                })
+            })
+            .transpose()
+    }
+
+    /// The sandboxes host `host` claimed, by id.
+    pub async fn owned_by(
+        &self,
+        host: &str,
+    ) -> Result<BTreeMap<String, OwnerRecord>, ClusterError> {
+        let prefix = keys::owned(host, "");
+        let answer = self
+            .client()
+            .get(prefix.clone(), Some(GetOptions::new().with_prefix()))
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        let mut out = BTreeMap::new();
+        for kv in answer.kvs() {
+            let (id, record) = super::decode::<OwnerRecord>(kv, &prefix)?;
+            out.insert(id, record);
+        }
+        Ok(out)
+    }
+
+    /// Makes this host's claims those of `local`: claims what is missing, releases what
+    /// is no longer there. Returns how many were claimed and released.
+    pub async fn reconcile(
+        &self,
+        local: &BTreeMap<String, OwnerRecord>,
+    ) -> Result<(usize, usize), ClusterError> {
+        let claimed = self.owned_by(self.host_name()).await?;
+        let (mut added, mut removed) = (0, 0);
+        for (id, record) in local {
+            if claimed.contains_key(id) {
+                continue;
+            }
+            match self.claim(id, record).await? {
+                Claimed::Mine => added += 1,
+                Claimed::Other(host) => tracing::error!(
+                    %id,
+                    %host,
+                    "the sandbox's id is claimed by another host of the cluster; requests for it go there"
+                ),
+            }
+        }
+        let gone: BTreeSet<&String> = claimed
+            .keys()
+            .filter(|id| !local.contains_key(*id))
+            .collect();
+        for id in gone {
+            self.release(id).await?;
+            removed += 1;
+        }
+        Ok((added, removed))
+    }
+}
+
+/// This host's sandboxes as owner records.
+pub fn local_records(cluster: &Cluster, app: &App) -> BTreeMap<String, OwnerRecord> {
+    app.registry
+        .list()
+        .into_iter()
+        .map(|l| {
+            (
+                l.row.id.clone(),
+                OwnerRecord {
+                    host: cluster.host_name().to_owned(),
+                    snapshot: l.row.snapshot.clone(),
+                    labels: l.row.labels.clone(),
+                    created_at: l.row.created_at.clone(),
+                },
+            )
+        })
+        .collect()
+}
+
+/// Keeps this host's claims following its sandboxes while the daemon runs: a
+/// reconciliation as soon as sandboxes are made or removed (a burst of events makes
+/// one), and every few seconds.
+pub async fn run(cluster: std::sync::Arc<Cluster>, app: App) {
+    use crate::events::EventKind;
+    let mut events = app.registry.events().subscribe();
+    let mut tick = tokio::time::interval(RECONCILE_EVERY);
+    let changes =
+        [EventKind::Created, EventKind::Killed, EventKind::TimedOut].map(EventKind::as_str);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                match cluster.reconcile(&local_records(&cluster, &app)).await {
+                    Ok((0, 0)) => {}
+                    Ok((claimed, released)) => tracing::debug!(claimed, released, "cluster claims reconciled"),
+                    Err(e) => tracing::debug!("cluster claims not reconciled: {e}"),
+                }
+            }
+            event = events.recv() => match event {
+                Ok(e) if changes.contains(&e.kind.as_str()) => tick.reset_immediately(),
+                Ok(_) => {}
+                // Missed events: reconcile now.
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => tick.reset_immediately(),
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            }
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! Requests for a sandbox that another host of the cluster owns are forwarded to it,
+//! whole: method, path, query, headers and body as they come (streamed both ways), and
+//! an upgrade (a terminal's WebSocket, a port-forward's tunnel) joined end to end. The
+//! client never knows. Which host owns a sandbox is the service layer's one lookup
+//! ([`crate::service::cluster::locate`]).
+
+use crate::api::{ApiError, App};
+use crate::service::cluster::{locate, unreachable, Located, FORWARDED_BY};
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use hyper_util::rt::TokioIo;
+
+/// The sandbox a path names, if it is one of `/v1/sandboxes/{id}[/...]`.
+fn sandbox_of(path: &str) -> Option<&str> {
+    let rest = path.strip_prefix("/v1/sandboxes/")?;
+    let id = rest.split('/').next()?;
+    (!id.is_empty()).then_some(id)
+}
+
+/// Serves the request here, or forwards it to the host that owns its sandbox.
+pub async fn to_owner(State(app): State<App>, req: Request, next: Next) -> Response {
+    if app.cluster.is_none() || req.headers().contains_key(FORWARDED_BY) {
+        return next.run(req).await;
+    }
+    let Some(id) = sandbox_of(req.uri().path()).map(str::to_owned) else {
+        return next.run(req).await;
+    };
+    match locate(&app, &id).await {
+        Ok(Located::Here) => next.run(req).await,
+        Ok(Located::Remote { host, address }) => forward(&app, &id, &host, &address, req).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn forward(app: &App, id: &str, host: &str, address: &str, mut req: Request) -> Response {
+    let cluster = app
+        .cluster
+        .as_deref()
+        .expect("forwarding happens in a cluster");
+    let upgrade = req
+        .headers()
+        .contains_key(axum::http::header::UPGRADE)
+        .then(|| hyper::upgrade::on(&mut req));
+    if let Ok(me) = HeaderValue::from_str(cluster.host_name()) {
+        req.headers_mut().insert(FORWARDED_BY, me);
+    }
+    let peer = crate::service::cluster::peer(app, cluster, address);
+    let mut answer = match peer.forward(req).await {
+        Ok(a) => a,
+        Err(e) => {
+            return unreachable(id, host, &format!("{address} does not answer: {e:#}"))
+                .into_response()
+        }
+    };
+    if answer.status() == StatusCode::SWITCHING_PROTOCOLS {
+        match upgrade {
+            Some(ours) => {
+                let theirs = hyper::upgrade::on(&mut answer);
+                tokio::spawn(async move {
+                    let (Ok(ours), Ok(theirs)) = (ours.await, theirs.await) else {
+                        return;
+                    };
+                    let _ = tokio::io::copy_bidirectional(
+                        &mut TokioIo::new(ours),
+                        &mut TokioIo::new(theirs),
+                    )
+                    .await;
+                });
+            }
+            None => {
+                return ApiError::internal(format!("host {host} switched protocols unasked"))
+                    .into_response()
+            }
+        }
+    }
+    let (parts, body) = answer.into_parts();
+    Response::from_parts(parts, Body::new(body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sandbox_of;
+
+    #[test]
+    fn sandbox_paths_name_their_sandbox() {
+        assert_eq!(sandbox_of("/v1/sandboxes/sb-1"), Some("sb-1"));
+        assert_eq!(sandbox_of("/v1/sandboxes/sb-1/exec"), Some("sb-1"));
+        assert_eq!(sandbox_of("/v1/sandboxes"), None);
+        assert_eq!(sandbox_of("/v1/sandboxes/"), None);
+        assert_eq!(sandbox_of("/v1/snapshots/x"), None);
+    }
+}

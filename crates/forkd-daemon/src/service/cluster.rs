@@ -1,0 +1,167 @@
+//! The cluster's use cases: where a sandbox lives (the one owner lookup every request
+//! for a sandbox goes through, whichever front door it came by), and the list of every
+//! host's sandboxes.
+
+use super::ApiError;
+use crate::api::types::SandboxInfo;
+use crate::api::App;
+use crate::client::{Client, Endpoint};
+use crate::cluster::{Cluster, HostState};
+use axum::http::StatusCode;
+
+/// Marks a request one host forwarded to another: the owner serves it as its own and
+/// never forwards it again.
+pub const FORWARDED_BY: &str = "x-forkd-forwarded-by";
+
+/// Where a sandbox lives.
+#[derive(Debug, PartialEq)]
+pub enum Located {
+    /// On this host (or nowhere: the request then gets this host's 404).
+    Here,
+    /// On another host of the cluster, reached at `address`.
+    Remote {
+        /// The host's name.
+        host: String,
+        /// Where its API is.
+        address: String,
+    },
+}
+
+/// Where the sandbox `id` lives. Sandboxes of this host are found without asking etcd;
+/// another host's answers 503 naming it when it is unreachable, and when etcd is.
+pub async fn locate(app: &App, id: &str) -> Result<Located, ApiError> {
+    let Some(cluster) = app.cluster.as_deref() else {
+        return Ok(Located::Here);
+    };
+    if app.registry.describe(id).is_ok() {
+        return Ok(Located::Here);
+    }
+    let Some(owner) = cluster.owner(id).await? else {
+        return Ok(Located::Here);
+    };
+    if owner.host == cluster.host_name() {
+        return Ok(Located::Here);
+    }
+    match cluster.live(&owner.host).await? {
+        Some(live) => Ok(Located::Remote {
+            host: owner.host,
+            address: live.address,
+        }),
+        None => Err(unreachable(id, &owner.host, "its lease lapsed")),
+    }
+}
+
+/// The answer for a sandbox whose host does not answer.
+pub fn unreachable(id: &str, host: &str, why: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "host_unreachable",
+        format!("the sandbox {id} is on host {host}, which is unreachable ({why}); its state is unknown until the host is back"),
+    )
+}
+
+/// A client of the host at `address`, with this daemon's token (the hosts of a cluster
+/// share one) and, when the cluster was given one, the CA their certificates are
+/// signed by.
+pub fn peer(app: &App, cluster: &Cluster, address: &str) -> Client {
+    let endpoint = match &cluster.config().peer_ca {
+        Some(ca) => Endpoint::Https {
+            addr: address.to_owned(),
+            ca: ca.clone(),
+        },
+        None => Endpoint::Tcp(address.to_owned()),
+    };
+    Client::new(endpoint, app.config.token.clone())
+}
+
+/// Every host's sandboxes: `local` (this host's, already filtered), each living host's
+/// as it lists them (with `query`'s filters), and those of unreachable hosts from their
+/// claims, `unknown`. Each names its host.
+pub async fn list(
+    app: &App,
+    mut local: Vec<SandboxInfo>,
+    query: &[(&str, &Option<String>)],
+) -> Result<Vec<SandboxInfo>, ApiError> {
+    let cluster = crate::api::cluster::cluster_of(app)?;
+    let me = cluster.host_name().to_owned();
+    for s in &mut local {
+        s.host = Some(me.clone());
+    }
+    let mut all = local;
+    let mut params: Vec<(&str, &str)> = query
+        .iter()
+        .filter_map(|(k, v)| v.as_deref().map(|v| (*k, v)))
+        .collect();
+    params.push(("scope", "host"));
+    let path = format!(
+        "/v1/sandboxes?{}",
+        form_urlencoded::Serializer::new(String::new())
+            .extend_pairs(params)
+            .finish()
+    );
+    let hosts = cluster.hosts().await?;
+    let others = hosts.iter().filter(|h| h.name != me);
+    let lists = others.map(|h| async {
+        let listed = match h.state {
+            HostState::Up => peer(app, cluster, &h.address)
+                .json::<crate::api::types::SandboxList>(http::Method::GET, &path, None)
+                .await
+                .map_err(|e| tracing::warn!(host = %h.name, "listing its sandboxes: {e}"))
+                .ok(),
+            HostState::Unreachable => None,
+        };
+        match listed {
+            Some(l) => Ok(l.sandboxes),
+            None => unknown(cluster, &h.name, query).await,
+        }
+        .map(|mut list| {
+            for s in &mut list {
+                s.host = Some(h.name.clone());
+            }
+            list
+        })
+    });
+    for list in futures::future::join_all(lists).await {
+        all.extend(list?);
+    }
+    all.sort_by(|a, b| (&a.created_at, &a.id).cmp(&(&b.created_at, &b.id)));
+    Ok(all)
+}
+
+/// The sandboxes host `host` claimed, as far as the claims say (for a host that does
+/// not answer): state `unknown`, filtered as `query` says.
+async fn unknown(
+    cluster: &Cluster,
+    host: &str,
+    query: &[(&str, &Option<String>)],
+) -> Result<Vec<SandboxInfo>, ApiError> {
+    let filter = |k: &str| {
+        query
+            .iter()
+            .find(|(name, _)| *name == k)
+            .and_then(|(_, v)| v.as_deref())
+    };
+    let label = filter("label").and_then(|l| l.split_once('='));
+    Ok(cluster
+        .owned_by(host)
+        .await?
+        .into_iter()
+        .filter(|(_, r)| filter("snapshot").is_none_or(|s| r.snapshot == s))
+        .filter(|(_, r)| label.is_none_or(|(k, v)| r.labels.get(k).map(String::as_str) == Some(v)))
+        .map(|(id, r)| SandboxInfo {
+            id,
+            snapshot: r.snapshot,
+            status: "unknown".into(),
+            error: Some(format!("its host {host} is unreachable")),
+            pid: 0,
+            vcpus: 0,
+            memory_mib: 0,
+            labels: r.labels,
+            created_at: r.created_at,
+            timeout_at: None,
+            limits: None,
+            network: None,
+            host: Some(host.to_owned()),
+        })
+        .collect())
+}
