@@ -136,6 +136,10 @@ pub struct DaemonArgs {
     /// forwarded to them go over TLS (without it, over plain HTTP).
     #[arg(long, requires = "cluster")]
     peer_ca: Option<PathBuf>,
+    /// The cluster's OCI registry (HOST[:PORT]/REPO): a fork that places children on
+    /// hosts lacking its snapshot pushes it there, and they pull it by digest.
+    #[arg(long, requires = "cluster")]
+    registry: Option<String>,
 }
 
 /// The etcd members of `--cluster` (one value to clap, whatever their number).
@@ -182,6 +186,7 @@ fn cluster_config(args: &mut DaemonArgs) -> Result<Option<forkd_daemon::cluster:
         credentials,
         labels: args.label.drain(..).collect(),
         peer_ca: args.peer_ca.take(),
+        registry: args.registry.take(),
     }))
 }
 

@@ -65,6 +65,15 @@ pub struct ForkArgs {
     pids: Option<u32>,
     #[command(flatten)]
     egress: EgressArgs,
+    /// On a daemon in a cluster: spread the children over its hosts (`spread`: each to
+    /// the host with the most free slots) or fill one host before the next (`pack`, the
+    /// default). The fork is then answered whole, without progress. Without it (and
+    /// --host-label) the fork is made on the host this command talks to.
+    #[arg(long, value_parser = ["pack", "spread"])]
+    placement: Option<String>,
+    /// On a daemon in a cluster: only hosts with this label KEY=VALUE (repeatable).
+    #[arg(long = "host-label", value_parser = crate::parse_key_val)]
+    host_labels: Vec<(String, String)>,
     /// Print the children as JSON.
     #[arg(long)]
     json: bool,
@@ -351,26 +360,52 @@ pub async fn fork_cmd(client: &Client, args: ForkArgs) -> Result<i32> {
     if let Some(network) = args.egress.body() {
         body["network"] = network;
     }
-    let op: Value = client
-        .json(Method::POST, "/v1/sandboxes", Some(&body))
-        .await?;
-    let op_id = op["id"].as_str().unwrap_or_default().to_owned();
-    let op = follow_fork(client, &op_id, u64::from(args.count)).await?;
-    match op["status"].as_str() {
-        Some("succeeded") => {}
-        Some(status) => bail!(
-            "the fork {status}: {}",
-            op["error"].as_str().unwrap_or("no detail")
-        ),
-        None => bail!("the daemon answered an operation without a status: {op}"),
-    }
-    let ids: Vec<String> = op["result"]["sandboxes"]
+    let placed = args.placement.is_some() || !args.host_labels.is_empty();
+    let result = if placed {
+        // A fork placed on a cluster's hosts is answered whole, not as an operation.
+        let labels: serde_json::Map<String, Value> = args
+            .host_labels
+            .into_iter()
+            .map(|(k, v)| (k, Value::String(v)))
+            .collect();
+        body["placement"] = json!({
+            "policy": args.placement.as_deref().unwrap_or("pack"),
+            "labels": labels,
+        });
+        body["wait"] = true.into();
+        let created: Value = client
+            .json(Method::POST, "/v1/sandboxes", Some(&body))
+            .await?;
+        let ids: Vec<Value> = created["sandboxes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|s| s["id"].clone())
+            .collect();
+        json!({ "sandboxes": ids, "errors": created["errors"] })
+    } else {
+        let op: Value = client
+            .json(Method::POST, "/v1/sandboxes", Some(&body))
+            .await?;
+        let op_id = op["id"].as_str().unwrap_or_default().to_owned();
+        let op = follow_fork(client, &op_id, u64::from(args.count)).await?;
+        match op["status"].as_str() {
+            Some("succeeded") => {}
+            Some(status) => bail!(
+                "the fork {status}: {}",
+                op["error"].as_str().unwrap_or("no detail")
+            ),
+            None => bail!("the daemon answered an operation without a status: {op}"),
+        }
+        op["result"].clone()
+    };
+    let ids: Vec<String> = result["sandboxes"]
         .as_array()
         .into_iter()
         .flatten()
         .filter_map(|v| v.as_str().map(str::to_owned))
         .collect();
-    let errors: Vec<String> = op["result"]["errors"]
+    let errors: Vec<String> = result["errors"]
         .as_array()
         .into_iter()
         .flatten()

@@ -360,3 +360,143 @@ fn any_host_is_a_front_door_to_every_sandbox() {
         assert_eq!(stdout(&v), "written-through-a");
     });
 }
+
+/// A fork placed on the cluster: the snapshot is on host A only; a fork of 6 asked of
+/// host C (which lacks it) with 2 slots per host lands on all three, B and C pulling
+/// the snapshot from the cluster's registry and checking its digest; every child
+/// answers through C; what does not fit, or asks for labels no host has, is refused.
+#[test]
+fn a_fork_is_placed_across_the_hosts_that_have_room() {
+    let etcd = Etcd::start(1);
+    let registry = common::Registry::start();
+    let repo = format!("{}/forkd/snapshots", registry.addr);
+    let start = |name: &str, zone: &str| {
+        let port = free_port().rsplit_once(':').unwrap().1.to_owned();
+        let mut args = host_args(&etcd, name, &port, zone);
+        args.extend(["--max-sandboxes", "2", "--registry", &repo].map(str::to_owned));
+        Daemon::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let (a, b, c) = (start("a", "z1"), start("b", "z2"), start("c", "z2"));
+    a.link_snapshot("minimal", "mini");
+    let rt = runtime();
+    rt.block_on(async {
+        let all_up = [("a", "up"), ("b", "up"), ("c", "up")];
+        // Until A's record names the snapshot (refreshed every second with 3 s leases).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let digest = loop {
+            let v = wait_for(&c.unix(), &all_up, 30).await;
+            if let Some(d) = v["hosts"][0]["live"]["snapshots"]["mini"].as_str() {
+                break d.to_owned();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "A never advertised its snapshot: {v}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+
+        let fork = |body: Value| {
+            let c = c.unix();
+            async move { call(&c, Method::POST, "/v1/sandboxes", Some(body)).await }
+        };
+        let (s, v) = fork(serde_json::json!({
+            "snapshot": "mini", "n": 6, "placement": {"policy": "spread"}
+        }))
+        .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        let made = v["sandboxes"].as_array().unwrap();
+        let mut per_host = std::collections::BTreeMap::new();
+        for s in made {
+            *per_host
+                .entry(s["host"].as_str().unwrap().to_owned())
+                .or_insert(0) += 1;
+        }
+        assert_eq!(
+            per_host,
+            [("a", 2), ("b", 2), ("c", 2)]
+                .map(|(h, n)| (h.to_owned(), n))
+                .into(),
+            "{v}"
+        );
+        // B and C hold the snapshot now, with A's digest.
+        for d in [&b, &c] {
+            let (s, v) = call(&d.unix(), Method::GET, "/v1/snapshots/mini", None).await;
+            assert_eq!(s, StatusCode::OK, "{v}");
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let v = wait_for(&a.unix(), &all_up, 10).await;
+            let digests: Vec<&str> = (0..3)
+                .filter_map(|i| v["hosts"][i]["live"]["snapshots"]["mini"].as_str())
+                .collect();
+            if digests == [digest.as_str(); 3] {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the hosts hold {digests:?}, not {digest}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // Every child answers through C's front door.
+        for s in made {
+            let id = s["id"].as_str().unwrap();
+            let v = common::exec(&c.unix(), id, "hostname").await;
+            assert_eq!(stdout(&v).trim(), id);
+        }
+
+        // The cluster is full: a 7th child is refused, saying how much room there is.
+        let (s, v) = fork(serde_json::json!({"snapshot": "mini", "n": 1})).await;
+        assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+        assert_eq!(v["error"]["code"], "at_capacity", "{v}");
+
+        // Room again on A and B: a pack fork restricted to zone z1 goes to A only.
+        for s in made.iter().filter(|s| s["host"] != "c") {
+            let id = s["id"].as_str().unwrap();
+            let (st, v) = call(
+                &c.unix(),
+                Method::DELETE,
+                &format!("/v1/sandboxes/{id}"),
+                None,
+            )
+            .await;
+            assert!(st.is_success(), "{st} {v}");
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let v = loop {
+            let (s, v) = fork(serde_json::json!({
+                "snapshot": "mini", "n": 2, "placement": {"labels": {"zone": "z1"}}
+            }))
+            .await;
+            // The hosts' free slots are refreshed with their records.
+            if s == StatusCode::CREATED || Instant::now() > deadline {
+                assert_eq!(s, StatusCode::CREATED, "{v}");
+                break v;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        let hosts: Vec<&str> = v["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["host"].as_str().unwrap())
+            .collect();
+        assert_eq!(hosts, ["a", "a"], "{v}");
+        let (s, v) = fork(serde_json::json!({
+            "snapshot": "mini", "n": 1, "placement": {"labels": {"zone": "nowhere"}}
+        }))
+        .await;
+        assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+        // The CLI asks for the same.
+        let out = c
+            .forkd()
+            .args(["fork", "--tag", "mini", "--host-label", "zone=nowhere"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("at_capacity"),
+            "{err}"
+        );
+    });
+}

@@ -9,7 +9,6 @@ use super::{ApiError, App, JsonBody, PathParams, QueryParams};
 use crate::registry::{Listed, RegistryError};
 use crate::server::AuditIds;
 use crate::service;
-use crate::service::fork::ForkRequest;
 use crate::state::OperationRow;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -106,51 +105,31 @@ fn limits(e: &Listed, hv: &dyn forkd_hypervisor::Hypervisor) -> Option<SandboxLi
         (status = 503, body = ErrorBody), (status = 507, body = ErrorBody)))]
 pub async fn create(
     State(app): State<App>,
-    JsonBody(req): JsonBody<CreateSandboxes>,
+    headers: axum::http::HeaderMap,
+    JsonBody(raw): JsonBody<serde_json::Value>,
 ) -> Result<Response, ApiError> {
-    let egress = match req.network {
-        None => None,
-        Some(body) => Some(
-            body.policy()
-                .map_err(|e| ApiError::bad_request(format!("network: {e}")))?,
-        ),
-    };
-    let fork = service::fork::start(
-        &app,
-        &req.snapshot,
-        ForkRequest {
-            count: req.n,
-            labels: req.labels,
-            env: req.env,
-            timeout_s: req.timeout_s,
-            partial: req.partial,
-            vcpus: req.vcpus,
-            memory_mib: req.memory_mib,
-            limits: req.limits,
-            egress,
-            on_timeout: req.on_timeout,
-            auto_pause_after_s: req.auto_pause_after_s,
-            ..ForkRequest::default()
-        },
-    )?;
-    if !req.wait {
+    use service::placement::{PULL_FROM, SNAPSHOT_DIGEST};
+    let req: CreateSandboxes = serde_json::from_value(raw.clone())
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid: {e}")))?;
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let forwarded = headers.contains_key(service::cluster::FORWARDED_BY);
+    // A share of a fork placed by another host of the cluster: its snapshot first.
+    if let (true, Some(digest)) = (forwarded, header(SNAPSHOT_DIGEST)) {
+        service::placement::ensure_snapshot(&app, &req.snapshot, header(PULL_FROM), digest).await?;
+    }
+    let created = if app.cluster.is_some() && !forwarded && req.wait {
+        let handed = headers.contains_key(service::placement::HANDED_BY);
+        service::placement::fork(&app, req, &raw, handed).await?
+    } else if !req.wait {
+        let fork = service::fork::start_request(&app, req)?;
         let op = fork.operation(&app).await?;
         return Ok((StatusCode::ACCEPTED, Json(op)).into_response());
-    }
-    let op_id = fork.op_id.clone();
-    let outcome = fork.outcome().await?;
-    // The path names no id: the audit record gets the children's from here.
-    let ids = AuditIds(outcome.entries.iter().map(|e| e.row.id.clone()).collect());
-    let body = CreatedSandboxes {
-        sandboxes: outcome
-            .entries
-            .into_iter()
-            .map(|e| info(&Listed::from(e), app.registry.hypervisor().as_ref()))
-            .collect(),
-        errors: outcome.failures.iter().map(|e| e.to_string()).collect(),
-        operation: op_id,
+    } else {
+        service::fork::create_here(&app, req).await?
     };
-    Ok((StatusCode::CREATED, axum::Extension(ids), Json(body)).into_response())
+    // The path names no id: the audit record gets the children's from here.
+    let ids = AuditIds(created.sandboxes.iter().map(|s| s.id.clone()).collect());
+    Ok((StatusCode::CREATED, axum::Extension(ids), Json(created)).into_response())
 }
 
 /// Filters of the sandbox list.

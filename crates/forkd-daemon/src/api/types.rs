@@ -64,6 +64,10 @@ pub struct CreateSandboxes {
     /// nothing: egress `deny` with an empty allow-list.
     #[serde(default)]
     pub network: Option<NetworkBody>,
+    /// On a host of a cluster: how the children are spread over its hosts (default:
+    /// `pack`, this host first) and which hosts may take them (by label).
+    #[serde(default)]
+    pub placement: Option<crate::service::placement::Placement>,
 }
 
 /// A sandbox's egress policy. Destinations are `ADDRESS[/PREFIX][:PORT]` (IPv4; a port

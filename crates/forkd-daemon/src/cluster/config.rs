@@ -34,6 +34,9 @@ pub struct ClusterConfig {
     /// The CA that signed the other hosts' API certificates: they are reached over TLS.
     /// Without it, over plain HTTP (hosts on one machine or a private network).
     pub peer_ca: Option<PathBuf>,
+    /// The cluster's OCI registry, `HOST[:PORT]/REPO`: a host pushes a snapshot there
+    /// when a fork places children on hosts that lack it, and they pull it by digest.
+    pub registry: Option<String>,
 }
 
 /// PEM files for TLS to etcd.
@@ -148,6 +151,7 @@ mod tests {
             credentials: None,
             labels: BTreeMap::new(),
             peer_ca: None,
+            registry: None,
         }
     }
 

@@ -73,7 +73,8 @@ pub struct HostLive {
     pub max_sandboxes: usize,
     /// Its live sandboxes.
     pub running: usize,
-    /// Its snapshots: tag to the sha256 of its manifest.
+    /// Its snapshots: tag to the digest of its contents
+    /// ([`super::snapshot_digest`]).
     pub snapshots: BTreeMap<String, String>,
     /// Its labels.
     pub labels: BTreeMap<String, String>,

@@ -37,24 +37,37 @@ pub async fn run(cluster: Arc<Cluster>, app: App) {
 /// lease is lost. Ends with an error when etcd stops answering.
 async fn session(cluster: &Cluster, app: &App) -> Result<(), ClusterError> {
     let ttl = cluster.config.lease_ttl;
-    let mut c = cluster.client();
     let err = |e: etcd_client::Error| cluster.unavailable(e);
     let ttl_s = i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX);
-    let lease = c.lease_grant(ttl_s, None).await.map_err(err)?.id();
-    let (mut keeper, mut answers) = c.lease_keep_alive(lease).await.map_err(err)?;
+    let lease = cluster
+        .request(|mut c| async move { c.lease_grant(ttl_s, None).await })
+        .await?
+        .id();
+    let (mut keeper, mut answers) = cluster
+        .request(|mut c| async move { c.lease_keep_alive(lease).await })
+        .await?;
     let record = HostRecord {
         address: cluster.config.advertise.clone(),
         labels: cluster.config.labels.clone(),
         registered_at: crate::now_rfc3339(),
     };
     let name = cluster.host_name();
-    c.put(keys::host(name), to_json(&record), None)
-        .await
-        .map_err(err)?;
+    let record = to_json(&record);
+    cluster
+        .request(|mut c| {
+            let record = record.clone();
+            async move { c.put(keys::host(name), record, None).await }
+        })
+        .await?;
     let leased = || Some(PutOptions::new().with_lease(lease));
-    c.put(keys::alive(name), to_json(&live(cluster, app)), leased())
-        .await
-        .map_err(err)?;
+    let put_live = || {
+        let value = to_json(&live(cluster, app));
+        cluster.request(move |mut c| {
+            let value = value.clone();
+            async move { c.put(keys::alive(name), value, leased()).await }
+        })
+    };
+    put_live().await?;
     tracing::info!(host = name, lease, "registered in the cluster");
     // Three refreshes per lease: one lost refresh does not make the host unreachable.
     let mut tick = tokio::time::interval(ttl / 3);
@@ -77,9 +90,7 @@ async fn session(cluster: &Cluster, app: &App) -> Result<(), ClusterError> {
                 return Ok(());
             }
         }
-        c.put(keys::alive(name), to_json(&live(cluster, app)), leased())
-            .await
-            .map_err(err)?;
+        put_live().await?;
     }
 }
 
@@ -94,12 +105,7 @@ fn live(cluster: &Cluster, app: &App) -> HostLive {
         .store()
         .list()
         .into_iter()
-        .filter_map(|(tag, snap)| {
-            let snap = snap.ok()?;
-            let manifest = snap.dir.join(forkd_storage::snapshot::MANIFEST);
-            let (digest, _) = forkd_storage::snapshot::sha256_file(&manifest).ok()?;
-            Some((tag, format!("sha256:{digest}")))
-        })
+        .filter_map(|(tag, snap)| Some((tag, super::snapshot_digest(&snap.ok()?))))
         .collect();
     HostLive {
         address: cluster.config.advertise.clone(),

@@ -134,6 +134,29 @@ impl Cluster {
         self.client.clone()
     }
 
+    /// Runs the request `op` makes, again on another member when one could not be
+    /// reached: the client's channel balances over the members and does not drop a
+    /// stopped one, so a request can land on it. A request that timed out (no quorum)
+    /// is not sent again: that would only multiply the wait.
+    async fn request<T, F, Fut>(&self, op: F) -> Result<T, ClusterError>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let mut tries = self.config.endpoints.len() + 1;
+        loop {
+            match op(self.client()).await {
+                Ok(v) => return Ok(v),
+                Err(etcd_client::Error::GRpcStatus(s))
+                    if s.code() == tonic::Code::Unavailable && tries > 1 =>
+                {
+                    tries -= 1;
+                }
+                Err(e) => return Err(self.unavailable(e)),
+            }
+        }
+    }
+
     /// An error of a request to etcd.
     fn unavailable(&self, e: impl std::fmt::Display) -> ClusterError {
         ClusterError::Unavailable {
@@ -145,10 +168,8 @@ impl Cluster {
     /// What host `name` says of itself, if it lives.
     pub async fn live(&self, name: &str) -> Result<Option<HostLive>, ClusterError> {
         let answer = self
-            .client()
-            .get(keys::alive(name), None)
-            .await
-            .map_err(|e| self.unavailable(e))?;
+            .request(|mut c| async move { c.get(keys::alive(name), None).await })
+            .await?;
         answer
             .kvs()
             .first()
@@ -158,18 +179,15 @@ impl Cluster {
 
     /// Every host that ever registered, with whether it lives now.
     pub async fn hosts(&self) -> Result<Vec<HostView>, ClusterError> {
-        let mut c = self.client();
-        let prefix = Some(GetOptions::new().with_prefix());
+        let prefix = || Some(GetOptions::new().with_prefix());
         // One read of the records and one of the leases; a host that registers in
         // between is shown unreachable until the next read, never missing.
-        let records = c
-            .get(keys::HOSTS, prefix.clone())
-            .await
-            .map_err(|e| self.unavailable(e))?;
-        let alive = c
-            .get(keys::ALIVE, prefix)
-            .await
-            .map_err(|e| self.unavailable(e))?;
+        let records = self
+            .request(|mut c| async move { c.get(keys::HOSTS, prefix()).await })
+            .await?;
+        let alive = self
+            .request(|mut c| async move { c.get(keys::ALIVE, prefix()).await })
+            .await?;
         let mut live: BTreeMap<String, HostLive> = BTreeMap::new();
         for kv in alive.kvs() {
             let (name, value) = decode::<HostLive>(kv, keys::ALIVE)?;
@@ -194,6 +212,20 @@ impl Cluster {
         }
         Ok(hosts)
     }
+}
+
+/// What names a snapshot's contents across the hosts: the sha256 of its manifest
+/// (parts with their digests, machine, parent's digest...) as canonical JSON, without
+/// its tag and its build times. A host that pulled a snapshot holds the same manifest
+/// in substance, not byte for byte (an install records its own publish time), so the
+/// file's own digest would differ.
+pub fn snapshot_digest(snapshot: &forkd_storage::snapshot::Snapshot) -> String {
+    use sha2::Digest;
+    let mut manifest = snapshot.manifest.clone();
+    manifest.tag = String::new();
+    manifest.build = Default::default();
+    let json = serde_json::to_vec(&manifest).expect("manifests serialize");
+    format!("sha256:{}", hex::encode(sha2::Sha256::digest(&json)))
 }
 
 /// The name after `prefix` in `kv`'s key and its JSON value.

@@ -55,10 +55,11 @@ impl Cluster {
             ])
             .or_else([TxnOp::get(key.clone(), None)]);
         let answer = self
-            .client()
-            .txn(txn)
-            .await
-            .map_err(|e| self.unavailable(e))?;
+            .request(|mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
         if answer.succeeded() {
             return Ok(Claimed::Mine);
         }
@@ -84,10 +85,11 @@ impl Cluster {
                 TxnOp::delete(keys::sandbox(id), None),
                 TxnOp::delete(mine, None),
             ]);
-        self.client()
-            .txn(txn)
-            .await
-            .map_err(|e| self.unavailable(e))?;
+        self.request(|mut c| {
+            let txn = txn.clone();
+            async move { c.txn(txn).await }
+        })
+        .await?;
         Ok(())
     }
 
@@ -95,10 +97,11 @@ impl Cluster {
     pub async fn owner(&self, id: &str) -> Result<Option<OwnerRecord>, ClusterError> {
         let key = keys::sandbox(id);
         let answer = self
-            .client()
-            .get(key.clone(), None)
-            .await
-            .map_err(|e| self.unavailable(e))?;
+            .request(|mut c| {
+                let key = key.clone();
+                async move { c.get(key, None).await }
+            })
+            .await?;
         answer
             .kvs()
             .first()
@@ -118,10 +121,11 @@ impl Cluster {
     ) -> Result<BTreeMap<String, OwnerRecord>, ClusterError> {
         let prefix = keys::owned(host, "");
         let answer = self
-            .client()
-            .get(prefix.clone(), Some(GetOptions::new().with_prefix()))
-            .await
-            .map_err(|e| self.unavailable(e))?;
+            .request(|mut c| {
+                let prefix = prefix.clone();
+                async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
+            })
+            .await?;
         let mut out = BTreeMap::new();
         for kv in answer.kvs() {
             let (id, record) = super::decode::<OwnerRecord>(kv, &prefix)?;

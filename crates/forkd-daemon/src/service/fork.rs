@@ -2,7 +2,7 @@
 //! in a task of its own.
 
 use super::ApiError;
-use crate::api::types::LimitsBody;
+use crate::api::types::{CreateSandboxes, CreatedSandboxes, LimitsBody};
 use crate::api::App;
 use crate::registry::{CreateOutcome, CreateSpec, RegistryError};
 use crate::state::OperationRow;
@@ -60,6 +60,52 @@ pub struct Fork {
     /// Its operation's id.
     pub op_id: String,
     task: tokio::task::JoinHandle<Result<CreateOutcome, RegistryError>>,
+}
+
+/// Starts the fork a `POST /v1/sandboxes` asks for, on this host.
+pub fn start_request(app: &App, req: CreateSandboxes) -> Result<Fork, ApiError> {
+    let egress = match req.network {
+        None => None,
+        Some(body) => Some(
+            body.policy()
+                .map_err(|e| ApiError::bad_request(format!("network: {e}")))?,
+        ),
+    };
+    start(
+        app,
+        &req.snapshot,
+        ForkRequest {
+            count: req.n,
+            labels: req.labels,
+            env: req.env,
+            timeout_s: req.timeout_s,
+            partial: req.partial,
+            vcpus: req.vcpus,
+            memory_mib: req.memory_mib,
+            limits: req.limits,
+            egress,
+            on_timeout: req.on_timeout,
+            auto_pause_after_s: req.auto_pause_after_s,
+            ..ForkRequest::default()
+        },
+    )
+}
+
+/// Forks what a `POST /v1/sandboxes` asks for on this host and waits for its children.
+pub async fn create_here(app: &App, req: CreateSandboxes) -> Result<CreatedSandboxes, ApiError> {
+    let fork = start_request(app, req)?;
+    let operation = fork.op_id.clone();
+    let outcome = fork.outcome().await?;
+    let hv = app.registry.hypervisor();
+    Ok(CreatedSandboxes {
+        sandboxes: outcome
+            .entries
+            .into_iter()
+            .map(|e| crate::api::sandboxes::info(&crate::registry::Listed::from(e), hv.as_ref()))
+            .collect(),
+        errors: outcome.failures.iter().map(|e| e.to_string()).collect(),
+        operation,
+    })
 }
 
 /// Checks `req`, then against the snapshot tagged `snapshot`, admits it (refused now

@@ -14,6 +14,7 @@ pub mod branch;
 pub mod cluster;
 pub mod fork;
 pub mod pause;
+pub mod placement;
 pub mod sandbox;
 
 pub use crate::api::ApiError;
