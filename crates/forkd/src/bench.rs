@@ -37,6 +37,10 @@ pub enum BenchCommand {
     /// state after the resume; with --density, N sandboxes mostly paused, each resumed
     /// in turn and checked.
     Persist(crate::bench_persist::PersistArgs),
+    /// Three daemons on this machine as one cluster (an etcd and a registry of its own):
+    /// a fork of N spread over the three hosts against the same fork on one, and the
+    /// latency a forwarded exec adds (p50 through another host against direct).
+    Cluster(crate::bench_cluster::ClusterArgs),
 }
 
 /// Arguments of `forkd bench fork`.
@@ -108,6 +112,7 @@ pub async fn run(home: &Home, cmd: BenchCommand) -> Result<()> {
         BenchCommand::Scale(args) => crate::bench_scale::run(home, args).await,
         BenchCommand::Branch(args) => crate::bench_branch::run(home, args).await,
         BenchCommand::Persist(args) => crate::bench_persist::run(home, args).await,
+        BenchCommand::Cluster(args) => crate::bench_cluster::run(home, args).await,
         BenchCommand::Archive(args) => crate::bench_archive::run(home, args).await,
         BenchCommand::Network(args) => crate::bench_network::run(home, args).await,
     }

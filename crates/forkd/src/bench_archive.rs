@@ -81,13 +81,13 @@ struct ArchiveReport {
 }
 
 /// A registry process of the benchmark's own, stopped when dropped.
-struct LocalRegistry {
+pub(crate) struct LocalRegistry {
     child: std::process::Child,
-    addr: String,
+    pub(crate) addr: String,
 }
 
 impl LocalRegistry {
-    fn start(dir: &std::path::Path) -> Result<LocalRegistry> {
+    pub(crate) fn start(dir: &std::path::Path) -> Result<LocalRegistry> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();

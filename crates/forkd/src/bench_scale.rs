@@ -463,6 +463,15 @@ pub(crate) struct BenchDaemon {
 
 impl BenchDaemon {
     pub(crate) async fn start(home: &Home, max_sandboxes: usize) -> Result<BenchDaemon> {
+        BenchDaemon::start_with(home, max_sandboxes, &[]).await
+    }
+
+    /// A daemon started with `extra` arguments too.
+    pub(crate) async fn start_with(
+        home: &Home,
+        max_sandboxes: usize,
+        extra: &[String],
+    ) -> Result<BenchDaemon> {
         // Beside the assets: one filesystem, so that the snapshot hard-links them.
         let parent = home.root().join("bench");
         std::fs::create_dir_all(&parent)
@@ -478,6 +487,7 @@ impl BenchDaemon {
             .arg(&socket)
             .arg("--max-sandboxes")
             .arg(max_sandboxes.to_string())
+            .args(extra)
             .env("FORKD_HOME", &dir)
             .env_remove("FORKD_URL")
             .stdin(std::process::Stdio::null())

@@ -4,6 +4,7 @@ mod archive;
 mod bench;
 mod bench_archive;
 mod bench_branch;
+mod bench_cluster;
 mod bench_network;
 mod bench_persist;
 mod bench_scale;

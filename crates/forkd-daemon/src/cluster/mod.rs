@@ -88,7 +88,14 @@ pub struct HostView {
 pub struct Cluster {
     config: ClusterConfig,
     client: Client,
+    /// Where other hosts' sandboxes were found: sandbox id to (host, address). An id
+    /// names one sandbox for good, so an entry stays right until its host stops
+    /// answering at that address (see [`Cluster::forget`]).
+    located: std::sync::Mutex<std::collections::HashMap<String, (String, String)>>,
 }
+
+/// Most sandbox locations remembered; past it the memory starts over.
+const MAX_LOCATED: usize = 100_000;
 
 impl Cluster {
     /// A client for the cluster's etcd. Nothing is sent yet: a daemon starts (and
@@ -116,7 +123,30 @@ impl Cluster {
         let client = Client::connect(&config.endpoints, Some(options))
             .await
             .map_err(|e| ClusterError::Setup(e.to_string()))?;
-        Ok(Cluster { config, client })
+        Ok(Cluster {
+            config,
+            client,
+            located: Default::default(),
+        })
+    }
+
+    /// The host and address sandbox `id` was found at, if remembered.
+    pub fn remembered(&self, id: &str) -> Option<(String, String)> {
+        self.located.lock().expect("not poisoned").get(id).cloned()
+    }
+
+    /// Remembers that sandbox `id` is on `host`, at `address`.
+    pub fn remember(&self, id: &str, host: &str, address: &str) {
+        let mut located = self.located.lock().expect("not poisoned");
+        if located.len() >= MAX_LOCATED {
+            located.clear();
+        }
+        located.insert(id.to_owned(), (host.to_owned(), address.to_owned()));
+    }
+
+    /// Forgets where sandbox `id` was (its host did not answer there).
+    pub fn forget(&self, id: &str) {
+        self.located.lock().expect("not poisoned").remove(id);
     }
 
     /// How this daemon joined.

@@ -51,8 +51,10 @@ async fn forward(app: &App, id: &str, host: &str, address: &str, mut req: Reques
     let mut answer = match peer.forward(req).await {
         Ok(a) => a,
         Err(e) => {
+            // Looked up again next time: the host may be back at another address.
+            cluster.forget(id);
             return unreachable(id, host, &format!("{address} does not answer: {e:#}"))
-                .into_response()
+                .into_response();
         }
     };
     if answer.status() == StatusCode::SWITCHING_PROTOCOLS {

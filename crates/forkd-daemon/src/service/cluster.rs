@@ -27,7 +27,8 @@ pub enum Located {
     },
 }
 
-/// Where the sandbox `id` lives. Sandboxes of this host are found without asking etcd;
+/// Where the sandbox `id` lives. Sandboxes of this host are found without asking etcd,
+/// and so are those found on another host before (until it stops answering there);
 /// another host's answers 503 naming it when it is unreachable, and when etcd is.
 pub async fn locate(app: &App, id: &str) -> Result<Located, ApiError> {
     let Some(cluster) = app.cluster.as_deref() else {
@@ -36,6 +37,10 @@ pub async fn locate(app: &App, id: &str) -> Result<Located, ApiError> {
     if app.registry.describe(id).is_ok() {
         return Ok(Located::Here);
     }
+    // A sandbox found on another host stays there: no etcd round trip per request.
+    if let Some((host, address)) = cluster.remembered(id) {
+        return Ok(Located::Remote { host, address });
+    }
     let Some(owner) = cluster.owner(id).await? else {
         return Ok(Located::Here);
     };
@@ -43,10 +48,13 @@ pub async fn locate(app: &App, id: &str) -> Result<Located, ApiError> {
         return Ok(Located::Here);
     }
     match cluster.live(&owner.host).await? {
-        Some(live) => Ok(Located::Remote {
-            host: owner.host,
-            address: live.address,
-        }),
+        Some(live) => {
+            cluster.remember(id, &owner.host, &live.address);
+            Ok(Located::Remote {
+                host: owner.host,
+                address: live.address,
+            })
+        }
         None => Err(unreachable(id, &owner.host, "its lease lapsed")),
     }
 }

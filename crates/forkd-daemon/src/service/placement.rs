@@ -164,13 +164,21 @@ pub async fn fork(
         .filter(|h| h.state == HostState::Up && matches(h, &placement.labels))
         .filter_map(|h| {
             let live = h.live.as_ref()?;
+            let here = h.name == cluster.host_name();
+            // This host's own count is fresh; the others' as of their last refresh.
+            let free = if here {
+                app.registry
+                    .capacity()
+                    .saturating_sub(app.registry.running())
+            } else {
+                live.max_sandboxes.saturating_sub(live.running)
+            };
             Some(Candidate {
                 name: h.name.clone(),
-                free: live.max_sandboxes.saturating_sub(live.running),
+                free,
                 // This host's record may predate the snapshot: it holds it.
-                holds: h.name == cluster.host_name()
-                    || live.snapshots.get(tag.as_str()) == Some(&digest),
-                here: h.name == cluster.host_name(),
+                holds: here || live.snapshots.get(tag.as_str()) == Some(&digest),
+                here,
             })
         })
         .collect();
@@ -182,10 +190,18 @@ pub async fn fork(
             StatusCode::SERVICE_UNAVAILABLE,
             "at_capacity",
             format!(
-                "the cluster has room for {room} of the {n} children of {tag} (hosts up{} with free slots: {}); \
+                "the cluster has room for {room} of the {n} children of {tag} (free slots of the hosts up{}: {}); \
                  with partial: true the fork takes what fits",
                 if placement.labels.is_empty() { String::new() } else { " with the labels asked".into() },
-                candidates.iter().filter(|c| c.free > 0).count()
+                if candidates.is_empty() {
+                    "none".to_owned()
+                } else {
+                    candidates
+                        .iter()
+                        .map(|c| format!("{} {}", c.name, c.free))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                }
             ),
         ));
     }
