@@ -143,6 +143,23 @@ impl Client {
         self.dispatch(req).await
     }
 
+    /// Sends `req` exactly as it is, its `Host` and credentials included (E2B's
+    /// in-sandbox requests are routed by their host name and carry their own tokens);
+    /// the answer comes back as from [`Client::forward`].
+    pub async fn relay<B>(&self, mut req: Request<B>) -> Result<Response<Incoming>>
+    where
+        B: hyper::body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        if !req.headers().contains_key(hyper::header::HOST) {
+            let template = self.request(Method::GET, "/").body(())?;
+            if let Some(host) = template.headers().get(hyper::header::HOST) {
+                req.headers_mut().insert(hyper::header::HOST, host.clone());
+            }
+        }
+        self.dispatch(req).await
+    }
+
     /// Asks for `path` to become a byte stream speaking `protocol` (`Upgrade:`); returns
     /// the stream once the daemon answers 101, else its error.
     pub async fn upgrade(&self, path: &str, protocol: &str) -> Result<hyper::upgrade::Upgraded> {

@@ -12,6 +12,9 @@ use hyper::{Method, StatusCode};
 use serde_json::Value;
 use std::time::{Duration, Instant};
 
+/// The cluster's shared token (the hosts forward with it; E2B's API key).
+const TOKEN: &str = "cluster-test-token-cluster-test-token-0123";
+
 /// A host's daemon in the cluster of `etcd`, named `name`, with a 3 s lease.
 fn host_args(etcd: &Etcd, name: &str, port: &str, zone: &str) -> Vec<String> {
     let tls = etcd.client_tls();
@@ -252,8 +255,29 @@ async fn wait_listed(c: &Client, want: &[(String, String, String)], secs: u64) {
 #[test]
 fn any_host_is_a_front_door_to_every_sandbox() {
     let etcd = Etcd::start(1);
-    let a = start_host(&etcd, "a", "z1");
-    let mut b = start_host(&etcd, "b", "z1");
+    // Both hosts serve E2B's API too, with the cluster's shared token as its key.
+    let secrets = tempfile::tempdir().unwrap();
+    let token_file = secrets.path().join("token");
+    common::write_secret(&token_file, TOKEN);
+    let with_e2b = |name: &str| {
+        let port = free_port().rsplit_once(':').unwrap().1.to_owned();
+        let e2b = free_port();
+        let mut args = host_args(&etcd, name, &port, "z1");
+        args.extend(
+            [
+                "--e2b-listen",
+                &e2b,
+                "--token-file",
+                token_file.to_str().unwrap(),
+            ]
+            .map(str::to_owned),
+        );
+        (
+            Daemon::start(&args.iter().map(String::as_str).collect::<Vec<_>>()),
+            e2b,
+        )
+    };
+    let ((a, a_e2b), (mut b, _)) = (with_e2b("a"), with_e2b("b"));
     b.link_snapshot("minimal", "mini");
     let rt = runtime();
     rt.block_on(async {
@@ -324,6 +348,44 @@ fn any_host_is_a_front_door_to_every_sandbox() {
         }
         assert!(seen.contains("pty-42"), "{seen:?}");
         let _ = ws.close(None).await;
+
+        // E2B's API through A: the control plane and envd's file route for B's sandbox.
+        let e2b = Client::new(forkd_daemon::client::Endpoint::Tcp(a_e2b.clone()), None);
+        let send = |req: hyper::Request<http_body_util::Full<hyper::body::Bytes>>| {
+            let e2b = e2b.clone();
+            async move {
+                use http_body_util::BodyExt;
+                let r = e2b.relay(req).await.unwrap();
+                let status = r.status();
+                (status, r.into_body().collect().await.unwrap().to_bytes())
+            }
+        };
+        let empty = http_body_util::Full::new(hyper::body::Bytes::new());
+        let (s, body) = send(
+            hyper::Request::get(format!("/sandboxes/{id}"))
+                .header("x-api-key", TOKEN)
+                .body(empty.clone())
+                .unwrap(),
+        )
+        .await;
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            (s, v["sandboxID"].as_str()),
+            (StatusCode::OK, Some(id.as_str())),
+            "{v}"
+        );
+        let access = v["envdAccessToken"].as_str().unwrap().to_owned();
+        let (s, body) = send(
+            hyper::Request::get("/files?path=/root/f")
+                .header("e2b-sandbox-id", id.as_str())
+                .header("e2b-sandbox-port", "49983")
+                .header("x-access-token", &access)
+                .header("authorization", "Basic cm9vdDo=")
+                .body(empty)
+                .unwrap(),
+        )
+        .await;
+        assert_eq!((s, &body[..]), (StatusCode::OK, &b"written-through-a"[..]));
 
         // Removed through A: gone from both.
         let (s, v) = call(

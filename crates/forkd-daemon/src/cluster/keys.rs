@@ -63,6 +63,9 @@ pub struct HostRecord {
 pub struct HostLive {
     /// Where the other hosts reach its API (`HOST:PORT`).
     pub address: String,
+    /// Where they reach its E2B listener, if it serves one (`HOST:PORT`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub e2b_address: Option<String>,
     /// Its accelerator (`kvm`, `tcg`).
     pub accel: String,
     /// Its CPUs.

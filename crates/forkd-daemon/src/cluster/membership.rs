@@ -107,8 +107,18 @@ fn live(cluster: &Cluster, app: &App) -> HostLive {
         .into_iter()
         .filter_map(|(tag, snap)| Some((tag, super::snapshot_digest(&snap.ok()?))))
         .collect();
+    // The E2B listener at the advertised host, on its own port.
+    let e2b_address = app.config.e2b.as_ref().map(|e| {
+        let host = cluster
+            .config
+            .advertise
+            .rsplit_once(':')
+            .map_or(cluster.config.advertise.as_str(), |(h, _)| h);
+        format!("{host}:{}", e.listen.port())
+    });
     HostLive {
         address: cluster.config.advertise.clone(),
+        e2b_address,
         accel: forkd_hypervisor::accel::resolve(forkd_hypervisor::AccelChoice::Auto)
             .map_or_else(|_| "none".to_owned(), |a| a.as_str().to_owned()),
         cpus: std::thread::available_parallelism()

@@ -91,7 +91,18 @@ pub struct Cluster {
     /// Where other hosts' sandboxes were found: sandbox id to (host, address). An id
     /// names one sandbox for good, so an entry stays right until its host stops
     /// answering at that address (see [`Cluster::forget`]).
-    located: std::sync::Mutex<std::collections::HashMap<String, (String, String)>>,
+    located: std::sync::Mutex<std::collections::HashMap<String, Remote>>,
+}
+
+/// Another host, as a request for one of its sandboxes reaches it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Remote {
+    /// Its name.
+    pub host: String,
+    /// Its REST API.
+    pub address: String,
+    /// Its E2B listener, if it serves one.
+    pub e2b_address: Option<String>,
 }
 
 /// Most sandbox locations remembered; past it the memory starts over.
@@ -130,18 +141,18 @@ impl Cluster {
         })
     }
 
-    /// The host and address sandbox `id` was found at, if remembered.
-    pub fn remembered(&self, id: &str) -> Option<(String, String)> {
+    /// The host sandbox `id` was found on, if remembered.
+    pub fn remembered(&self, id: &str) -> Option<Remote> {
         self.located.lock().expect("not poisoned").get(id).cloned()
     }
 
-    /// Remembers that sandbox `id` is on `host`, at `address`.
-    pub fn remember(&self, id: &str, host: &str, address: &str) {
+    /// Remembers that sandbox `id` is on `remote`.
+    pub fn remember(&self, id: &str, remote: &Remote) {
         let mut located = self.located.lock().expect("not poisoned");
         if located.len() >= MAX_LOCATED {
             located.clear();
         }
-        located.insert(id.to_owned(), (host.to_owned(), address.to_owned()));
+        located.insert(id.to_owned(), remote.clone());
     }
 
     /// Forgets where sandbox `id` was (its host did not answer there).

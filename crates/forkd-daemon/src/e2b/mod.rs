@@ -245,7 +245,10 @@ async fn route(State(e2b): State<Shared>, mut req: Request, next: Next) -> Respo
             return not_found(req.uri().clone()).await;
         }
         return match api_key_ok(&e2b, req.headers()) {
-            Ok(()) => next.run(req).await,
+            Ok(()) => match control_sandbox(req.uri().path()).map(str::to_owned) {
+                Some(id) => to_owner(&e2b, &id, req, next).await,
+                None => next.run(req).await,
+            },
             Err(m) => crate::server::refused_authentication(
                 &e2b.failures,
                 &req,
@@ -256,6 +259,12 @@ async fn route(State(e2b): State<Shared>, mut req: Request, next: Next) -> Respo
     if let Err(m) = access_ok(&e2b, &target, req.headers()) {
         let refusal = (StatusCode::UNAUTHORIZED, m).into_response();
         return crate::server::refused_authentication(&e2b.failures, &req, refusal);
+    }
+    if let Some(remote) = elsewhere(&e2b, &target.id, req.headers()).await {
+        return match remote {
+            Ok(r) => forward_e2b(&e2b, &target.id, r, req).await,
+            Err(e) => e.into_response(),
+        };
     }
     let prefix = match target.port {
         ENVD_PORT => "/_envd",
@@ -283,6 +292,59 @@ async fn route(State(e2b): State<Shared>, mut req: Request, next: Next) -> Respo
     *req.uri_mut() = uri;
     req.extensions_mut().insert(target);
     next.run(req).await
+}
+
+/// The sandbox a control-plane path names (`/sandboxes/{id}[/...]`,
+/// `/v2/sandboxes/{id}/...`).
+fn control_sandbox(path: &str) -> Option<&str> {
+    let rest = path
+        .strip_prefix("/v2/sandboxes/")
+        .or_else(|| path.strip_prefix("/sandboxes/"))?;
+    rest.split('/').next().filter(|id| !id.is_empty())
+}
+
+/// In a cluster, the host that owns sandbox `id` when it is not this one (an error when
+/// it cannot be told or reached); none when the request is served here (it was
+/// forwarded already, or the sandbox is here or nowhere).
+async fn elsewhere(
+    e2b: &E2b,
+    id: &str,
+    headers: &HeaderMap,
+) -> Option<Result<crate::cluster::Remote, crate::api::ApiError>> {
+    use crate::service::cluster::{locate, Located, FORWARDED_BY};
+    if e2b.app.cluster.is_none() || headers.contains_key(FORWARDED_BY) {
+        return None;
+    }
+    match locate(&e2b.app, id).await {
+        Ok(Located::Here) => None,
+        Ok(Located::Remote(r)) => Some(Ok(r)),
+        Err(e) => Some(Err(e)),
+    }
+}
+
+/// Serves a control-plane request for sandbox `id` here, or at its owner's.
+async fn to_owner(e2b: &E2b, id: &str, req: Request, next: Next) -> Response {
+    match elsewhere(e2b, id, req.headers()).await {
+        None => next.run(req).await,
+        Some(Ok(r)) => forward_e2b(e2b, id, r, req).await,
+        Some(Err(e)) => control::error(e.status, e.message),
+    }
+}
+
+/// Forwards an E2B request for sandbox `id` as it came to the E2B listener of its
+/// owner `r`.
+async fn forward_e2b(e2b: &E2b, id: &str, r: crate::cluster::Remote, req: Request) -> Response {
+    use crate::server::forward::{forward, Hop};
+    match &r.e2b_address {
+        Some(a) => forward(&e2b.app, id, &r.host, Hop::E2b(a), req).await,
+        None => control::error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "the sandbox {id} is on host {}, which serves no E2B API (start it with --e2b-listen)",
+                r.host
+            ),
+        ),
+    }
 }
 
 /// The sandbox and port an in-sandbox request names: by header, else by host name under

@@ -30,12 +30,22 @@ pub async fn to_owner(State(app): State<App>, req: Request, next: Next) -> Respo
     };
     match locate(&app, &id).await {
         Ok(Located::Here) => next.run(req).await,
-        Ok(Located::Remote { host, address }) => forward(&app, &id, &host, &address, req).await,
+        Ok(Located::Remote(r)) => forward(&app, &id, &r.host, Hop::Rest(&r.address), req).await,
         Err(e) => e.into_response(),
     }
 }
 
-async fn forward(app: &App, id: &str, host: &str, address: &str, mut req: Request) -> Response {
+/// How a request reaches the owner.
+pub enum Hop<'a> {
+    /// Its REST API at this address, with the cluster's token.
+    Rest(&'a str),
+    /// Its E2B listener at this address, the request as it came (its host name and
+    /// tokens are the owner's to check).
+    E2b(&'a str),
+}
+
+/// Sends `req` (for sandbox `id`) to its owner `host` and answers with what it answers.
+pub async fn forward(app: &App, id: &str, host: &str, hop: Hop<'_>, mut req: Request) -> Response {
     let cluster = app
         .cluster
         .as_deref()
@@ -47,8 +57,21 @@ async fn forward(app: &App, id: &str, host: &str, address: &str, mut req: Reques
     if let Ok(me) = HeaderValue::from_str(cluster.host_name()) {
         req.headers_mut().insert(FORWARDED_BY, me);
     }
-    let peer = crate::service::cluster::peer(app, cluster, address);
-    let mut answer = match peer.forward(req).await {
+    let (address, sent) = match hop {
+        Hop::Rest(a) => (
+            a,
+            crate::service::cluster::peer(app, cluster, a, true)
+                .forward(req)
+                .await,
+        ),
+        Hop::E2b(a) => (
+            a,
+            crate::service::cluster::peer(app, cluster, a, false)
+                .relay(req)
+                .await,
+        ),
+    };
+    let mut answer = match sent {
         Ok(a) => a,
         Err(e) => {
             // Looked up again next time: the host may be back at another address.

@@ -20,7 +20,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
 
-mod forward;
+pub(crate) mod forward;
 mod middleware;
 use middleware::{
     append_failed_authentications, authenticate, observe, record_failed_authentications,

@@ -6,7 +6,7 @@ use super::ApiError;
 use crate::api::types::SandboxInfo;
 use crate::api::App;
 use crate::client::{Client, Endpoint};
-use crate::cluster::{Cluster, HostState};
+use crate::cluster::{Cluster, HostState, Remote};
 use axum::http::StatusCode;
 
 /// Marks a request one host forwarded to another: the owner serves it as its own and
@@ -18,13 +18,8 @@ pub const FORWARDED_BY: &str = "x-forkd-forwarded-by";
 pub enum Located {
     /// On this host (or nowhere: the request then gets this host's 404).
     Here,
-    /// On another host of the cluster, reached at `address`.
-    Remote {
-        /// The host's name.
-        host: String,
-        /// Where its API is.
-        address: String,
-    },
+    /// On another host of the cluster.
+    Remote(Remote),
 }
 
 /// Where the sandbox `id` lives. Sandboxes of this host are found without asking etcd,
@@ -38,8 +33,8 @@ pub async fn locate(app: &App, id: &str) -> Result<Located, ApiError> {
         return Ok(Located::Here);
     }
     // A sandbox found on another host stays there: no etcd round trip per request.
-    if let Some((host, address)) = cluster.remembered(id) {
-        return Ok(Located::Remote { host, address });
+    if let Some(remote) = cluster.remembered(id) {
+        return Ok(Located::Remote(remote));
     }
     let Some(owner) = cluster.owner(id).await? else {
         return Ok(Located::Here);
@@ -49,11 +44,13 @@ pub async fn locate(app: &App, id: &str) -> Result<Located, ApiError> {
     }
     match cluster.live(&owner.host).await? {
         Some(live) => {
-            cluster.remember(id, &owner.host, &live.address);
-            Ok(Located::Remote {
+            let remote = Remote {
                 host: owner.host,
                 address: live.address,
-            })
+                e2b_address: live.e2b_address,
+            };
+            cluster.remember(id, &remote);
+            Ok(Located::Remote(remote))
         }
         None => Err(unreachable(id, &owner.host, "its lease lapsed")),
     }
@@ -68,10 +65,10 @@ pub fn unreachable(id: &str, host: &str, why: &str) -> ApiError {
     )
 }
 
-/// A client of the host at `address`, with this daemon's token (the hosts of a cluster
-/// share one) and, when the cluster was given one, the CA their certificates are
-/// signed by.
-pub fn peer(app: &App, cluster: &Cluster, address: &str) -> Client {
+/// A client of the host at `address`, with this daemon's token if `with_token` (the
+/// hosts of a cluster share one) and, when the cluster was given one, the CA their
+/// certificates are signed by.
+pub fn peer(app: &App, cluster: &Cluster, address: &str, with_token: bool) -> Client {
     let endpoint = match &cluster.config().peer_ca {
         Some(ca) => Endpoint::Https {
             addr: address.to_owned(),
@@ -79,7 +76,7 @@ pub fn peer(app: &App, cluster: &Cluster, address: &str) -> Client {
         },
         None => Endpoint::Tcp(address.to_owned()),
     };
-    Client::new(endpoint, app.config.token.clone())
+    Client::new(endpoint, app.config.token.clone().filter(|_| with_token))
 }
 
 /// Every host's sandboxes: `local` (this host's, already filtered), each living host's
@@ -111,7 +108,7 @@ pub async fn list(
     let others = hosts.iter().filter(|h| h.name != me);
     let lists = others.map(|h| async {
         let listed = match h.state {
-            HostState::Up => peer(app, cluster, &h.address)
+            HostState::Up => peer(app, cluster, &h.address, true)
                 .json::<crate::api::types::SandboxList>(http::Method::GET, &path, None)
                 .await
                 .map_err(|e| tracing::warn!(host = %h.name, "listing its sandboxes: {e}"))

@@ -333,7 +333,7 @@ async fn post_fork(
         .body(http_body_util::Full::new(bytes::Bytes::from(body)))
         .map_err(|e| ApiError::internal(e.to_string()))?;
     let unreachable = |e: String| super::cluster::unreachable("(a fork's share)", &host.name, &e);
-    let answer = peer(app, cluster, &host.address)
+    let answer = peer(app, cluster, &host.address, true)
         .forward(req)
         .await
         .map_err(|e| unreachable(format!("{e:#}")))?;
@@ -376,7 +376,7 @@ async fn remove_all(app: &App, made: &[SandboxInfo]) {
     for s in made {
         let r = match (cluster, s.host.as_deref()) {
             (Some(c), Some(h)) if h != c.host_name() => match c.live(h).await {
-                Ok(Some(live)) => peer(app, c, &live.address)
+                Ok(Some(live)) => peer(app, c, &live.address, true)
                     .delete(&format!("/v1/sandboxes/{}", s.id))
                     .await
                     .map_err(|e| e.to_string()),
