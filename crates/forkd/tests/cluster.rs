@@ -426,7 +426,8 @@ fn any_host_is_a_front_door_to_every_sandbox() {
 /// A fork placed on the cluster: the snapshot is on host A only; a fork of 6 asked of
 /// host C (which lacks it) with 2 slots per host lands on all three, B and C pulling
 /// the snapshot from the cluster's registry and checking its digest; every child
-/// answers through C; what does not fit, or asks for labels no host has, is refused.
+/// answers through C; what does not fit, or asks for labels no host has, is refused;
+/// with B's daemon killed, forks go to A and C.
 #[test]
 fn a_fork_is_placed_across_the_hosts_that_have_room() {
     let etcd = Etcd::start(1);
@@ -438,7 +439,7 @@ fn a_fork_is_placed_across_the_hosts_that_have_room() {
         args.extend(["--max-sandboxes", "2", "--registry", &repo].map(str::to_owned));
         Daemon::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
     };
-    let (a, b, c) = (start("a", "z1"), start("b", "z2"), start("c", "z2"));
+    let (a, mut b, c) = (start("a", "z1"), start("b", "z2"), start("c", "z2"));
     a.link_snapshot("minimal", "mini");
     let rt = runtime();
     rt.block_on(async {
@@ -544,6 +545,42 @@ fn a_fork_is_placed_across_the_hosts_that_have_room() {
             .map(|s| s["host"].as_str().unwrap())
             .collect();
         assert_eq!(hosts, ["a", "a"], "{v}");
+        let zoned: Vec<String> = v["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_str().unwrap().to_owned())
+            .collect();
+
+        // B's daemon killed: once its lease lapsed, forks go to A and C only. (Room: A's
+        // two slots and one of C's.)
+        let on_c = made.iter().find(|s| s["host"] == "c").unwrap();
+        for id in zoned.iter().map(String::as_str).chain([on_c["id"].as_str().unwrap()]) {
+            let (st, v) = call(&c.unix(), Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+            assert!(st.is_success(), "{st} {v}");
+        }
+        b.kill9();
+        wait_for(&c.unix(), &[("a", "up"), ("b", "unreachable"), ("c", "up")], 20).await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let v = loop {
+            let (s, v) = fork(serde_json::json!({
+                "snapshot": "mini", "n": 3, "placement": {"policy": "spread"}
+            }))
+            .await;
+            if s == StatusCode::CREATED || Instant::now() > deadline {
+                assert_eq!(s, StatusCode::CREATED, "{v}");
+                break v;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        let mut hosts: Vec<&str> = v["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["host"].as_str().unwrap())
+            .collect();
+        hosts.sort();
+        assert_eq!(hosts, ["a", "a", "c"], "{v}");
         let (s, v) = fork(serde_json::json!({
             "snapshot": "mini", "n": 1, "placement": {"labels": {"zone": "nowhere"}}
         }))
