@@ -555,12 +555,27 @@ fn a_fork_is_placed_across_the_hosts_that_have_room() {
         // B's daemon killed: once its lease lapsed, forks go to A and C only. (Room: A's
         // two slots and one of C's.)
         let on_c = made.iter().find(|s| s["host"] == "c").unwrap();
-        for id in zoned.iter().map(String::as_str).chain([on_c["id"].as_str().unwrap()]) {
-            let (st, v) = call(&c.unix(), Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+        for id in zoned
+            .iter()
+            .map(String::as_str)
+            .chain([on_c["id"].as_str().unwrap()])
+        {
+            let (st, v) = call(
+                &c.unix(),
+                Method::DELETE,
+                &format!("/v1/sandboxes/{id}"),
+                None,
+            )
+            .await;
             assert!(st.is_success(), "{st} {v}");
         }
         b.kill9();
-        wait_for(&c.unix(), &[("a", "up"), ("b", "unreachable"), ("c", "up")], 20).await;
+        wait_for(
+            &c.unix(),
+            &[("a", "up"), ("b", "unreachable"), ("c", "up")],
+            20,
+        )
+        .await;
         let deadline = Instant::now() + Duration::from_secs(20);
         let v = loop {
             let (s, v) = fork(serde_json::json!({

@@ -39,6 +39,15 @@ fn flags_of<'a>(args: impl IntoIterator<Item = &'a str>) -> Vec<String> {
         .collect()
 }
 
+/// The `key` of every item of the array `v` (the items themselves with no `key`).
+fn strings<'a>(v: &'a serde_json::Value, key: Option<&str>) -> Vec<&'a str> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| key.map_or(x, |k| &x[k]).as_str().unwrap())
+        .collect()
+}
+
 fn assert_known(flags: &[String], known: &[String], file: &str) {
     assert!(!flags.is_empty(), "{file} gives forkd daemon no flags");
     for f in flags {
@@ -84,18 +93,8 @@ fn the_kubernetes_manifests_parse_and_name_real_flags() {
     );
     let c = &pod["containers"][0];
     assert_eq!(c["securityContext"]["privileged"], true);
-    let mounts: Vec<&str> = c["volumeMounts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["name"].as_str().unwrap())
-        .collect();
-    let volumes: Vec<&str> = pod["volumes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v["name"].as_str().unwrap())
-        .collect();
+    let mounts = strings(&c["volumeMounts"], Some("name"));
+    let volumes = strings(&pod["volumes"], Some("name"));
     assert!(
         mounts.iter().all(|m| volumes.contains(m)),
         "{mounts:?} {volumes:?}"
@@ -108,18 +107,8 @@ fn the_kubernetes_manifests_parse_and_name_real_flags() {
         .unwrap();
     assert_eq!(kvm["hostPath"]["path"], "/dev/kvm");
     // The env the arguments expand is defined.
-    let env: Vec<&str> = c["env"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["name"].as_str().unwrap())
-        .collect();
-    let args: Vec<&str> = c["args"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| a.as_str().unwrap())
-        .collect();
+    let env = strings(&c["env"], Some("name"));
+    let args = strings(&c["args"], None);
     assert_eq!(args[0], "daemon");
     for a in &args {
         for var in a.split("$(").skip(1) {
