@@ -614,3 +614,35 @@ fn a_fork_is_placed_across_the_hosts_that_have_room() {
         );
     });
 }
+
+/// A daemon in no cluster says so to cluster requests, rather than ignoring them.
+#[test]
+fn a_daemon_in_no_cluster_refuses_cluster_requests() {
+    let d = Daemon::start(&[]);
+    runtime().block_on(async {
+        let (s, v) = hosts(&d.unix()).await;
+        assert_eq!(s, StatusCode::CONFLICT, "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("--cluster"),
+            "{v}"
+        );
+        let (s, v) = call(
+            &d.unix(),
+            Method::POST,
+            "/v1/sandboxes",
+            Some(serde_json::json!({"snapshot": "mini", "placement": {"policy": "spread"}})),
+        )
+        .await;
+        assert_eq!(s, StatusCode::CONFLICT, "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("not part of one"),
+            "{v}"
+        );
+    });
+}

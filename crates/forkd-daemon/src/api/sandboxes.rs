@@ -111,6 +111,11 @@ pub async fn create(
     use service::placement::{PULL_FROM, SNAPSHOT_DIGEST};
     let req: CreateSandboxes = serde_json::from_value(raw.clone())
         .map_err(|e| ApiError::bad_request(format!("the request body is not valid: {e}")))?;
+    if req.placement.is_some() && app.cluster.is_none() {
+        return Err(ApiError::conflict(
+            "placement spreads a fork over the hosts of a cluster, and this daemon is not part of one (start it with --cluster)",
+        ));
+    }
     let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
     let forwarded = headers.contains_key(service::cluster::FORWARDED_BY);
     // A share of a fork placed by another host of the cluster: its snapshot first.
