@@ -211,6 +211,26 @@ fn a_cluster_member_needs_a_listener() {
     assert!(err.contains("etcd://HOST:PORT"), "{err}");
 }
 
+/// Removes sandbox `id` through `c`.
+async fn remove(c: &Client, id: &str) {
+    let (s, v) = call(c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+    assert!(s.is_success(), "{s} {v}");
+}
+
+/// Forks `body` through `c` until it is created (the hosts' free slots are refreshed
+/// with their records, a second or so after a removal); at most 20 s.
+async fn fork_when_room(c: &Client, body: Value) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (s, v) = call(c, Method::POST, "/v1/sandboxes", Some(body.clone())).await;
+        if s == StatusCode::CREATED || Instant::now() > deadline {
+            assert_eq!(s, StatusCode::CREATED, "{v}");
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 fn stdout(v: &Value) -> String {
     String::from_utf8(common::b64(&v["stdout_b64"])).unwrap()
 }
@@ -516,28 +536,15 @@ fn a_fork_is_placed_across_the_hosts_that_have_room() {
         // Room again on A and B: a pack fork restricted to zone z1 goes to A only.
         for s in made.iter().filter(|s| s["host"] != "c") {
             let id = s["id"].as_str().unwrap();
-            let (st, v) = call(
-                &c.unix(),
-                Method::DELETE,
-                &format!("/v1/sandboxes/{id}"),
-                None,
-            )
-            .await;
-            assert!(st.is_success(), "{st} {v}");
+            remove(&c.unix(), id).await;
         }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let v = loop {
-            let (s, v) = fork(serde_json::json!({
+        let v = fork_when_room(
+            &c.unix(),
+            serde_json::json!({
                 "snapshot": "mini", "n": 2, "placement": {"labels": {"zone": "z1"}}
-            }))
-            .await;
-            // The hosts' free slots are refreshed with their records.
-            if s == StatusCode::CREATED || Instant::now() > deadline {
-                assert_eq!(s, StatusCode::CREATED, "{v}");
-                break v;
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        };
+            }),
+        )
+        .await;
         let hosts: Vec<&str> = v["sandboxes"]
             .as_array()
             .unwrap()
@@ -560,14 +567,7 @@ fn a_fork_is_placed_across_the_hosts_that_have_room() {
             .map(String::as_str)
             .chain([on_c["id"].as_str().unwrap()])
         {
-            let (st, v) = call(
-                &c.unix(),
-                Method::DELETE,
-                &format!("/v1/sandboxes/{id}"),
-                None,
-            )
-            .await;
-            assert!(st.is_success(), "{st} {v}");
+            remove(&c.unix(), id).await;
         }
         b.kill9();
         wait_for(
@@ -576,18 +576,13 @@ fn a_fork_is_placed_across_the_hosts_that_have_room() {
             20,
         )
         .await;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let v = loop {
-            let (s, v) = fork(serde_json::json!({
+        let v = fork_when_room(
+            &c.unix(),
+            serde_json::json!({
                 "snapshot": "mini", "n": 3, "placement": {"policy": "spread"}
-            }))
-            .await;
-            if s == StatusCode::CREATED || Instant::now() > deadline {
-                assert_eq!(s, StatusCode::CREATED, "{v}");
-                break v;
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        };
+            }),
+        )
+        .await;
         let mut hosts: Vec<&str> = v["sandboxes"]
             .as_array()
             .unwrap()
