@@ -134,11 +134,11 @@ impl Client {
         B: hyper::body::Body<Data = Bytes> + Send + 'static,
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        let template = self.request(Method::GET, "/").body(())?;
         let headers = req.headers_mut();
+        headers.insert(hyper::header::HOST, self.host().parse()?);
         headers.remove(hyper::header::AUTHORIZATION);
-        for (name, value) in template.headers() {
-            headers.insert(name, value.clone());
+        if let Some(t) = self.bearer() {
+            headers.insert(hyper::header::AUTHORIZATION, t.parse()?);
         }
         self.dispatch(req).await
     }
@@ -152,10 +152,8 @@ impl Client {
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         if !req.headers().contains_key(hyper::header::HOST) {
-            let template = self.request(Method::GET, "/").body(())?;
-            if let Some(host) = template.headers().get(hyper::header::HOST) {
-                req.headers_mut().insert(hyper::header::HOST, host.clone());
-            }
+            req.headers_mut()
+                .insert(hyper::header::HOST, self.host().parse()?);
         }
         self.dispatch(req).await
     }
@@ -202,17 +200,27 @@ impl Client {
     }
 
     fn request(&self, method: Method, path: &str) -> hyper::http::request::Builder {
-        let mut req = Request::builder().method(method).uri(path).header(
-            hyper::header::HOST,
-            match &self.endpoint {
-                Endpoint::Unix(_) => "localhost",
-                Endpoint::Tcp(a) | Endpoint::Https { addr: a, .. } => a.as_str(),
-            },
-        );
-        if let Some(t) = &self.token {
-            req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {t}"));
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(hyper::header::HOST, self.host());
+        if let Some(t) = self.bearer() {
+            req = req.header(hyper::header::AUTHORIZATION, t);
         }
         req
+    }
+
+    /// The `Host` this client's requests name.
+    fn host(&self) -> &str {
+        match &self.endpoint {
+            Endpoint::Unix(_) => "localhost",
+            Endpoint::Tcp(a) | Endpoint::Https { addr: a, .. } => a.as_str(),
+        }
+    }
+
+    /// The `Authorization` this client's requests carry, if it has a token.
+    fn bearer(&self) -> Option<String> {
+        self.token.as_ref().map(|t| format!("Bearer {t}"))
     }
 
     async fn dispatch<B>(&self, req: Request<B>) -> Result<Response<Incoming>>

@@ -62,6 +62,15 @@ async fn read_until(ws: &mut WebSocket, screen: &mut Screen, done: impl Fn(&Scre
     }
 }
 
+/// The terminal's `closed` message.
+fn closed(screen: &Screen) -> &serde_json::Value {
+    screen
+        .texts
+        .iter()
+        .find(|t| t["type"] == "closed")
+        .expect("a closed message")
+}
+
 async fn typed(ws: &mut WebSocket, s: &str) {
     ws.send(Message::Binary(s.as_bytes().to_vec().into()))
         .await
@@ -159,12 +168,7 @@ fn a_terminal_runs_bash_follows_its_size_survives_a_branch_and_ends_on_pause_or_
         let (s, v) = call(&c, Method::POST, &format!("/v1/sandboxes/{id}/pause"), None).await;
         assert_eq!(s, StatusCode::OK, "{v}");
         read_until(&mut ws, &mut screen, |s| s.close_reason.is_some()).await;
-        let closed = screen
-            .texts
-            .iter()
-            .find(|t| t["type"] == "closed")
-            .expect("a closed message");
-        assert_eq!(closed["reason"], "paused", "{closed}");
+        assert_eq!(closed(&screen)["reason"], "paused");
         assert_eq!(screen.close_reason.as_deref(), Some("paused"));
 
         // A client that reads nothing of a flood holds the command back, not the
@@ -189,12 +193,7 @@ fn a_terminal_runs_bash_follows_its_size_survives_a_branch_and_ends_on_pause_or_
         let (s, v) = call(&c, Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
         assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
         read_until(&mut ws, &mut screen, |s| s.close_reason.is_some()).await;
-        let closed = screen
-            .texts
-            .iter()
-            .find(|t| t["type"] == "closed")
-            .expect("a closed message");
-        assert_eq!(closed["reason"], "removed", "{closed}");
+        assert_eq!(closed(&screen)["reason"], "removed");
     });
 }
 

@@ -109,7 +109,7 @@ pub async fn create(
     JsonBody(raw): JsonBody<serde_json::Value>,
 ) -> Result<Response, ApiError> {
     use service::placement::{PULL_FROM, SNAPSHOT_DIGEST};
-    let req: CreateSandboxes = serde_json::from_value(raw.clone())
+    let req = CreateSandboxes::deserialize(&raw)
         .map_err(|e| ApiError::bad_request(format!("the request body is not valid: {e}")))?;
     if req.placement.is_some() && app.cluster.is_none() {
         return Err(ApiError::conflict(

@@ -65,6 +65,9 @@ pub enum ClusterConfigError {
     /// Too short a lease.
     #[error("--lease-ttl {0} s: at least {min} s", min = MIN_LEASE_TTL.as_secs())]
     LeaseTtl(u64),
+    /// Not a registry repository.
+    #[error("--registry {0:?}: write HOST[:PORT]/REPO, the repository snapshots are pushed to and pulled from")]
+    Registry(String),
     /// A label that is not `KEY=VALUE`.
     #[error("--label {0:?}: write KEY=VALUE (letters, digits, `.`, `_`, `-`, `/` in the key)")]
     Label(String),
@@ -133,6 +136,14 @@ impl ClusterConfig {
         if self.lease_ttl < MIN_LEASE_TTL {
             return Err(ClusterConfigError::LeaseTtl(self.lease_ttl.as_secs()));
         }
+        if let Some(r) = &self.registry {
+            // HOST[:PORT]/REPO, to which a push adds the tag.
+            let repo = r.split_once('/').map(|(_, repo)| repo);
+            let tagged = forkd_storage::oci::registry::parse_reference(&format!("{r}:x"));
+            if repo.is_none_or(|repo| repo.contains([':', '@'])) || tagged.is_err() {
+                return Err(ClusterConfigError::Registry(r.clone()));
+            }
+        }
         Ok(())
     }
 }
@@ -189,6 +200,22 @@ mod tests {
         let mut c = config();
         c.lease_ttl = Duration::from_secs(1);
         assert_eq!(c.validate(), Err(ClusterConfigError::LeaseTtl(1)));
+        let mut c = config();
+        c.registry = Some("10.0.0.30:5000/forkd/snapshots".into());
+        assert_eq!(c.validate(), Ok(()));
+        for bad in [
+            "",
+            "no-repository",
+            "host:5000/repo:tag",
+            "host/repo@sha256",
+            "a b/c",
+        ] {
+            c.registry = Some(bad.into());
+            assert!(
+                matches!(c.validate(), Err(ClusterConfigError::Registry(_))),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

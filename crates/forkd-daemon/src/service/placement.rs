@@ -120,8 +120,16 @@ fn local_digest(app: &App, tag: &Tag) -> Option<String> {
     Some(crate::cluster::snapshot_digest(&snap))
 }
 
-fn matches(h: &HostView, want: &BTreeMap<String, String>) -> bool {
-    want.iter().all(|(k, v)| h.labels.get(k) == Some(v))
+/// Whether `labels` has every label of `want`.
+fn matches(labels: &BTreeMap<String, String>, want: &BTreeMap<String, String>) -> bool {
+    want.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
+/// This host's free slots, as its registry counts them now.
+fn free_here(app: &App) -> usize {
+    app.registry
+        .capacity()
+        .saturating_sub(app.registry.running())
 }
 
 /// Forks `req` (whose JSON is `raw`) across the cluster of `app`; answers as a single
@@ -136,6 +144,16 @@ pub async fn fork(
 ) -> Result<CreatedSandboxes, ApiError> {
     let cluster = crate::api::cluster::cluster_of(app)?;
     let tag = Tag::parse(&req.snapshot)?;
+    // `pack` takes this host first: when it holds the snapshot, matches the labels and
+    // has room for every child, that is the whole plan, and etcd need not be asked.
+    let placement = req.placement.clone().unwrap_or_default();
+    if placement.policy == Policy::Pack
+        && matches(&cluster.config().labels, &placement.labels)
+        && free_here(app) >= req.n as usize
+        && local_digest(app, &tag).is_some()
+    {
+        return super::fork::create_here(app, req).await;
+    }
     let hosts = match cluster.hosts().await {
         Ok(h) => h,
         Err(e) if req.placement.is_none() && local_digest(app, &tag).is_some() => {
@@ -158,18 +176,15 @@ pub async fn fork(
             ))),
         };
     };
-    let placement = req.placement.clone().unwrap_or_default();
     let candidates: Vec<Candidate> = hosts
         .iter()
-        .filter(|h| h.state == HostState::Up && matches(h, &placement.labels))
+        .filter(|h| h.state == HostState::Up && matches(&h.labels, &placement.labels))
         .filter_map(|h| {
             let live = h.live.as_ref()?;
             let here = h.name == cluster.host_name();
             // This host's own count is fresh; the others' as of their last refresh.
             let free = if here {
-                app.registry
-                    .capacity()
-                    .saturating_sub(app.registry.running())
+                free_here(app)
             } else {
                 live.max_sandboxes.saturating_sub(live.running)
             };
