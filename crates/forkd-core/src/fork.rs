@@ -495,7 +495,22 @@ pub fn plan_child(
         ))));
     }
     let (id, dir, guard) = new_sandbox_dir(home)?;
-    let config = VmConfig {
+    let mut config = child_config(snap, id, dir);
+    config.limits = Some(opts.limits.resolve(m.vcpus, m.memory_mib));
+    config.network = m.nic.then(|| NetworkConfig {
+        policy: opts.egress.clone(),
+    });
+    config.seccomp = opts.seccomp;
+    config.detached = opts.detached;
+    Ok(PlannedChild { config, guard })
+}
+
+/// The VM of a sandbox `id` (in `dir`) restored from `snap`: its machine, its RAM file
+/// mapped privately, its own disk layer. No limits, network, filter, or detachment:
+/// the caller's to set.
+pub(crate) fn child_config(snap: &Snapshot, id: String, dir: std::path::PathBuf) -> VmConfig {
+    let m = &snap.manifest.machine;
+    VmConfig {
         id,
         root_disk: dir.join("root.qcow2"),
         dir,
@@ -512,17 +527,14 @@ pub fn plan_child(
         cpu: m.cpu.clone(),
         clock: m.clock,
         pit: m.pit,
-        limits: Some(opts.limits.resolve(m.vcpus, m.memory_mib)),
-        network: m.nic.then(|| NetworkConfig {
-            policy: opts.egress.clone(),
-        }),
-        seccomp: opts.seccomp,
-        detached: opts.detached,
-    };
-    Ok(PlannedChild { config, guard })
+        limits: None,
+        network: None,
+        seccomp: false,
+        detached: false,
+    }
 }
 
-async fn create_layer(
+pub(crate) async fn create_layer(
     hv: &dyn Hypervisor,
     snap: &Snapshot,
     config: &VmConfig,

@@ -6,6 +6,7 @@
 //!   liveness watchdog, [`sandbox::Sandbox::destroy`].
 
 pub mod agent;
+pub mod arrival;
 pub mod branch;
 pub mod claim;
 pub mod compact;

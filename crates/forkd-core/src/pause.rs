@@ -42,7 +42,7 @@ pub(crate) const MEMORY_DIFF: &str = "memory.diff";
 /// The full RAM image the copy writes (removed once diffed).
 const COPIED_RAM: &str = "memory.ram";
 /// The record's format.
-const FORMAT: u32 = 1;
+pub(crate) const FORMAT: u32 = 1;
 
 /// What a pause image is, as `pause.json` records it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -160,6 +160,30 @@ pub fn discard_image(dir: &Path) {
 /// Removes what an interrupted pause wrote in `dir` (the image is not complete).
 pub fn discard_partial(dir: &Path) {
     let _ = std::fs::remove_dir_all(dir.join(PARTIAL_DIR));
+}
+
+/// Writes the pause image of the sandbox in `dir`: `fill` puts its files in the partial
+/// directory it is given, then `record` is written and the image takes its final name.
+/// An image left half written is the partial directory, never taken for an image.
+pub(crate) fn publish_image(
+    dir: &Path,
+    record: &PauseRecord,
+    fill: impl FnOnce(&Path) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    let partial = dir.join(PARTIAL_DIR);
+    let published = serde_json::to_vec_pretty(record)
+        .map_err(std::io::Error::other)
+        .and_then(|json| {
+            std::fs::create_dir(&partial)?;
+            fill(&partial)?;
+            forkd_host::atomic_file::write(&partial.join(RECORD), &json)?;
+            std::fs::rename(&partial, image_dir(dir))?;
+            std::fs::File::open(dir)?.sync_all()
+        });
+    if published.is_err() {
+        discard_partial(dir);
+    }
+    published
 }
 
 /// Writes the running `sandbox` to disk and ends its VM. `timeout_left_s` is kept in
@@ -289,16 +313,8 @@ pub async fn pause_disk(
         timeout_left_s,
         keeps: PauseKeeps::Disk,
     };
-    let partial = sandbox.dir().join(PARTIAL_DIR);
     let image = image_dir(sandbox.dir());
-    let published = serde_json::to_vec_pretty(&record)
-        .map_err(std::io::Error::other)
-        .and_then(|json| {
-            std::fs::create_dir(&partial)?;
-            forkd_host::atomic_file::write(&partial.join(RECORD), &json)?;
-            std::fs::rename(&partial, &image)?;
-            std::fs::File::open(sandbox.dir())?.sync_all()
-        });
+    let published = publish_image(sandbox.dir(), &record, |_| Ok(()));
     if let Err(source) = published {
         discard_partial(sandbox.dir());
         if let Err(again) = sandbox.vm().resume().await {

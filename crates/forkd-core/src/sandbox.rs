@@ -121,7 +121,7 @@ impl DirGuard {
     }
 
     /// Keeps the directory: the sandbox now owns it, and its claim.
-    fn disarm(&mut self) -> Option<crate::claim::Claim> {
+    pub(crate) fn disarm(&mut self) -> Option<crate::claim::Claim> {
         self.dir = None;
         self.claim.take()
     }
@@ -908,17 +908,27 @@ pub(crate) fn resume_in_greeting(agent_protocol: u32) -> bool {
 /// dropped before the sandbox is launched, the directory goes with it.
 pub(crate) fn new_sandbox_dir(home: &Home) -> Result<(String, PathBuf, DirGuard), SandboxError> {
     let id = forkd_host::ids::sandbox_id();
-    let dir = sandboxes_dir(home).join(&id);
-    std::fs::create_dir_all(&dir).map_err(|source| SandboxError::Io {
-        context: format!("creating {}", dir.display()),
-        source,
-    })?;
+    let (dir, guard) = sandbox_dir_for(home, &id)?;
+    Ok((id, dir, guard))
+}
+
+/// Makes the runtime directory of sandbox `id`, which must not have one yet (a sandbox
+/// brought from another host keeps its id).
+pub(crate) fn sandbox_dir_for(home: &Home, id: &str) -> Result<(PathBuf, DirGuard), SandboxError> {
+    let parent = sandboxes_dir(home);
+    let dir = parent.join(id);
+    std::fs::create_dir_all(&parent)
+        .and_then(|()| std::fs::create_dir(&dir))
+        .map_err(|source| SandboxError::Io {
+            context: format!("creating {}", dir.display()),
+            source,
+        })?;
     let mut guard = DirGuard {
         dir: Some(dir.clone()),
         claim: None,
     };
     guard.claim = Some(crate::claim::take(&dir)?);
-    Ok((id, dir, guard))
+    Ok((dir, guard))
 }
 
 /// Where sandbox runtime directories live.

@@ -57,7 +57,11 @@ async fn hosts(client: &Client, json: bool) -> Result<()> {
             } else {
                 name.to_owned()
             },
-            h["state"].as_str().unwrap_or(""),
+            if live["draining"] == Value::Bool(true) {
+                "draining"
+            } else {
+                h["state"].as_str().unwrap_or("")
+            },
             h["address"].as_str().unwrap_or(""),
             dash(&live["accel"]),
             dash(&live["cpus"]),
@@ -67,4 +71,55 @@ async fn hosts(client: &Client, json: bool) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `forkd drain HOST`.
+#[derive(clap::Args, Debug)]
+pub struct DrainArgs {
+    /// The host to drain (its name in `forkd cluster hosts`).
+    pub host: String,
+    /// End the host's drain instead: it takes new sandboxes again (those moved off it
+    /// stay where they went).
+    #[arg(long)]
+    pub undo: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Drains a host (or ends its drain). Exits 1 if a sandbox could not be moved.
+pub async fn drain(client: &Client, args: DrainArgs) -> Result<i32> {
+    let path = format!("/v1/cluster/hosts/{}/drain", args.host);
+    let method = if args.undo {
+        Method::DELETE
+    } else {
+        Method::POST
+    };
+    let v: Value = client.json(method, &path, None).await?;
+    let strings = |k: &str| -> Vec<Value> { v[k].as_array().cloned().unwrap_or_default() };
+    let kept = strings("kept");
+    if args.json {
+        crate::remote::print_json(&v)?;
+    } else if args.undo {
+        println!("host {} takes new sandboxes again", args.host);
+    } else {
+        let moved = strings("moved");
+        println!(
+            "host {} is draining: {} sandbox(es) moved to the cluster's registry, {} kept",
+            args.host,
+            moved.len(),
+            kept.len()
+        );
+        for id in &moved {
+            println!("  moved {}", id.as_str().unwrap_or(""));
+        }
+        for k in &kept {
+            println!(
+                "  kept  {}: {}",
+                k["id"].as_str().unwrap_or(""),
+                k["reason"].as_str().unwrap_or("")
+            );
+        }
+    }
+    Ok(if kept.is_empty() { 0 } else { 1 })
 }

@@ -143,6 +143,10 @@ enum Command {
     /// The cluster of daemons this one is a host of (`forkd daemon --cluster`).
     #[command(subcommand)]
     Cluster(cluster::ClusterCommand),
+    /// Drain a host of the cluster: it takes no new sandboxes, and each of its
+    /// sandboxes is paused and moved to the cluster's registry, to be resumed on
+    /// another host at its next use.
+    Drain(cluster::DrainArgs),
     /// Serve MCP on stdin/stdout: tools for an MCP client's model to list snapshots,
     /// create, branch and kill sandboxes, run commands and code, and read and write
     /// files in them, through the daemon.
@@ -249,6 +253,7 @@ fn main() {
             Command::Cluster(cmd) => cluster::run(&remote::connect(&home)?, cmd)
                 .await
                 .map(|()| 0),
+            Command::Drain(args) => cluster::drain(&remote::connect(&home)?, args).await,
             Command::Mcp => mcp::serve(remote::connect(&home)?).await.map(|()| 0),
         }
     });

@@ -641,3 +641,111 @@ fn a_daemon_in_no_cluster_refuses_cluster_requests() {
         );
     });
 }
+
+/// A drained host's sandboxes move: `forkd drain a` pauses A's sandbox and parks it
+/// in the cluster's registry (A keeps nothing, takes no new fork); the next request
+/// for it, through B's front door (which had found it on A before), has B take it and
+/// resume it: the same machine, with its file and the value only a background
+/// process's memory held.
+#[test]
+fn a_drained_hosts_sandbox_resumes_on_another_host_at_its_next_use() {
+    let etcd = Etcd::start(1);
+    let registry = common::Registry::start();
+    let repo = format!("{}/forkd/snapshots", registry.addr);
+    let start = |name: &str| {
+        let port = free_port().rsplit_once(':').unwrap().1.to_owned();
+        let mut args = host_args(&etcd, name, &port, "z1");
+        args.extend(["--registry", &repo].map(str::to_owned));
+        Daemon::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let (a, b) = (start("a"), start("b"));
+    a.link_snapshot("minimal", "mini");
+    let rt = runtime();
+    rt.block_on(async {
+        wait_for(&b.unix(), &[("a", "up"), ("b", "up")], 30).await;
+        let id = common::create(&a.unix(), "mini", 1).await.remove(0);
+        let set_up = "echo kept > /root/file; mkfifo /tmp/go; \
+            (v=held-in-memory; read x < /tmp/go; echo \"$v $x\" > /tmp/out) >/dev/null 2>&1 & \
+            sleep 0.2; echo started";
+        // Through B: B learns the sandbox is on A.
+        let v = common::exec(&b.unix(), &id, set_up).await;
+        assert_eq!(stdout(&v).trim(), "started", "{v}");
+
+        let out = b.forkd().args(["drain", "a", "--json"]).output().unwrap();
+        let report: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+        assert!(out.status.success(), "{report}");
+        assert_eq!(report["moved"], serde_json::json!([id]), "{report}");
+        assert_eq!(report["kept"], serde_json::json!([]), "{report}");
+        // A holds nothing; the cluster lists the sandbox paused, on no host yet.
+        let (s, v) = call(&a.unix(), Method::GET, "/v1/sandboxes?scope=host", None).await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(v["sandboxes"], serde_json::json!([]), "{v}");
+        wait_listed(
+            &b.unix(),
+            &[(id.clone(), String::new(), "paused".into())],
+            5,
+        )
+        .await;
+        let (_, v) = hosts(&b.unix()).await;
+        assert_eq!(v["hosts"][0]["live"]["draining"], true, "{v}");
+        // A drained host takes no fork: one asked of A lands on B.
+        let (s, v) = call(
+            &a.unix(),
+            Method::POST,
+            "/v1/sandboxes",
+            Some(serde_json::json!({"snapshot": "mini", "n": 1, "placement": {}})),
+        )
+        .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        assert_eq!(v["sandboxes"][0]["host"], "b", "{v}");
+
+        // Its next use, through B, which remembered it on A.
+        let v = common::exec(&b.unix(), &id, "cat /root/file; hostname").await;
+        assert_eq!(stdout(&v), format!("kept\n{id}\n"), "{v}");
+        let v = common::exec(
+            &b.unix(),
+            &id,
+            "echo now > /tmp/go; for i in 1 2 3 4 5 6 7 8 9 10; do \
+             [ -s /tmp/out ] && break; sleep 0.2; done; cat /tmp/out",
+        )
+        .await;
+        assert_eq!(stdout(&v).trim(), "held-in-memory now", "{v}");
+        let (s, v) = call(&b.unix(), Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["status"], "running", "{v}");
+        // A, asked, sends it on to B.
+        let v = common::exec(&a.unix(), &id, "cat /root/file").await;
+        assert_eq!(stdout(&v), "kept\n", "{v}");
+
+        // The drain ends: A takes forks again.
+        let out = b.forkd().args(["drain", "a", "--undo"]).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (_, v) = hosts(&b.unix()).await;
+            if v["hosts"][0]["live"]["draining"].is_null() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "A still draining: {v}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        remove(&b.unix(), &id).await;
+        // The link that brought it went with it; A kept none either.
+        for d in [&a, &b] {
+            let (s, v) = call(&d.unix(), Method::GET, "/v1/snapshots", None).await;
+            assert_eq!(s, StatusCode::OK);
+            let tags: Vec<&str> = v["snapshots"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s["tag"].as_str().unwrap())
+                .collect();
+            assert_eq!(tags, ["mini"], "{v}");
+        }
+    });
+}

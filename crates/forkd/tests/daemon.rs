@@ -420,7 +420,8 @@ fn the_openapi_document_lists_the_methods_each_route_takes() {
                 .replace("{port}", "8080")
                 .replace("{process}", "1")
                 .replace("{context}", "nosuch")
-                .replace("{path}", "x");
+                .replace("{path}", "x")
+                .replace("{name}", "nosuch");
             assert!(!concrete.contains('{'), "a parameter left in {path}");
             // The event stream would stay open: asked to end after the kept events.
             let concrete = if concrete == "/v1/events" {

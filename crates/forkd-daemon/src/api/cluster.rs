@@ -2,7 +2,8 @@
 
 use super::{ApiError, App};
 use crate::cluster::{ClusterError, HostView};
-use axum::extract::State;
+use crate::service::moving::DrainReport;
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
 use serde::Serialize;
@@ -46,5 +47,120 @@ pub async fn hosts(State(app): State<App>) -> Result<Json<ClusterHosts>, ApiErro
     Ok(Json(ClusterHosts {
         this_host: cluster.host_name().to_owned(),
         hosts: cluster.hosts().await?,
+    }))
+}
+
+/// Drains the host `name`: it takes no new sandboxes, and each of its sandboxes is
+/// paused and parked in the cluster's registry, to be resumed on another host at its
+/// next use. Asked of any host; done by the host drained.
+#[utoipa::path(post, path = "/v1/cluster/hosts/{name}/drain",
+    params(("name" = String, Path, description = "The host to drain")),
+    responses(
+        (status = 200, body = DrainReport),
+        (status = 404, description = "no host of that name"),
+        (status = 409, description = "this daemon is in no cluster, or has no registry"),
+        (status = 503, description = "etcd or the host cannot be reached"),
+))]
+pub async fn drain(
+    State(app): State<App>,
+    Path(name): Path<String>,
+) -> Result<Json<DrainReport>, ApiError> {
+    on_host(&app, &name, http::Method::POST, "drain", || async {
+        crate::service::moving::drain(&app).await
+    })
+    .await
+    .map(Json)
+}
+
+/// Ends the drain of host `name`: it takes new sandboxes again (those moved off it
+/// stay where they went).
+#[utoipa::path(delete, path = "/v1/cluster/hosts/{name}/drain",
+    params(("name" = String, Path, description = "The host")),
+    responses(
+        (status = 200, body = DrainReport),
+        (status = 404, description = "no host of that name"),
+        (status = 409, description = "this daemon is in no cluster"),
+        (status = 503, description = "etcd or the host cannot be reached"),
+))]
+pub async fn undrain(
+    State(app): State<App>,
+    Path(name): Path<String>,
+) -> Result<Json<DrainReport>, ApiError> {
+    on_host(&app, &name, http::Method::DELETE, "drain", || async {
+        let cluster = cluster_of(&app)?;
+        cluster.set_draining(false);
+        tracing::info!("this host takes new sandboxes again");
+        Ok(DrainReport {
+            host: cluster.host_name().to_owned(),
+            moved: Vec::new(),
+            kept: Vec::new(),
+        })
+    })
+    .await
+    .map(Json)
+}
+
+/// Runs `here` if `name` is this host, else sends the same request (`method`,
+/// `/v1/cluster/hosts/{name}/{verb}`) to that host.
+async fn on_host<F, Fut>(
+    app: &App,
+    name: &str,
+    method: http::Method,
+    verb: &str,
+    here: F,
+) -> Result<DrainReport, ApiError>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = Result<DrainReport, ApiError>>,
+{
+    let cluster = cluster_of(app)?;
+    if name == cluster.host_name() {
+        return here().await;
+    }
+    let hosts = cluster.hosts().await?;
+    let host = hosts
+        .iter()
+        .find(|h| h.name == name)
+        .ok_or_else(|| ApiError::not_found(format!("no host {name} in the cluster")))?;
+    if host.state != crate::cluster::HostState::Up {
+        return Err(crate::service::cluster::unreachable_host(name));
+    }
+    let path = format!("/v1/cluster/hosts/{name}/{verb}");
+    crate::service::cluster::peer(app, cluster, &host.address, true)
+        .json::<DrainReport>(method, &path, None)
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "host_failed",
+                format!("host {name}: {e:#}"),
+            )
+        })
+}
+
+/// A parked sandbox a host took.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Taken {
+    /// The sandbox, paused on its new host.
+    pub id: String,
+    /// Its new host.
+    pub host: String,
+}
+
+/// Has this host take the parked sandbox `id` (another host asks it, for a request
+/// that sandbox got): pulled, installed paused, claimed.
+#[utoipa::path(post, path = "/v1/cluster/sandboxes/{id}/take",
+    params(("id" = String, Path, description = "The parked sandbox")),
+    responses(
+        (status = 200, body = Taken),
+        (status = 404, description = "no such sandbox in the cluster"),
+        (status = 409, description = "it waits for no host, this host is draining, or it is in no cluster"),
+        (status = 503, description = "etcd cannot be reached"),
+))]
+pub async fn take(State(app): State<App>, Path(id): Path<String>) -> Result<Json<Taken>, ApiError> {
+    crate::service::moving::take_here(&app, &id).await?;
+    Ok(Json(Taken {
+        host: cluster_of(&app)?.host_name().to_owned(),
+        id,
     }))
 }

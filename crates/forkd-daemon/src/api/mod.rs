@@ -134,6 +134,11 @@ pub fn router(app: App) -> Router {
             get(snapshots::get_pool).put(snapshots::set_pool),
         )
         .route("/v1/cluster/hosts", get(cluster::hosts))
+        .route(
+            "/v1/cluster/hosts/{name}/drain",
+            post(cluster::drain).delete(cluster::undrain),
+        )
+        .route("/v1/cluster/sandboxes/{id}/take", post(cluster::take))
         .route("/v1/events", get(events::stream))
         .route("/v1/webhooks", get(events::list).post(events::register))
         .route("/v1/webhooks/{id}", get(events::get).delete(events::delete))
@@ -270,6 +275,9 @@ pub fn router(app: App) -> Router {
         events::get,
         events::delete,
         cluster::hosts,
+        cluster::drain,
+        cluster::undrain,
+        cluster::take,
     ),
     // The NDJSON line of a streamed exec: no path returns it as its body, but clients
     // (the SDKs) need its schema.

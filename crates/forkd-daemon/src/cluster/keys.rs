@@ -9,6 +9,9 @@
 //! /forkd/sandboxes/ID  OwnerRecord which host owns the sandbox (claimed in a transaction
 //!                                  that fails if any host holds the id)
 //! /forkd/owned/NAME/ID OwnerRecord the same, indexed by host: what it claimed
+//! /forkd/parked/ID     OwnerRecord a paused sandbox moved off its host (its record in
+//!                                  /forkd/sandboxes/ID says where it waits), until a
+//!                                  host takes it
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -35,6 +38,14 @@ pub fn sandbox(id: &str) -> String {
 /// its claims).
 pub fn owned(host: &str, id: &str) -> String {
     format!("/forkd/owned/{host}/{id}")
+}
+
+/// Paused sandboxes that wait in the cluster's registry for a host, by id.
+pub const PARKED: &str = "/forkd/parked/";
+
+/// The key of parked sandbox `id`.
+pub fn parked(id: &str) -> String {
+    format!("{PARKED}{id}")
 }
 
 /// The key of host `name`'s permanent record.
@@ -81,6 +92,9 @@ pub struct HostLive {
     pub snapshots: BTreeMap<String, String>,
     /// Its labels.
     pub labels: BTreeMap<String, String>,
+    /// It is being drained: it takes no new sandboxes (see `forkd drain`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub draining: bool,
     /// Its forkd version.
     pub version: String,
     /// When it wrote this (RFC 3339).

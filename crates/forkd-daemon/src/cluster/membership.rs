@@ -105,7 +105,9 @@ fn live(cluster: &Cluster, app: &App) -> HostLive {
         .store()
         .list()
         .into_iter()
-        .filter_map(|(tag, snap)| Some((tag, super::snapshot_digest(&snap.ok()?))))
+        .filter_map(|(tag, snap)| {
+            Some((tag, super::snapshot_digest(registry.store(), &snap.ok()?)?))
+        })
         .collect();
     // The E2B listener at the advertised host, on its own port.
     let e2b_address = app.config.e2b.as_ref().map(|e| {
@@ -128,6 +130,7 @@ fn live(cluster: &Cluster, app: &App) -> HostLive {
         running: registry.running(),
         snapshots,
         labels: cluster.config.labels.clone(),
+        draining: cluster.is_draining(),
         version: env!("CARGO_PKG_VERSION").to_owned(),
         updated_at: crate::now_rfc3339(),
     }

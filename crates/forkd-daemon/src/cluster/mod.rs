@@ -92,6 +92,11 @@ pub struct Cluster {
     /// names one sandbox for good, so an entry stays right until its host stops
     /// answering at that address (see [`Cluster::forget`]).
     located: std::sync::Mutex<std::collections::HashMap<String, Remote>>,
+    /// Set by a drain: the host takes no new sandboxes.
+    draining: std::sync::atomic::AtomicBool,
+    /// Sandboxes moved off this host (or being moved): never claimed by it again, and
+    /// requests still sent here for them are passed on to where they went.
+    moved: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 /// Another host, as a request for one of its sandboxes reaches it.
@@ -138,7 +143,35 @@ impl Cluster {
             config,
             client,
             located: Default::default(),
+            draining: Default::default(),
+            moved: Default::default(),
         })
+    }
+
+    /// True while this host is drained.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Drains this host (it takes no new sandboxes), or stops draining it.
+    pub fn set_draining(&self, on: bool) {
+        self.draining
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Notes that sandbox `id` leaves this host (`true`), or stays after all (`false`).
+    pub fn set_moved(&self, id: &str, moved: bool) {
+        let mut m = self.moved.lock().expect("not poisoned");
+        if moved {
+            m.insert(id.to_owned());
+        } else {
+            m.remove(id);
+        }
+    }
+
+    /// True if sandbox `id` was moved off this host.
+    pub fn was_moved(&self, id: &str) -> bool {
+        self.moved.lock().expect("not poisoned").contains(id)
     }
 
     /// The host sandbox `id` was found on, if remembered.
@@ -256,17 +289,47 @@ impl Cluster {
 }
 
 /// What names a snapshot's contents across the hosts: the sha256 of its manifest
-/// (parts with their digests, machine, parent's digest...) as canonical JSON, without
-/// its tag and its build times. A host that pulled a snapshot holds the same manifest
-/// in substance, not byte for byte (an install records its own publish time), so the
-/// file's own digest would differ.
-pub fn snapshot_digest(snapshot: &forkd_storage::snapshot::Snapshot) -> String {
+/// (parts with their digests, machine...) as canonical JSON, without its tag and its
+/// build times, and those of its ancestors after it in the same way. A host that
+/// pulled a snapshot holds the same manifest in substance, not byte for byte (an
+/// install records its own publish time, and a chain link the digest of the parent's
+/// manifest file there), so the file's own digest would differ. None if a parent of
+/// the chain is missing.
+pub fn snapshot_digest(
+    store: &forkd_storage::snapshot::Store,
+    snapshot: &forkd_storage::snapshot::Snapshot,
+) -> Option<String> {
     use sha2::Digest;
-    let mut manifest = snapshot.manifest.clone();
-    manifest.tag = String::new();
-    manifest.build = Default::default();
-    let json = serde_json::to_vec(&manifest).expect("manifests serialize");
-    format!("sha256:{}", hex::encode(sha2::Sha256::digest(&json)))
+    // The manifest in substance: no tag, no build times, no file digest of its parent;
+    // and for a chain link, not its disk layer's bytes, which name the parent's disk by
+    // its path on the host (rewritten by an install; the pull checked the layer against
+    // the registry's digest).
+    let canonical = |m: &forkd_storage::snapshot::Manifest| {
+        let mut m = m.clone();
+        m.tag = String::new();
+        m.build = Default::default();
+        m.parent_digest = None;
+        if m.parent.is_some() {
+            m.parts
+                .remove(forkd_storage::snapshot::manifest::parts::DISK);
+        }
+        serde_json::to_vec(&m).expect("manifests serialize")
+    };
+    // The snapshot's, then each ancestor's down to the root.
+    let mut hash = sha2::Sha256::new();
+    hash.update(canonical(&snapshot.manifest));
+    let mut parent = snapshot.manifest.parent.clone();
+    for _ in 0..forkd_storage::snapshot::chain::MAX_DEPTH {
+        let Some(tag) = parent else {
+            return Some(format!("sha256:{}", hex::encode(hash.finalize())));
+        };
+        let p = forkd_storage::snapshot::Tag::parse(&tag)
+            .and_then(|t| store.open(&t))
+            .ok()?;
+        hash.update(canonical(&p.manifest));
+        parent = p.manifest.parent.clone();
+    }
+    None
 }
 
 /// The name after `prefix` in `kv`'s key and its JSON value.

@@ -31,6 +31,34 @@ pub struct OwnerRecord {
     pub labels: BTreeMap<String, String>,
     /// When it was made (RFC 3339).
     pub created_at: String,
+    /// Set while the sandbox, paused, waits in the cluster's registry for a host (it
+    /// was moved off `host`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parked: Option<Parked>,
+}
+
+/// A paused sandbox moved off its host: where its image waits, and what a host that
+/// takes it needs to make it what it was.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Parked {
+    /// Its pause image as a chain link in the cluster's registry, by digest.
+    pub reference: String,
+    /// The link's tag: the snapshot the sandbox builds on once taken.
+    pub tag: String,
+    /// The digest of the link's contents ([`super::snapshot_digest`]).
+    pub digest: String,
+    /// Its deadline's and idleness's rules.
+    pub lifecycle: crate::state::Lifecycle,
+    /// The limits of its VM.
+    pub limits: Option<forkd_host::cgroup::ResourceLimits>,
+    /// Its NIC's policy.
+    pub network: Option<forkd_host::network::NetworkConfig>,
+    /// Its QEMU runs with the syscall filter.
+    pub seccomp: bool,
+    /// What was left of its timeout when it was paused.
+    pub timeout_left_s: Option<u64>,
+    /// When it left its host (RFC 3339).
+    pub parked_at: String,
 }
 
 /// What a claim found.
@@ -65,6 +93,8 @@ impl Cluster {
         }
         let held = self.owner(id).await?;
         Ok(match held {
+            // This host took it in and was stopped before its claim: the claim is made.
+            Some(r) if r.parked.is_some() => self.take_parked(id, record).await?,
             Some(r) if r.host == self.host_name() => Claimed::Mine,
             Some(r) => Claimed::Other(r.host),
             // Released between the two reads: claim again.
@@ -91,6 +121,82 @@ impl Cluster {
         })
         .await?;
         Ok(())
+    }
+
+    /// Gives up this host's sandbox `id`, paused and pushed as `record.parked` says:
+    /// from now it waits for a host to take it. False if this host does not hold it.
+    pub async fn park(&self, id: &str, record: &OwnerRecord) -> Result<bool, ClusterError> {
+        let mine = keys::owned(self.host_name(), id);
+        let value = serde_json::to_vec(record).expect("records serialize");
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                mine.clone(),
+                CompareOp::Greater,
+                0,
+            )])
+            .and_then([
+                TxnOp::put(keys::sandbox(id), value.clone(), None),
+                TxnOp::put(keys::parked(id), value, None),
+                TxnOp::delete(mine, None),
+            ]);
+        let answer = self
+            .request(|mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        Ok(answer.succeeded())
+    }
+
+    /// Claims the parked sandbox `id` for this host, with `record`: it succeeds for one
+    /// host only, while the sandbox waits.
+    pub async fn take_parked(
+        &self,
+        id: &str,
+        record: &OwnerRecord,
+    ) -> Result<Claimed, ClusterError> {
+        let value = serde_json::to_vec(record).expect("records serialize");
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                keys::parked(id),
+                CompareOp::Greater,
+                0,
+            )])
+            .and_then([
+                TxnOp::delete(keys::parked(id), None),
+                TxnOp::put(keys::sandbox(id), value.clone(), None),
+                TxnOp::put(keys::owned(self.host_name(), id), value, None),
+            ]);
+        let answer = self
+            .request(|mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        if answer.succeeded() {
+            return Ok(Claimed::Mine);
+        }
+        Ok(match self.owner(id).await? {
+            Some(r) if r.host == self.host_name() && r.parked.is_none() => Claimed::Mine,
+            Some(r) => Claimed::Other(r.host),
+            None => Claimed::Other(String::new()),
+        })
+    }
+
+    /// The sandboxes that wait for a host, by id.
+    pub async fn parked(&self) -> Result<BTreeMap<String, OwnerRecord>, ClusterError> {
+        let answer = self
+            .request(|mut c| async move {
+                c.get(keys::PARKED, Some(GetOptions::new().with_prefix()))
+                    .await
+            })
+            .await?;
+        let mut out = BTreeMap::new();
+        for kv in answer.kvs() {
+            let (id, record) = super::decode::<OwnerRecord>(kv, keys::PARKED)?;
+            out.insert(id, record);
+        }
+        Ok(out)
     }
 
     /// The owner of sandbox `id`, if a host claimed it.
@@ -172,18 +278,21 @@ pub fn local_records(cluster: &Cluster, app: &App) -> BTreeMap<String, OwnerReco
     app.registry
         .list()
         .into_iter()
-        .map(|l| {
-            (
-                l.row.id.clone(),
-                OwnerRecord {
-                    host: cluster.host_name().to_owned(),
-                    snapshot: l.row.snapshot.clone(),
-                    labels: l.row.labels.clone(),
-                    created_at: l.row.created_at.clone(),
-                },
-            )
-        })
+        // One leaving is the cluster's to place, not this host's to claim.
+        .filter(|l| !cluster.was_moved(&l.row.id))
+        .map(|l| (l.row.id.clone(), record_of(cluster, &l.row)))
         .collect()
+}
+
+/// This host's claim on the sandbox `row`.
+pub fn record_of(cluster: &Cluster, row: &crate::state::SandboxRow) -> OwnerRecord {
+    OwnerRecord {
+        host: cluster.host_name().to_owned(),
+        snapshot: row.snapshot.clone(),
+        labels: row.labels.clone(),
+        created_at: row.created_at.clone(),
+        parked: None,
+    }
 }
 
 /// Keeps this host's claims following its sandboxes while the daemon runs: a

@@ -312,7 +312,9 @@ async fn elsewhere(
     headers: &HeaderMap,
 ) -> Option<Result<crate::cluster::Remote, crate::api::ApiError>> {
     use crate::service::cluster::{locate, Located, FORWARDED_BY};
-    if e2b.app.cluster.is_none() || headers.contains_key(FORWARDED_BY) {
+    let cluster = e2b.app.cluster.as_deref()?;
+    // Served here if forwarded, unless it moved off this host meanwhile.
+    if headers.contains_key(FORWARDED_BY) && !cluster.was_moved(id) {
         return None;
     }
     match locate(&e2b.app, id).await {

@@ -359,6 +359,19 @@ impl Registry {
         (paused, results.len() - paused)
     }
 
+    /// Records `row`, a sandbox brought from another host whose pause image is installed
+    /// in its directory: paused here, as if it had been paused here.
+    pub fn insert_arrived(&self, row: SandboxRow) -> Result<(), RegistryError> {
+        self.state.insert_sandbox(&row)?;
+        self.events.emit(
+            crate::events::EventKind::Paused,
+            &row,
+            Some("brought from another host"),
+        );
+        self.slots().paused.insert(row.id.clone(), row);
+        Ok(())
+    }
+
     /// Bytes the pause images of the sandboxes without a VM hold.
     pub fn paused_bytes(&self) -> u64 {
         let dirs: Vec<_> = self

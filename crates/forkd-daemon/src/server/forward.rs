@@ -22,12 +22,17 @@ fn sandbox_of(path: &str) -> Option<&str> {
 
 /// Serves the request here, or forwards it to the host that owns its sandbox.
 pub async fn to_owner(State(app): State<App>, req: Request, next: Next) -> Response {
-    if app.cluster.is_none() || req.headers().contains_key(FORWARDED_BY) {
+    let Some(cluster) = app.cluster.as_deref() else {
         return next.run(req).await;
-    }
+    };
     let Some(id) = sandbox_of(req.uri().path()).map(str::to_owned) else {
         return next.run(req).await;
     };
+    // A forwarded request is served here, unless its sandbox moved off this host since
+    // the forwarding host learnt where it was: then it is passed on.
+    if req.headers().contains_key(FORWARDED_BY) && !cluster.was_moved(&id) {
+        return next.run(req).await;
+    }
     match locate(&app, &id).await {
         Ok(Located::Here) => next.run(req).await,
         Ok(Located::Remote(r)) => forward(&app, &id, &r.host, Hop::Rest(&r.address), req).await,

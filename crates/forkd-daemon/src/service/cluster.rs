@@ -6,6 +6,7 @@ use super::ApiError;
 use crate::api::types::SandboxInfo;
 use crate::api::App;
 use crate::client::{Client, Endpoint};
+use crate::cluster::ownership::OwnerRecord;
 use crate::cluster::{Cluster, HostState, Remote};
 use axum::http::StatusCode;
 
@@ -39,6 +40,10 @@ pub async fn locate(app: &App, id: &str) -> Result<Located, ApiError> {
     let Some(owner) = cluster.owner(id).await? else {
         return Ok(Located::Here);
     };
+    if owner.parked.is_some() {
+        // Moved off its host: taken by a host now, for this request.
+        return super::moving::take(app, cluster, id).await;
+    }
     if owner.host == cluster.host_name() {
         return Ok(Located::Here);
     }
@@ -62,6 +67,15 @@ pub fn unreachable(id: &str, host: &str, why: &str) -> ApiError {
         StatusCode::SERVICE_UNAVAILABLE,
         "host_unreachable",
         format!("the sandbox {id} is on host {host}, which is unreachable ({why}); its state is unknown until the host is back"),
+    )
+}
+
+/// The answer for a request to a host that does not answer.
+pub fn unreachable_host(host: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "host_unreachable",
+        format!("host {host} is unreachable (its lease lapsed)"),
     )
 }
 
@@ -129,6 +143,13 @@ pub async fn list(
     for list in futures::future::join_all(lists).await {
         all.extend(list?);
     }
+    // Those moved off their host, waiting for one: paused, on no host yet.
+    let parked = cluster.parked().await?;
+    all.extend(filtered(parked, query).map(|(id, r)| {
+        let mut info = info_of(id, r, "paused", None);
+        info.host = None;
+        info
+    }));
     all.sort_by(|a, b| (&a.created_at, &a.id).cmp(&(&b.created_at, &b.id)));
     Ok(all)
 }
@@ -140,33 +161,51 @@ async fn unknown(
     host: &str,
     query: &[(&str, &Option<String>)],
 ) -> Result<Vec<SandboxInfo>, ApiError> {
-    let filter = |k: &str| {
+    let records = cluster.owned_by(host).await?;
+    Ok(filtered(records, query)
+        .map(|(id, r)| {
+            let why = format!("its host {host} is unreachable");
+            info_of(id, r, "unknown", Some(why))
+        })
+        .collect())
+}
+
+/// The records of `records` that `query`'s filters (snapshot, label) let through.
+fn filtered<'a>(
+    records: std::collections::BTreeMap<String, OwnerRecord>,
+    query: &'a [(&str, &Option<String>)],
+) -> impl Iterator<Item = (String, OwnerRecord)> + 'a {
+    let filter = move |k: &str| {
         query
             .iter()
             .find(|(name, _)| *name == k)
             .and_then(|(_, v)| v.as_deref())
     };
     let label = filter("label").and_then(|l| l.split_once('='));
-    Ok(cluster
-        .owned_by(host)
-        .await?
+    let snapshot = filter("snapshot");
+    records
         .into_iter()
-        .filter(|(_, r)| filter("snapshot").is_none_or(|s| r.snapshot == s))
-        .filter(|(_, r)| label.is_none_or(|(k, v)| r.labels.get(k).map(String::as_str) == Some(v)))
-        .map(|(id, r)| SandboxInfo {
-            id,
-            snapshot: r.snapshot,
-            status: "unknown".into(),
-            error: Some(format!("its host {host} is unreachable")),
-            pid: 0,
-            vcpus: 0,
-            memory_mib: 0,
-            labels: r.labels,
-            created_at: r.created_at,
-            timeout_at: None,
-            limits: None,
-            network: None,
-            host: Some(host.to_owned()),
+        .filter(move |(_, r)| snapshot.is_none_or(|s| r.snapshot == s))
+        .filter(move |(_, r)| {
+            label.is_none_or(|(k, v)| r.labels.get(k).map(String::as_str) == Some(v))
         })
-        .collect())
+}
+
+/// What the cluster's records show of sandbox `id` without its host's answer.
+fn info_of(id: String, r: OwnerRecord, status: &str, error: Option<String>) -> SandboxInfo {
+    SandboxInfo {
+        id,
+        snapshot: r.snapshot,
+        status: status.into(),
+        error,
+        pid: 0,
+        vcpus: 0,
+        memory_mib: 0,
+        labels: r.labels,
+        created_at: r.created_at,
+        timeout_at: None,
+        limits: None,
+        network: None,
+        host: Some(r.host),
+    }
 }

@@ -13,6 +13,7 @@
 pub mod branch;
 pub mod cluster;
 pub mod fork;
+pub mod moving;
 pub mod pause;
 pub mod placement;
 pub mod sandbox;

@@ -115,9 +115,9 @@ pub fn plan(n: usize, mut hosts: Vec<Candidate>, policy: Policy) -> Vec<(String,
 
 /// The digest of the local snapshot `tag`, as hosts advertise it
 /// ([`crate::cluster::snapshot_digest`]).
-fn local_digest(app: &App, tag: &Tag) -> Option<String> {
+pub(crate) fn local_digest(app: &App, tag: &Tag) -> Option<String> {
     let snap = app.registry.store().open(tag).ok()?;
-    Some(crate::cluster::snapshot_digest(&snap))
+    crate::cluster::snapshot_digest(app.registry.store(), &snap)
 }
 
 /// Whether `labels` has every label of `want`.
@@ -126,7 +126,7 @@ fn matches(labels: &BTreeMap<String, String>, want: &BTreeMap<String, String>) -
 }
 
 /// This host's free slots, as its registry counts them now.
-fn free_here(app: &App) -> usize {
+pub(crate) fn free_here(app: &App) -> usize {
     app.registry
         .capacity()
         .saturating_sub(app.registry.running())
@@ -148,6 +148,7 @@ pub async fn fork(
     // has room for every child, that is the whole plan, and etcd need not be asked.
     let placement = req.placement.clone().unwrap_or_default();
     if placement.policy == Policy::Pack
+        && !cluster.is_draining()
         && matches(&cluster.config().labels, &placement.labels)
         && free_here(app) >= req.n as usize
         && local_digest(app, &tag).is_some()
@@ -180,8 +181,11 @@ pub async fn fork(
         .iter()
         .filter(|h| h.state == HostState::Up && matches(&h.labels, &placement.labels))
         .filter_map(|h| {
-            let live = h.live.as_ref()?;
             let here = h.name == cluster.host_name();
+            // A host being drained takes no new sandboxes (this one's record may not
+            // say so yet).
+            let draining = here && cluster.is_draining();
+            let live = h.live.as_ref().filter(|l| !l.draining && !draining)?;
             // This host's own count is fresh; the others' as of their last refresh.
             let free = if here {
                 free_here(app)
@@ -409,7 +413,7 @@ async fn remove_all(app: &App, made: &[SandboxInfo]) {
 
 /// Makes the snapshot `tag` of this host available in the cluster's registry, once
 /// per manifest digest; returns the reference (by digest) to pull it by.
-async fn publish(app: &App, cluster: &Cluster, tag: &Tag) -> Result<String, ApiError> {
+pub(crate) async fn publish(app: &App, cluster: &Cluster, tag: &Tag) -> Result<String, ApiError> {
     let registry = cluster.config().registry.as_deref().ok_or_else(|| {
         ApiError::conflict(format!(
             "the fork needs hosts that lack {tag}, and the cluster has no registry to bring it to them (start the daemons with --registry)"

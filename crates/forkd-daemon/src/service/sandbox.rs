@@ -43,7 +43,12 @@ pub async fn resume_if_paused(app: &App, id: &str) -> Result<(), ApiError> {
 
 /// Stops the sandbox `id` and removes its files and its record.
 pub async fn delete(app: &App, id: &str) -> Result<(), ApiError> {
-    Ok(app.registry.delete(id).await?)
+    let snapshot = app.registry.describe(id).map(|l| l.row.snapshot).ok();
+    app.registry.delete(id).await?;
+    if let Some(snapshot) = snapshot {
+        super::moving::removed(app, id, &snapshot);
+    }
+    Ok(())
 }
 
 /// Sets (or with none, clears) the time `timeout_s` from now after which the daemon

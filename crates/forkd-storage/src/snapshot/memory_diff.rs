@@ -78,11 +78,7 @@ pub fn write_diff(parent: &Path, image: &Path, out: &Path) -> io::Result<(DiffSt
         off += len as u64;
     }
     let mut w = io::BufWriter::new(File::create(out)?);
-    w.write_all(MAGIC)?;
-    w.write_all(&PAGE_U32.to_le_bytes())?;
-    w.write_all(&0u32.to_le_bytes())?;
-    w.write_all(&size.to_le_bytes())?;
-    w.write_all(&(pages.len() as u64).to_le_bytes())?;
+    write_header(&mut w, size, pages.len() as u64)?;
     for p in &pages {
         w.write_all(&p.to_le_bytes())?;
     }
@@ -99,6 +95,23 @@ pub fn write_diff(parent: &Path, image: &Path, out: &Path) -> io::Result<(DiffSt
         image_size: size,
     };
     Ok((stats, hex::encode(hash.finalize())))
+}
+
+/// A diff of no pages against an image of `size` bytes: an image that is its base as it
+/// is (a sandbox brought from another host, whose RAM file is the very image it was
+/// captured in).
+pub fn empty(size: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_LEN);
+    write_header(&mut out, size, 0).expect("writes to a vector succeed");
+    out
+}
+
+fn write_header(w: &mut impl Write, size: u64, pages: u64) -> io::Result<()> {
+    w.write_all(MAGIC)?;
+    w.write_all(&PAGE_U32.to_le_bytes())?;
+    w.write_all(&0u32.to_le_bytes())?;
+    w.write_all(&size.to_le_bytes())?;
+    w.write_all(&pages.to_le_bytes())
 }
 
 /// Writes the image a link stands for into `out`: `parent`'s image with `diff`'s pages
@@ -314,6 +327,22 @@ mod tests {
         for (p, byte) in pages {
             f.write_all_at(&vec![*byte; PAGE], p * PAGE as u64).unwrap();
         }
+    }
+
+    #[test]
+    fn an_empty_diff_applies_nothing_and_is_refused_against_another_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let (size, diff) = (64 * PAGE as u64, dir.path().join("d"));
+        std::fs::write(&diff, empty(size)).unwrap();
+        assert_eq!(std::fs::metadata(&diff).unwrap().len(), HEADER);
+        let mut writes = 0;
+        let applied = apply(&diff, size, &mut |_, _| {
+            writes += 1;
+            Ok(())
+        });
+        assert_eq!(applied.unwrap(), 0);
+        assert_eq!(writes, 0);
+        assert!(apply(&diff, size * 2, &mut |_, _| Ok(())).is_err());
     }
 
     #[test]
