@@ -1,7 +1,9 @@
 //! Several daemons as one cluster, coordinated through a real 3-member etcd cluster
 //! that serves its clients over TLS with client certificates: hosts register under a
 //! lease, one killed is shown unreachable and comes back, and losing etcd's quorum
-//! makes cluster operations answer 503 while each host still serves its own API.
+//! makes cluster operations answer 503 while each host still serves its own API. Forks
+//! are placed on the hosts with room, any host is a front door, and a drained host's
+//! sandboxes move.
 
 mod common;
 
@@ -44,10 +46,47 @@ fn host_args(etcd: &Etcd, name: &str, port: &str, zone: &str) -> Vec<String> {
     .collect()
 }
 
-fn start_host(etcd: &Etcd, name: &str, zone: &str) -> Daemon {
+/// A host's daemon (see [`host_args`]) with `extra` arguments.
+fn start_host(etcd: &Etcd, name: &str, zone: &str, extra: &[&str]) -> Daemon {
     let port = free_port().rsplit_once(':').unwrap().1.to_owned();
-    let args = host_args(etcd, name, &port, zone);
+    let mut args = host_args(etcd, name, &port, zone);
+    args.extend(extra.iter().map(|s| s.to_string()));
     Daemon::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+/// The digest of snapshot `tag` in the first host's record, once it names it (records
+/// are refreshed every second with 3 s leases); at most 20 s.
+async fn advertised(c: &Client, tag: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, v) = hosts(c).await;
+        if let Some(d) = v["hosts"][0]["live"]["snapshots"][tag].as_str() {
+            return d.to_owned();
+        }
+        assert!(Instant::now() < deadline, "{tag} never advertised: {v}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits (at most 20 s) until every host's record names snapshot `tag` with `digest`.
+async fn hold_all(c: &Client, tag: &str, digest: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, v) = hosts(c).await;
+        let hosts = v["hosts"].as_array().cloned().unwrap_or_default();
+        let held: Vec<Option<&str>> = hosts
+            .iter()
+            .map(|h| h["live"]["snapshots"][tag].as_str())
+            .collect();
+        if !held.is_empty() && held.iter().all(|d| *d == Some(digest)) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the hosts hold {held:?}, not {digest}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// `GET /v1/cluster/hosts` through `c`.
@@ -90,12 +129,33 @@ async fn wait_for(c: &Client, want: &[(&str, &str)], secs: u64) -> Value {
     }
 }
 
+/// A cluster's whole life on one machine: a 3-member etcd cluster serving clients over
+/// TLS with client certificates, a registry on loopback, three daemons with 5 slots
+/// and 3 s leases, the `minimal` snapshot on host A only.
+/// - All three register and see each other `up`, with their labels and live fields
+///   (API, CLI table and `--json`).
+/// - A fork of 12 asked of A lands on all three; B and C pull the snapshot and hold
+///   A's digest. Every child answers an exec through C's front door.
+/// - `kill -9` of B's daemon: once its lease lapsed, B is `unreachable`, its sandboxes
+///   are listed `unknown` and a request for one answers 503 naming B; new forks go to
+///   A and C. B restarted: its sandboxes are back, `running`, and answer through C.
+/// - One etcd member stopped changes nothing; two stopped make cluster operations
+///   answer 503 naming etcd while each host still serves its own sandboxes.
 #[test]
-fn hosts_register_lapse_return_and_survive_losing_etcd() {
+fn a_cluster_places_forwards_and_survives_losing_a_host_and_etcd_members() {
     let mut etcd = Etcd::start(3);
-    let a = start_host(&etcd, "a", "z1");
-    let mut b = start_host(&etcd, "b", "z2");
-    let c = start_host(&etcd, "c", "z1");
+    let registry = common::Registry::start();
+    let repo = format!("{}/forkd/snapshots", registry.addr);
+    let start = |name: &str, zone: &str| {
+        start_host(
+            &etcd,
+            name,
+            zone,
+            &["--max-sandboxes", "5", "--registry", &repo],
+        )
+    };
+    let (a, mut b, c) = (start("a", "z1"), start("b", "z2"), start("c", "z1"));
+    a.link_snapshot("minimal", "mini");
     let rt = runtime();
     rt.block_on(async {
         let all_up = [("a", "up"), ("b", "up"), ("c", "up")];
@@ -105,7 +165,7 @@ fn hosts_register_lapse_return_and_survive_losing_etcd() {
         assert_eq!(b_view["labels"]["zone"], "z2", "{v}");
         assert_eq!(b_view["address"], b_view["live"]["address"], "{v}");
         assert!(b_view["live"]["cpus"].as_u64().unwrap() >= 1, "{v}");
-        assert_eq!(b_view["live"]["running"], 0, "{v}");
+        assert_eq!(b_view["live"]["max_sandboxes"], 5, "{v}");
         assert!(
             ["kvm", "tcg"].contains(&b_view["live"]["accel"].as_str().unwrap()),
             "{v}"
@@ -132,24 +192,111 @@ fn hosts_register_lapse_return_and_survive_losing_etcd() {
         let json: Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(states(&json).len(), 3);
 
-        // B's daemon is killed: once its lease lapses it is unreachable, not gone.
-        b.kill9();
-        wait_for(
+        // A fork of 12 on hosts of 5 slots: all three take children, B and C pulling
+        // the snapshot from the registry.
+        let digest = advertised(&a.unix(), "mini").await;
+        let (s, v) = call(
             &a.unix(),
-            &[("a", "up"), ("b", "unreachable"), ("c", "up")],
-            20,
+            Method::POST,
+            "/v1/sandboxes",
+            Some(serde_json::json!({"snapshot": "mini", "n": 12})),
         )
         .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        let made: Vec<(String, String)> = v["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                let field = |k: &str| s[k].as_str().unwrap().to_owned();
+                (field("id"), field("host"))
+            })
+            .collect();
+        assert_eq!(made.len(), 12, "{v}");
+        for host in ["a", "b", "c"] {
+            assert!(made.iter().any(|(_, h)| h == host), "none on {host}: {v}");
+        }
+        hold_all(&a.unix(), "mini", &digest).await;
+        // Every child answers through C's front door.
+        for (id, _) in &made {
+            let v = common::exec(&c.unix(), id, "hostname").await;
+            assert_eq!(stdout(&v).trim(), id);
+        }
+
+        // B's daemon is killed: once its lease lapses it is unreachable, not gone, and
+        // so are its sandboxes.
+        b.kill9();
+        let b_down = [("a", "up"), ("b", "unreachable"), ("c", "up")];
+        wait_for(&a.unix(), &b_down, 20).await;
+        let on_b: Vec<&String> = made
+            .iter()
+            .filter(|(_, h)| h == "b")
+            .map(|(id, _)| id)
+            .collect();
+        let listed_now = listed(&c.unix()).await;
+        for id in &on_b {
+            assert!(
+                listed_now.contains(&((*id).clone(), "b".into(), "unknown".into())),
+                "{listed_now:?}"
+            );
+        }
+        let (s, v) = call(
+            &c.unix(),
+            Method::POST,
+            &format!("/v1/sandboxes/{}/exec", on_b[0]),
+            Some(serde_json::json!({"argv": ["true"]})),
+        )
+        .await;
+        assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+        assert_eq!(v["error"]["code"], "host_unreachable", "{v}");
+        // New forks go to A and C: with two of A's children removed, the cluster's
+        // room is A's 2 slots and C's.
+        for (id, _) in made.iter().filter(|(_, h)| h == "a").take(2) {
+            remove(&c.unix(), id).await;
+        }
+        let c_free = 5 - made.iter().filter(|(_, h)| h == "c").count();
+        let v = fork_when_room(
+            &c.unix(),
+            serde_json::json!({
+                "snapshot": "mini", "n": 2 + c_free, "placement": {"policy": "spread"}
+            }),
+        )
+        .await;
+        let mut placed: Vec<&str> = v["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["host"].as_str().unwrap())
+            .collect();
+        placed.sort();
+        let mut want = vec!["a", "a"];
+        want.extend(std::iter::repeat_n("c", c_free));
+        assert_eq!(placed, want, "{v}");
+
+        // B back: its sandboxes are back and answer through C.
         b.spawn();
         wait_for(&a.unix(), &all_up, 20).await;
+        for id in &on_b {
+            let v = common::exec(&c.unix(), id, "hostname").await;
+            assert_eq!(stdout(&v).trim(), id.as_str());
+        }
+        let listed_now = listed(&a.unix()).await;
+        for id in &on_b {
+            assert!(
+                listed_now.contains(&((*id).clone(), "b".into(), "running".into())),
+                "{listed_now:?}"
+            );
+        }
 
         // One etcd member stopped: nothing changes.
         etcd.stop_member(0);
         tokio::time::sleep(Duration::from_secs(4)).await;
         wait_for(&c.unix(), &all_up, 20).await;
+        let v = common::exec(&c.unix(), on_b[0], "hostname").await;
+        assert_eq!(stdout(&v).trim(), on_b[0].as_str());
 
         // Two stopped: no quorum. Cluster operations (the hosts, the cluster's list of
-        // sandboxes) answer 503 naming etcd; each host still serves its own API.
+        // sandboxes) answer 503 naming etcd; each host still serves its own sandboxes.
         etcd.stop_member(1);
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -171,11 +318,16 @@ fn hosts_register_lapse_return_and_survive_losing_etcd() {
             StatusCode::SERVICE_UNAVAILABLE,
             "the cluster's list: {v}"
         );
-        for d in [&a, &b, &c] {
+        for (d, name) in [(&a, "a"), (&b, "b"), (&c, "c")] {
             let (s, v) = call(&d.unix(), Method::GET, "/v1/sandboxes?scope=host", None).await;
             assert_eq!(s, StatusCode::OK, "{v}");
-            let (s, _) = call(&d.unix(), Method::GET, "/v1/health", None).await;
-            assert_eq!(s, StatusCode::OK);
+            let own = v["sandboxes"].as_array().unwrap();
+            assert!(!own.is_empty(), "{name}: {v}");
+            for sb in own {
+                let id = sb["id"].as_str().unwrap();
+                let v = common::exec(&d.unix(), id, "hostname").await;
+                assert_eq!(stdout(&v).trim(), id, "{name}");
+            }
         }
 
         // The quorum back: every host registers again.
@@ -280,22 +432,10 @@ fn any_host_is_a_front_door_to_every_sandbox() {
     let token_file = secrets.path().join("token");
     common::write_secret(&token_file, TOKEN);
     let with_e2b = |name: &str| {
-        let port = free_port().rsplit_once(':').unwrap().1.to_owned();
         let e2b = free_port();
-        let mut args = host_args(&etcd, name, &port, "z1");
-        args.extend(
-            [
-                "--e2b-listen",
-                &e2b,
-                "--token-file",
-                token_file.to_str().unwrap(),
-            ]
-            .map(str::to_owned),
-        );
-        (
-            Daemon::start(&args.iter().map(String::as_str).collect::<Vec<_>>()),
-            e2b,
-        )
+        let token = token_file.to_str().unwrap();
+        let extra = ["--e2b-listen", &e2b, "--token-file", token];
+        (start_host(&etcd, name, "z1", &extra), e2b)
     };
     let ((a, a_e2b), (mut b, _)) = (with_e2b("a"), with_e2b("b"));
     b.link_snapshot("minimal", "mini");
@@ -446,37 +586,28 @@ fn any_host_is_a_front_door_to_every_sandbox() {
 /// A fork placed on the cluster: the snapshot is on host A only; a fork of 6 asked of
 /// host C (which lacks it) with 2 slots per host lands on all three, B and C pulling
 /// the snapshot from the cluster's registry and checking its digest; every child
-/// answers through C; what does not fit, or asks for labels no host has, is refused;
-/// with B's daemon killed, forks go to A and C.
+/// answers through C; a fork restricted to a zone lands in it; what does not fit, or
+/// asks for labels no host has, is refused.
 #[test]
 fn a_fork_is_placed_across_the_hosts_that_have_room() {
     let etcd = Etcd::start(1);
     let registry = common::Registry::start();
     let repo = format!("{}/forkd/snapshots", registry.addr);
     let start = |name: &str, zone: &str| {
-        let port = free_port().rsplit_once(':').unwrap().1.to_owned();
-        let mut args = host_args(&etcd, name, &port, zone);
-        args.extend(["--max-sandboxes", "2", "--registry", &repo].map(str::to_owned));
-        Daemon::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
+        start_host(
+            &etcd,
+            name,
+            zone,
+            &["--max-sandboxes", "2", "--registry", &repo],
+        )
     };
-    let (a, mut b, c) = (start("a", "z1"), start("b", "z2"), start("c", "z2"));
+    let (a, b, c) = (start("a", "z1"), start("b", "z2"), start("c", "z2"));
     a.link_snapshot("minimal", "mini");
     let rt = runtime();
     rt.block_on(async {
         let all_up = [("a", "up"), ("b", "up"), ("c", "up")];
-        // Until A's record names the snapshot (refreshed every second with 3 s leases).
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let digest = loop {
-            let v = wait_for(&c.unix(), &all_up, 30).await;
-            if let Some(d) = v["hosts"][0]["live"]["snapshots"]["mini"].as_str() {
-                break d.to_owned();
-            }
-            assert!(
-                Instant::now() < deadline,
-                "A never advertised its snapshot: {v}"
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        };
+        wait_for(&c.unix(), &all_up, 30).await;
+        let digest = advertised(&c.unix(), "mini").await;
 
         let fork = |body: Value| {
             let c = c.unix();
@@ -506,21 +637,7 @@ fn a_fork_is_placed_across_the_hosts_that_have_room() {
             let (s, v) = call(&d.unix(), Method::GET, "/v1/snapshots/mini", None).await;
             assert_eq!(s, StatusCode::OK, "{v}");
         }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let v = wait_for(&a.unix(), &all_up, 10).await;
-            let digests: Vec<&str> = (0..3)
-                .filter_map(|i| v["hosts"][i]["live"]["snapshots"]["mini"].as_str())
-                .collect();
-            if digests == [digest.as_str(); 3] {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the hosts hold {digests:?}, not {digest}"
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        hold_all(&a.unix(), "mini", &digest).await;
         // Every child answers through C's front door.
         for s in made {
             let id = s["id"].as_str().unwrap();
@@ -552,45 +669,6 @@ fn a_fork_is_placed_across_the_hosts_that_have_room() {
             .map(|s| s["host"].as_str().unwrap())
             .collect();
         assert_eq!(hosts, ["a", "a"], "{v}");
-        let zoned: Vec<String> = v["sandboxes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s["id"].as_str().unwrap().to_owned())
-            .collect();
-
-        // B's daemon killed: once its lease lapsed, forks go to A and C only. (Room: A's
-        // two slots and one of C's.)
-        let on_c = made.iter().find(|s| s["host"] == "c").unwrap();
-        for id in zoned
-            .iter()
-            .map(String::as_str)
-            .chain([on_c["id"].as_str().unwrap()])
-        {
-            remove(&c.unix(), id).await;
-        }
-        b.kill9();
-        wait_for(
-            &c.unix(),
-            &[("a", "up"), ("b", "unreachable"), ("c", "up")],
-            20,
-        )
-        .await;
-        let v = fork_when_room(
-            &c.unix(),
-            serde_json::json!({
-                "snapshot": "mini", "n": 3, "placement": {"policy": "spread"}
-            }),
-        )
-        .await;
-        let mut hosts: Vec<&str> = v["sandboxes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s["host"].as_str().unwrap())
-            .collect();
-        hosts.sort();
-        assert_eq!(hosts, ["a", "a", "c"], "{v}");
         let (s, v) = fork(serde_json::json!({
             "snapshot": "mini", "n": 1, "placement": {"labels": {"zone": "nowhere"}}
         }))
@@ -652,12 +730,7 @@ fn a_drained_hosts_sandbox_resumes_on_another_host_at_its_next_use() {
     let etcd = Etcd::start(1);
     let registry = common::Registry::start();
     let repo = format!("{}/forkd/snapshots", registry.addr);
-    let start = |name: &str| {
-        let port = free_port().rsplit_once(':').unwrap().1.to_owned();
-        let mut args = host_args(&etcd, name, &port, "z1");
-        args.extend(["--registry", &repo].map(str::to_owned));
-        Daemon::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
-    };
+    let start = |name: &str| start_host(&etcd, name, "z1", &["--registry", &repo]);
     let (a, b) = (start("a"), start("b"));
     a.link_snapshot("minimal", "mini");
     let rt = runtime();
