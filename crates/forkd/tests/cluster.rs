@@ -736,7 +736,8 @@ fn a_drained_hosts_sandbox_resumes_on_another_host_at_its_next_use() {
     let rt = runtime();
     rt.block_on(async {
         wait_for(&b.unix(), &[("a", "up"), ("b", "up")], 30).await;
-        let id = common::create(&a.unix(), "mini", 1).await.remove(0);
+        let mut ids = common::create(&a.unix(), "mini", 2).await;
+        let (id, other) = (ids.remove(0), ids.remove(0));
         let set_up = "echo kept > /root/file; mkfifo /tmp/go; \
             (v=held-in-memory; read x < /tmp/go; echo \"$v $x\" > /tmp/out) >/dev/null 2>&1 & \
             sleep 0.2; echo started";
@@ -748,18 +749,30 @@ fn a_drained_hosts_sandbox_resumes_on_another_host_at_its_next_use() {
         let report: Value = serde_json::from_slice(&out.stdout)
             .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
         assert!(out.status.success(), "{report}");
-        assert_eq!(report["moved"], serde_json::json!([id]), "{report}");
+        let mut moved: Vec<String> =
+            serde_json::from_value(report["moved"].clone()).unwrap_or_default();
+        moved.sort();
+        let mut both = [id.clone(), other.clone()];
+        both.sort();
+        assert_eq!(moved, both, "{report}");
         assert_eq!(report["kept"], serde_json::json!([]), "{report}");
-        // A holds nothing; the cluster lists the sandbox paused, on no host yet.
+        // A holds nothing; the cluster lists the sandboxes paused, on no host yet.
         let (s, v) = call(&a.unix(), Method::GET, "/v1/sandboxes?scope=host", None).await;
         assert_eq!(s, StatusCode::OK);
         assert_eq!(v["sandboxes"], serde_json::json!([]), "{v}");
-        wait_listed(
+        let parked = |id: &str| (id.to_owned(), String::new(), "paused".to_owned());
+        wait_listed(&b.unix(), &[parked(&id), parked(&other)], 5).await;
+        // One removed while it waits: no host takes it for that.
+        remove(&b.unix(), &other).await;
+        wait_listed(&b.unix(), &[parked(&id)], 5).await;
+        let (s, _) = call(
             &b.unix(),
-            &[(id.clone(), String::new(), "paused".into())],
-            5,
+            Method::GET,
+            &format!("/v1/sandboxes/{other}"),
+            None,
         )
         .await;
+        assert_eq!(s, StatusCode::NOT_FOUND);
         let (_, v) = hosts(&b.unix()).await;
         assert_eq!(v["hosts"][0]["live"]["draining"], true, "{v}");
         // A drained host takes no fork: one asked of A lands on B.

@@ -183,6 +183,28 @@ impl Cluster {
         })
     }
 
+    /// Removes the parked sandbox `id` (its record; its link stays in the registry
+    /// until the registry collects it). False if it was not parked.
+    pub async fn remove_parked(&self, id: &str) -> Result<bool, ClusterError> {
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                keys::parked(id),
+                CompareOp::Greater,
+                0,
+            )])
+            .and_then([
+                TxnOp::delete(keys::parked(id), None),
+                TxnOp::delete(keys::sandbox(id), None),
+            ]);
+        let answer = self
+            .request(|mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        Ok(answer.succeeded())
+    }
+
     /// The sandboxes that wait for a host, by id.
     pub async fn parked(&self) -> Result<BTreeMap<String, OwnerRecord>, ClusterError> {
         let answer = self

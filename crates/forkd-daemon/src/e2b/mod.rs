@@ -326,6 +326,21 @@ async fn elsewhere(
 
 /// Serves a control-plane request for sandbox `id` here, or at its owner's.
 async fn to_owner(e2b: &E2b, id: &str, req: Request, next: Next) -> Response {
+    // A kill of a sandbox that waits for a host needs no host.
+    if req.method() == axum::http::Method::DELETE
+        && control_sandbox(req.uri().path()).is_some()
+        && req
+            .uri()
+            .path()
+            .trim_end_matches('/')
+            .ends_with(&format!("/sandboxes/{id}"))
+    {
+        match crate::service::moving::remove_if_parked(&e2b.app, id).await {
+            Ok(true) => return StatusCode::NO_CONTENT.into_response(),
+            Ok(false) => {}
+            Err(e) => return control::error(e.status, e.message),
+        }
+    }
     match elsewhere(e2b, id, req.headers()).await {
         None => next.run(req).await,
         Some(Ok(r)) => forward_e2b(e2b, id, r, req).await,

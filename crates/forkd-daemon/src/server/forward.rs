@@ -33,6 +33,16 @@ pub async fn to_owner(State(app): State<App>, req: Request, next: Next) -> Respo
     if req.headers().contains_key(FORWARDED_BY) && !cluster.was_moved(&id) {
         return next.run(req).await;
     }
+    // The removal of a sandbox that waits for a host needs no host.
+    if req.method() == axum::http::Method::DELETE
+        && req.uri().path().trim_end_matches('/') == format!("/v1/sandboxes/{id}")
+    {
+        match crate::service::moving::remove_if_parked(&app, &id).await {
+            Ok(true) => return StatusCode::NO_CONTENT.into_response(),
+            Ok(false) => {}
+            Err(e) => return e.into_response(),
+        }
+    }
     match locate(&app, &id).await {
         Ok(Located::Here) => next.run(req).await,
         Ok(Located::Remote(r)) => forward(&app, &id, &r.host, Hop::Rest(&r.address), req).await,

@@ -176,6 +176,22 @@ pub fn removed(app: &App, id: &str, snapshot: &str) {
     }
 }
 
+/// Removes sandbox `id` if it is parked (not on this host, waiting for one), without
+/// bringing it to a host first. True if it was.
+pub async fn remove_if_parked(app: &App, id: &str) -> Result<bool, ApiError> {
+    let Some(cluster) = app.cluster.as_deref() else {
+        return Ok(false);
+    };
+    if app.registry.describe(id).is_ok() {
+        return Ok(false);
+    }
+    let removed = cluster.remove_parked(id).await?;
+    if removed {
+        tracing::info!(%id, "a parked sandbox was removed");
+    }
+    Ok(removed)
+}
+
 /// Has the parked sandbox `id` taken by a host: this one if it can run it, else the
 /// living host with the most free slots. Returns where it is now.
 pub async fn take(app: &App, cluster: &Cluster, id: &str) -> Result<Located, ApiError> {
