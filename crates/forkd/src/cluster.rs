@@ -15,12 +15,34 @@ pub enum ClusterCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Remove a host that is gone for good (a retired machine) from the cluster. It
+    /// must not be up; drain it first to move its sandboxes.
+    Forget {
+        /// The host's name.
+        host: String,
+        /// Forget it even if it still claims sandboxes (they are forgotten with it).
+        #[arg(long)]
+        force: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Runs a `forkd cluster` verb.
 pub async fn run(client: &Client, cmd: ClusterCommand) -> Result<()> {
     match cmd {
         ClusterCommand::Hosts { json } => hosts(client, json).await,
+        ClusterCommand::Forget { host, force, json } => {
+            let path = format!("/v1/cluster/hosts/{host}?force={force}");
+            let v: Value = client.json(Method::DELETE, &path, None).await?;
+            if json {
+                return crate::remote::print_json(&v);
+            }
+            let forgot = v["sandboxes"].as_array().map_or(0, Vec::len);
+            println!("host {host} forgotten ({forgot} sandbox claim(s) with it)");
+            Ok(())
+        }
     }
 }
 

@@ -724,14 +724,15 @@ fn a_daemon_in_no_cluster_refuses_cluster_requests() {
 /// in the cluster's registry (A keeps nothing, takes no new fork); the next request
 /// for it, through B's front door (which had found it on A before), has B take it and
 /// resume it: the same machine, with its file and the value only a background
-/// process's memory held.
+/// process's memory held. A parked sandbox removed is not brought to a host first. A
+/// retired host is forgotten once it is down.
 #[test]
 fn a_drained_hosts_sandbox_resumes_on_another_host_at_its_next_use() {
     let etcd = Etcd::start(1);
     let registry = common::Registry::start();
     let repo = format!("{}/forkd/snapshots", registry.addr);
     let start = |name: &str| start_host(&etcd, name, "z1", &["--registry", &repo]);
-    let (a, b) = (start("a"), start("b"));
+    let (mut a, b) = (start("a"), start("b"));
     a.link_snapshot("minimal", "mini");
     let rt = runtime();
     rt.block_on(async {
@@ -833,5 +834,25 @@ fn a_drained_hosts_sandbox_resumes_on_another_host_at_its_next_use() {
                 .collect();
             assert_eq!(tags, ["mini"], "{v}");
         }
+
+        // A retired: a host that is up cannot be forgotten; once A is gone it can, and
+        // the cluster no longer lists it.
+        let (s, v) = call(&b.unix(), Method::DELETE, "/v1/cluster/hosts/a", None).await;
+        assert_eq!(s, StatusCode::CONFLICT, "{v}");
+        a.kill9();
+        wait_for(&b.unix(), &[("a", "unreachable"), ("b", "up")], 20).await;
+        let out = b
+            .forkd()
+            .args(["cluster", "forget", "a", "--json"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["sandboxes"], serde_json::json!([]), "{v}");
+        wait_for(&b.unix(), &[("b", "up")], 5).await;
     });
 }

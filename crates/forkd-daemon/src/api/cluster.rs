@@ -6,7 +6,7 @@ use crate::service::moving::DrainReport;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// The hosts of the cluster.
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -98,6 +98,72 @@ pub async fn undrain(
     })
     .await
     .map(Json)
+}
+
+/// What forgetting a host removed.
+#[derive(Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct Forgotten {
+    /// The host.
+    pub host: String,
+    /// The sandboxes it still claimed, which the cluster forgot with it (their files,
+    /// if its disk comes back, are its own).
+    pub sandboxes: Vec<String>,
+}
+
+/// Whether a host may be forgotten with sandboxes it still claims.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+pub struct ForgetQuery {
+    /// Forget it even if it still claims sandboxes (they are forgotten with it).
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// Removes host `name` from the cluster for good (a machine retired): its record, and
+/// with `force` the sandboxes it still claims. Refused while it lives (its lease is
+/// held), and without `force` while it claims sandboxes.
+#[utoipa::path(delete, path = "/v1/cluster/hosts/{name}",
+    params(("name" = String, Path, description = "The host to forget"), ForgetQuery),
+    responses(
+        (status = 200, body = Forgotten),
+        (status = 404, description = "no host of that name"),
+        (status = 409, description = "the host lives, still claims sandboxes, or this daemon is in no cluster"),
+        (status = 503, description = "etcd cannot be reached"),
+))]
+pub async fn forget(
+    State(app): State<App>,
+    Path(name): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<ForgetQuery>,
+) -> Result<Json<Forgotten>, ApiError> {
+    let cluster = cluster_of(&app)?;
+    let hosts = cluster.hosts().await?;
+    let Some(host) = hosts.iter().find(|h| h.name == name) else {
+        return Err(ApiError::not_found(format!(
+            "no host {name} in the cluster"
+        )));
+    };
+    if host.state == crate::cluster::HostState::Up {
+        return Err(ApiError::conflict(format!(
+            "host {name} is up: stop its daemon (drain it first to move its sandboxes) before forgetting it"
+        )));
+    }
+    let claimed: Vec<String> = cluster.owned_by(&name).await?.into_keys().collect();
+    if !claimed.is_empty() && !q.force {
+        return Err(ApiError::conflict(format!(
+            "host {name} still claims {} sandbox(es) ({}); drain it, or forget them with it (force)",
+            claimed.len(),
+            claimed.join(", ")
+        )));
+    }
+    if !cluster.forget_host(&name).await? {
+        return Err(ApiError::conflict(format!(
+            "host {name} registered again meanwhile: it is up"
+        )));
+    }
+    tracing::info!(host = %name, sandboxes = claimed.len(), "host forgotten");
+    Ok(Json(Forgotten {
+        host: name,
+        sandboxes: claimed,
+    }))
 }
 
 /// Runs `here` if `name` is this host, else sends the same request (`method`,

@@ -135,6 +135,10 @@ pub fn router(app: App) -> Router {
         )
         .route("/v1/cluster/hosts", get(cluster::hosts))
         .route(
+            "/v1/cluster/hosts/{name}",
+            axum::routing::delete(cluster::forget),
+        )
+        .route(
             "/v1/cluster/hosts/{name}/drain",
             post(cluster::drain).delete(cluster::undrain),
         )
@@ -275,6 +279,7 @@ pub fn router(app: App) -> Router {
         events::get,
         events::delete,
         cluster::hosts,
+        cluster::forget,
         cluster::drain,
         cluster::undrain,
         cluster::take,

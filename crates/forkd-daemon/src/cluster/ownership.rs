@@ -205,6 +205,39 @@ impl Cluster {
         Ok(answer.succeeded())
     }
 
+    /// Removes host `name`'s record, for a host that is gone for good, with its claims
+    /// (whose sandboxes the cluster then forgets too). Refused (`Ok(false)`) while the
+    /// host lives: its lease is held.
+    pub async fn forget_host(&self, name: &str) -> Result<bool, ClusterError> {
+        let claims = self.owned_by(name).await?;
+        let mut ops = vec![
+            TxnOp::delete(keys::host(name), None),
+            TxnOp::delete(
+                keys::owned(name, ""),
+                Some(etcd_client::DeleteOptions::new().with_prefix()),
+            ),
+        ];
+        ops.extend(
+            claims
+                .keys()
+                .map(|id| TxnOp::delete(keys::sandbox(id), None)),
+        );
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                keys::alive(name),
+                CompareOp::Equal,
+                0,
+            )])
+            .and_then(ops);
+        let answer = self
+            .request(|mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        Ok(answer.succeeded())
+    }
+
     /// The sandboxes that wait for a host, by id.
     pub async fn parked(&self) -> Result<BTreeMap<String, OwnerRecord>, ClusterError> {
         let answer = self
