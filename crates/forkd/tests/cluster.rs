@@ -547,6 +547,54 @@ fn any_host_is_a_front_door_to_every_sandbox() {
         .await;
         assert_eq!((s, &body[..]), (StatusCode::OK, &b"written-through-a"[..]));
 
+        // E2B's list through A is the cluster's; a create through A, which lacks the
+        // template, is made by B, and the new sandbox is reached through A.
+        let e2b_call = |method: &str, path: &str, body: Option<Value>| {
+            let req = hyper::Request::builder()
+                .method(method)
+                .uri(path)
+                .header("x-api-key", TOKEN)
+                .header("content-type", "application/json")
+                .body(http_body_util::Full::new(hyper::body::Bytes::from(
+                    body.map_or_else(Vec::new, |b| b.to_string().into_bytes()),
+                )))
+                .unwrap();
+            let send = &send;
+            async move {
+                let (s, body) = send(req).await;
+                (
+                    s,
+                    serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null),
+                )
+            }
+        };
+        let (s, v) = e2b_call("GET", "/v2/sandboxes?state=running", None).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        let mut listed_ids: Vec<&str> = v
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["sandboxID"].as_str().unwrap())
+            .collect();
+        listed_ids.sort();
+        let mut want: Vec<&str> = ids.iter().map(String::as_str).collect();
+        want.sort();
+        assert_eq!(listed_ids, want, "{v}");
+        let (s, v) = e2b_call(
+            "POST",
+            "/sandboxes",
+            Some(serde_json::json!({"templateID": "mini", "timeout": 300})),
+        )
+        .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        let made = v["sandboxID"].as_str().unwrap().to_owned();
+        let (s, v) = call(&ac, Method::GET, &format!("/v1/sandboxes/{made}"), None).await;
+        assert_eq!((s, v["host"].as_str()), (StatusCode::OK, Some("b")), "{v}");
+        let v = common::exec(&ac, &made, "hostname").await;
+        assert_eq!(stdout(&v).trim(), made);
+        let (s, v) = e2b_call("DELETE", &format!("/sandboxes/{made}"), None).await;
+        assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
+
         // Removed through A: gone from both.
         let (s, v) = call(
             &ac,

@@ -199,10 +199,13 @@ pub async fn get(
     State(app): State<App>,
     PathParams(id): PathParams<String>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
-    Ok(Json(info(
+    let mut info = info(
         &app.registry.describe(&id)?,
         app.registry.hypervisor().as_ref(),
-    )))
+    );
+    // On a host of a cluster, it says which (a request may have come through another).
+    info.host = app.cluster.as_deref().map(|c| c.host_name().to_owned());
+    Ok(Json(info))
 }
 
 /// Stops a sandbox and removes its files.

@@ -195,8 +195,32 @@ fn listed(hv: &dyn forkd_hypervisor::Hypervisor, e: &Listed) -> Value {
     })
 }
 
-async fn create(State(e2b): State<Shared>, bytes: axum::body::Bytes) -> Result<Response, E2bError> {
+async fn create(
+    State(e2b): State<Shared>,
+    uri: axum::http::Uri,
+    headers: axum::http::HeaderMap,
+    bytes: axum::body::Bytes,
+) -> Result<Response, E2bError> {
     let req: NewSandbox = body(&bytes)?;
+    // On a host of a cluster that lacks the template or room, another host makes it.
+    let tag = e2b
+        .config
+        .aliases
+        .get(&req.template_id)
+        .map_or(req.template_id.as_str(), String::as_str);
+    if let Some((name, address)) =
+        super::cluster_wide::create_elsewhere(&e2b, &headers, tag).await?
+    {
+        return Ok(super::cluster_wide::hand_create(
+            &e2b,
+            &name,
+            &address,
+            uri.path(),
+            &headers,
+            bytes,
+        )
+        .await?);
+    }
     let on_timeout = req.auto_pause.map(|pause| {
         if pause {
             crate::state::OnTimeout::Pause
@@ -397,11 +421,22 @@ async fn pause(
 
 /// `GET /v2/sandboxes`: filters `metadata` (`k=v&...`, each part percent-encoded, as the
 /// SDKs send it) and `state`; pages by `limit` and `nextToken` (an offset).
-async fn list(State(e2b): State<Shared>, RawQuery(q): RawQuery) -> Result<Response, E2bError> {
+///
+/// On a host of a cluster it lists the cluster's (see [`super::cluster_wide`]), unless
+/// another host asked it for its own.
+async fn list(
+    State(e2b): State<Shared>,
+    headers: axum::http::HeaderMap,
+    RawQuery(q): RawQuery,
+) -> Result<Response, E2bError> {
     let mut metadata = Vec::new();
+    let mut filters = Vec::new();
     let mut states: Option<Vec<String>> = None;
     let (mut limit, mut offset) = (MAX_PAGE, 0usize);
     for (k, v) in crate::api::form_pairs(q.as_deref().unwrap_or("")) {
+        if matches!(k.as_str(), "metadata" | "state") {
+            filters.push((k.clone(), v.clone()));
+        }
         match k.as_str() {
             "metadata" => metadata = metadata_filter(&v),
             "state" => states = Some(v.split(',').map(str::to_owned).collect()),
@@ -435,18 +470,36 @@ async fn list(State(e2b): State<Shared>, RawQuery(q): RawQuery) -> Result<Respon
             states.as_ref().is_none_or(|s| s.iter().any(|s| s == state))
         })
         .collect();
-    let total = matching.len();
-    let page: Vec<Listed> = matching.into_iter().skip(offset).take(limit).collect();
-    // Each item reads its disk's size from its layer's header: off the runtime.
+    let cluster_wide =
+        e2b.app.cluster.is_some() && !headers.contains_key(crate::service::cluster::FORWARDED_BY);
+    let elsewhere = if cluster_wide {
+        super::cluster_wide::elsewhere(&e2b, &headers, &filters).await?
+    } else {
+        Vec::new()
+    };
+    // Each item reads its disk's size from its layer's header: off the runtime. (Alone,
+    // only the page's items are read.)
+    let total = matching.len() + elsewhere.len();
+    let mut matching = matching;
+    if !cluster_wide {
+        matching = matching.into_iter().skip(offset).take(limit).collect();
+    }
     let hv = e2b.app.registry.hypervisor().clone();
-    let page = tokio::task::spawn_blocking(move || {
-        page.iter()
+    let mut items = tokio::task::spawn_blocking(move || {
+        matching
+            .iter()
             .map(|e| listed(hv.as_ref(), e))
             .collect::<Vec<_>>()
     })
     .await
     .map_err(|e| E2bError(ApiError::internal(format!("listing sandboxes: {e}"))))?;
-    let mut r = Json(Value::Array(page)).into_response();
+    if cluster_wide {
+        items.extend(elsewhere);
+        let key = |v: &Value| (v["startedAt"].to_string(), v["sandboxID"].to_string());
+        items.sort_by_key(key);
+        items = items.into_iter().skip(offset).take(limit).collect();
+    }
+    let mut r = Json(Value::Array(items)).into_response();
     let next = offset.saturating_add(limit);
     if next < total {
         if let Ok(v) = HeaderValue::from_str(&next.to_string()) {
@@ -458,7 +511,7 @@ async fn list(State(e2b): State<Shared>, RawQuery(q): RawQuery) -> Result<Respon
 
 /// The metadata filter: the SDKs quote each key and value, join them as a query string
 /// and send that as one query value, so each part is decoded once more here.
-fn metadata_filter(v: &str) -> Vec<(String, String)> {
+pub(super) fn metadata_filter(v: &str) -> Vec<(String, String)> {
     crate::api::form_pairs(v)
         .into_iter()
         .map(|(k, v)| {

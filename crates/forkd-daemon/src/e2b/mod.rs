@@ -16,6 +16,7 @@
 //!
 //! Everything is translated onto forkd's agent; nothing of E2B runs in the guest.
 
+mod cluster_wide;
 pub mod connect;
 mod control;
 mod files;
