@@ -764,6 +764,15 @@ fn a_drained_hosts_sandbox_resumes_on_another_host_at_its_next_use() {
         wait_for(&b.unix(), &[("a", "up"), ("b", "up")], 30).await;
         let mut ids = common::create(&a.unix(), "mini", 2).await;
         let (id, other) = (ids.remove(0), ids.remove(0));
+        let branch = |d: &Daemon, id: &str| {
+            let c = d.unix();
+            let path = format!("/v1/sandboxes/{id}/branch");
+            let body = serde_json::json!({"tag": "kept"});
+            async move { call(&c, Method::POST, &path, Some(body)).await }
+        };
+        // The tag `kept` names A's branch of one sandbox in the cluster from now on.
+        let (s, v) = branch(&a, &other).await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
         let set_up = "echo kept > /root/file; mkfifo /tmp/go; \
             (v=held-in-memory; read x < /tmp/go; echo \"$v $x\" > /tmp/out) >/dev/null 2>&1 & \
             sleep 0.2; echo started";
@@ -811,6 +820,21 @@ fn a_drained_hosts_sandbox_resumes_on_another_host_at_its_next_use() {
         .await;
         assert_eq!(s, StatusCode::CREATED, "{v}");
         assert_eq!(v["sandboxes"][0]["host"], "b", "{v}");
+        // A tag names one snapshot in the cluster: B's branch into `kept` is refused,
+        // and B keeps no such snapshot.
+        let on_b = v["sandboxes"][0]["id"].as_str().unwrap().to_owned();
+        let (s, v) = branch(&b, &on_b).await;
+        assert_eq!(s, StatusCode::CONFLICT, "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("names a snapshot of the cluster already"),
+            "{v}"
+        );
+        let (s, _) = call(&b.unix(), Method::GET, "/v1/snapshots/kept", None).await;
+        assert_eq!(s, StatusCode::NOT_FOUND);
+        remove(&b.unix(), &on_b).await;
 
         // Its next use, through B, which remembered it on A.
         let v = common::exec(&b.unix(), &id, "cat /root/file; hostname").await;
@@ -847,8 +871,8 @@ fn a_drained_hosts_sandbox_resumes_on_another_host_at_its_next_use() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         remove(&b.unix(), &id).await;
-        // The link that brought it went with it; A kept none either.
-        for d in [&a, &b] {
+        // The link that brought it went with it; A kept none either (only its branch).
+        for (d, want) in [(&a, &["kept", "mini"][..]), (&b, &["mini"][..])] {
             let (s, v) = call(&d.unix(), Method::GET, "/v1/snapshots", None).await;
             assert_eq!(s, StatusCode::OK);
             let tags: Vec<&str> = v["snapshots"]
@@ -857,7 +881,7 @@ fn a_drained_hosts_sandbox_resumes_on_another_host_at_its_next_use() {
                 .iter()
                 .map(|s| s["tag"].as_str().unwrap())
                 .collect();
-            assert_eq!(tags, ["mini"], "{v}");
+            assert_eq!(tags, want, "{v}");
         }
 
         // A retired: a host that is up cannot be forgotten; once A is gone it can, and

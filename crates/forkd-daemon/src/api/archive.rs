@@ -158,6 +158,7 @@ pub async fn upload(
         tracing::info!(tag = %t, "snapshot installed from an archive");
         app.registry.reopen_pool(t, false);
     }
+    crate::service::tags::claim_made(&app, &unpacked.installed).await?;
     Ok((
         StatusCode::CREATED,
         Json(Unpacked {

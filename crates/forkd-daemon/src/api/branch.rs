@@ -51,7 +51,7 @@ pub async fn branch(
     PathParams(id): PathParams<String>,
     JsonBody(b): JsonBody<BranchBody>,
 ) -> Result<Response, ApiError> {
-    let branch = crate::service::branch::start(&app, &id, b.tag.as_deref(), b.mode)?;
+    let branch = crate::service::branch::start(&app, &id, b.tag.as_deref(), b.mode).await?;
     if !b.wait {
         return Ok((StatusCode::ACCEPTED, Json(branch.op)).into_response());
     }

@@ -95,17 +95,19 @@ pub async fn pull(
             &report,
         )
         .await;
-        if let Ok(u) = &r {
-            for t in &u.installed {
-                app.registry.reopen_pool(t, false);
+        let r = match r {
+            Ok(u) => {
+                for t in &u.installed {
+                    app.registry.reopen_pool(t, false);
+                }
+                match crate::service::tags::claim_made(&app, &u.installed).await {
+                    Ok(()) => Ok(serde_json::to_value(u).unwrap_or_default()),
+                    Err(e) => Err(e.message),
+                }
             }
-        }
-        finish(
-            &app,
-            &id,
-            &known,
-            r.map(|u| serde_json::to_value(u).unwrap_or_default()),
-        );
+            Err(e) => Err(e.to_string()),
+        };
+        finish(&app, &id, &known, r);
     });
     Ok((StatusCode::ACCEPTED, Json(op)))
 }
@@ -142,7 +144,7 @@ fn finish(
     app: &App,
     id: &str,
     known: &std::sync::atomic::AtomicU64,
-    r: Result<serde_json::Value, forkd_storage::oci::ArchiveError>,
+    r: Result<serde_json::Value, impl std::fmt::Display>,
 ) {
     let done = app.registry.progress(id).unwrap_or(0);
     let (status, error, result) = match &r {

@@ -176,10 +176,14 @@ async fn remove_one(app: &App, tag: &Tag, force: bool) -> Result<(), ApiError> {
     // Its pool members hold its files open: they go first (and come back if the
     // snapshot stays).
     let store = app.registry.store();
+    let digest = crate::service::tags::digest_of(app, tag);
     app.registry.drain_pool(tag.as_str()).await;
     let removed = store.remove(tag, &app.registry.users_of(tag.as_str()));
     app.registry.reopen_pool(tag.as_str(), removed.is_ok());
     removed?;
+    if let Some(digest) = digest {
+        crate::service::tags::release_removed(app, tag, &digest).await;
+    }
     Ok(())
 }
 
@@ -202,6 +206,7 @@ pub async fn compact(
             "snapshot {tag} has no parent: it is standalone already"
         )));
     }
+    crate::service::tags::check_free(&app, &new).await?;
     let snap = forkd_core::compact::compact(
         app.registry.hypervisor().as_ref(),
         app.registry.store(),
@@ -210,6 +215,7 @@ pub async fn compact(
     )
     .await?;
     let new_tag = snap.tag.to_string();
+    crate::service::tags::claim_made(&app, std::slice::from_ref(&new_tag)).await?;
     let info = info(&app, &new_tag, Ok(snap));
     Ok((StatusCode::CREATED, Json(info)))
 }
@@ -294,6 +300,7 @@ pub async fn build(
             op.id
         )));
     }
+    crate::service::tags::check_free(&app, &tag).await?;
     let op = OperationRow::running("build_snapshot", tag.as_str(), 0, None);
     app.registry.state().insert_operation(&op)?;
     let app2 = app.clone();
@@ -301,9 +308,15 @@ pub async fn build(
     tokio::spawn(async move {
         let r = build_snapshot(&app2, &op_id, &recipe, &files, imported, &tag).await;
         app2.registry.clear_progress(&op_id);
+        let r = match r {
+            Ok(()) => crate::service::tags::claim_made(&app2, &[tag.to_string()])
+                .await
+                .map_err(|e| e.message),
+            Err(e) => Err(e.to_string()),
+        };
         let (status, error) = match &r {
             Ok(()) => ("succeeded", None),
-            Err(e) => ("failed", Some(e.to_string())),
+            Err(e) => ("failed", Some(e.clone())),
         };
         tracing::info!(op = %op_id, %tag, "snapshot build {status}");
         if let Err(e) = app2.registry.state().finish_operation(

@@ -9,6 +9,9 @@
 //! /forkd/sandboxes/ID  OwnerRecord which host owns the sandbox (claimed in a transaction
 //!                                  that fails if any host holds the id)
 //! /forkd/owned/NAME/ID OwnerRecord the same, indexed by host: what it claimed
+//! /forkd/snapshots/TAG TagRecord   the digest of the snapshot the tag names in the
+//!                                  cluster (claimed in a transaction that fails if
+//!                                  the tag names another)
 //! /forkd/parked/ID     OwnerRecord a paused sandbox moved off its host (its record in
 //!                                  /forkd/sandboxes/ID says where it waits), until a
 //!                                  host takes it
@@ -38,6 +41,14 @@ pub fn sandbox(id: &str) -> String {
 /// its claims).
 pub fn owned(host: &str, id: &str) -> String {
     format!("/forkd/owned/{host}/{id}")
+}
+
+/// Snapshot tags, by tag.
+pub const SNAPSHOTS: &str = "/forkd/snapshots/";
+
+/// The key of snapshot tag `tag`.
+pub fn snapshot(tag: &str) -> String {
+    format!("{SNAPSHOTS}{tag}")
 }
 
 /// Paused sandboxes that wait in the cluster's registry for a host, by id.

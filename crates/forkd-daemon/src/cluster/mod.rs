@@ -6,6 +6,7 @@
 //! - [`membership`]: the host's registration under a lease, refreshed while it lives
 //!   and made again when etcd comes back.
 //! - [`ownership`]: which host owns which sandbox, claimed in transactions.
+//! - [`tags`]: which snapshot a tag names, claimed in transactions.
 //!
 //! The client is `etcd-client` (tonic over HTTP/2): the maintained Rust client of
 //! etcd's v3 API, with leases, transactions and TLS, on the tokio and rustls the daemon
@@ -19,6 +20,7 @@ pub mod config;
 pub mod keys;
 pub mod membership;
 pub mod ownership;
+pub mod tags;
 
 pub use config::ClusterConfig;
 

@@ -359,6 +359,7 @@ pub async fn run(cluster: std::sync::Arc<Cluster>, app: App) {
     let mut tick = tokio::time::interval(RECONCILE_EVERY);
     let changes =
         [EventKind::Created, EventKind::Killed, EventKind::TimedOut].map(EventKind::as_str);
+    let mut reported = BTreeSet::new();
     loop {
         tokio::select! {
             _ = tick.tick() => {
@@ -366,6 +367,11 @@ pub async fn run(cluster: std::sync::Arc<Cluster>, app: App) {
                     Ok((0, 0)) => {}
                     Ok((claimed, released)) => tracing::debug!(claimed, released, "cluster claims reconciled"),
                     Err(e) => tracing::debug!("cluster claims not reconciled: {e}"),
+                }
+                match super::tags::reconcile(&cluster, &app, &mut reported).await {
+                    Ok(0) => {}
+                    Ok(claimed) => tracing::debug!(claimed, "snapshot tags claimed in the cluster"),
+                    Err(e) => tracing::debug!("snapshot tags not reconciled: {e}"),
                 }
             }
             event = events.recv() => match event {

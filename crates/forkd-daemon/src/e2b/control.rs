@@ -547,7 +547,7 @@ async fn fork(
     }
     let timeout_s = timeout_s(req.timeout)?;
     let source = e2b.app.registry.describe(&id)?;
-    let branch = service::branch::start(&e2b.app, &id, None, None)?;
+    let branch = service::branch::start(&e2b.app, &id, None, None).await?;
     let tag = branch.tag.clone();
     branch.outcome().await?;
     let fork = service::fork::start(

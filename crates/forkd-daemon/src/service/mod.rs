@@ -17,5 +17,6 @@ pub mod moving;
 pub mod pause;
 pub mod placement;
 pub mod sandbox;
+pub mod tags;
 
 pub use crate::api::ApiError;

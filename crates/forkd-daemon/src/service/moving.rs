@@ -113,7 +113,8 @@ async fn park(app: &App, cluster: &Cluster, id: &str) -> Result<(), ApiError> {
         )));
     }
     let tag = format!("{MOVED_PREFIX}{id}-{}", forkd_host::ids::random_hex(2));
-    super::branch::start(app, id, Some(&tag), None)?
+    super::branch::start(app, id, Some(&tag), None)
+        .await?
         .outcome()
         .await?;
     let tag = Tag::parse(&tag)?;
@@ -146,32 +147,39 @@ async fn park(app: &App, cluster: &Cluster, id: &str) -> Result<(), ApiError> {
     .await;
     if let Err(e) = parked {
         cluster.set_moved(id, false);
-        remove_snapshot(app, &tag);
+        remove_snapshot(app, &tag).await;
         return Err(e);
     }
     // The registry holds it now: its files here go, and so does the link.
     if let Err(e) = super::sandbox::delete(app, id).await {
         tracing::warn!(%id, "removing a moved sandbox's files: {}", e.message);
     }
-    remove_snapshot(app, &tag);
+    remove_snapshot(app, &tag).await;
     tracing::info!(%id, %tag, "sandbox parked in the cluster's registry");
     Ok(())
 }
 
-/// Removes the snapshot `tag` of this host if nothing uses it.
-fn remove_snapshot(app: &App, tag: &Tag) {
+/// Removes the snapshot `tag` of this host if nothing uses it (and its tag from the
+/// cluster if no other host holds it).
+async fn remove_snapshot(app: &App, tag: &Tag) {
     let users = app.registry.users_of(tag.as_str());
-    if let Err(e) = app.registry.store().remove(tag, &users) {
-        tracing::warn!(%tag, "removing the snapshot: {e}");
+    let digest = super::tags::digest_of(app, tag);
+    match app.registry.store().remove(tag, &users) {
+        Ok(()) => {
+            if let Some(digest) = digest {
+                super::tags::release_removed(app, tag, &digest).await;
+            }
+        }
+        Err(e) => tracing::warn!(%tag, "removing the snapshot: {e}"),
     }
 }
 
 /// After the removal of sandbox `id` whose disk built on `snapshot`: the link that
 /// brought it here goes too, unless something else uses it.
-pub fn removed(app: &App, id: &str, snapshot: &str) {
+pub async fn removed(app: &App, id: &str, snapshot: &str) {
     if snapshot.starts_with(&format!("{MOVED_PREFIX}{id}-")) {
         if let Ok(tag) = Tag::parse(snapshot) {
-            remove_snapshot(app, &tag);
+            remove_snapshot(app, &tag).await;
         }
     }
 }
@@ -276,9 +284,15 @@ pub async fn take_here(app: &App, id: &str) -> Result<(), ApiError> {
         timeout_left_s: parked.timeout_left_s,
     };
     let hv = app.registry.hypervisor().clone();
-    let config = forkd_core::arrival::install(hv.as_ref(), app.registry.home(), &snap, &arrival)
-        .await
-        .inspect_err(|_| remove_snapshot(app, &tag))?;
+    let config =
+        match forkd_core::arrival::install(hv.as_ref(), app.registry.home(), &snap, &arrival).await
+        {
+            Ok(c) => c,
+            Err(e) => {
+                remove_snapshot(app, &tag).await;
+                return Err(e.into());
+            }
+        };
     let row = SandboxRow {
         id: id.to_owned(),
         snapshot: parked.tag.clone(),
@@ -296,7 +310,7 @@ pub async fn take_here(app: &App, id: &str) -> Result<(), ApiError> {
     let dir = row.config.dir.clone();
     if let Err(e) = app.registry.insert_arrived(row) {
         let _ = std::fs::remove_dir_all(&dir);
-        remove_snapshot(app, &tag);
+        remove_snapshot(app, &tag).await;
         return Err(e.into());
     }
     match cluster.take_parked(id, &mine).await {
@@ -309,7 +323,7 @@ pub async fn take_here(app: &App, id: &str) -> Result<(), ApiError> {
             if let Err(e) = super::sandbox::delete(app, id).await {
                 tracing::warn!(%id, "removing a copy another host took: {}", e.message);
             }
-            removed(app, id, tag.as_str());
+            removed(app, id, tag.as_str()).await;
             Err(ApiError::conflict(format!(
                 "the sandbox {id} was taken by host {host} meanwhile"
             )))

@@ -475,6 +475,7 @@ pub async fn ensure_snapshot(
         for t in &u.installed {
             app.registry.reopen_pool(t, false);
         }
+        super::tags::claim_made(app, &u.installed).await?;
     }
     match local_digest(app, &tag) {
         Some(d) if d == digest => Ok(()),

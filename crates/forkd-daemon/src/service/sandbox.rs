@@ -46,7 +46,7 @@ pub async fn delete(app: &App, id: &str) -> Result<(), ApiError> {
     let snapshot = app.registry.describe(id).map(|l| l.row.snapshot).ok();
     app.registry.delete(id).await?;
     if let Some(snapshot) = snapshot {
-        super::moving::removed(app, id, &snapshot);
+        super::moving::removed(app, id, &snapshot).await;
     }
     Ok(())
 }
