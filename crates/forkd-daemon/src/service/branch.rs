@@ -59,9 +59,8 @@ pub async fn start(
 impl Branch {
     /// Waits for the snapshot to be written.
     pub async fn outcome(self) -> Result<BranchOutcome, ApiError> {
-        Ok(self
-            .task
+        self.task
             .await
-            .map_err(|e| ApiError::internal(format!("the branch task failed: {e}")))??)
+            .map_err(|e| ApiError::internal(format!("the branch task failed: {e}")))?
     }
 }
