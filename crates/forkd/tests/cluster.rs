@@ -443,6 +443,11 @@ fn any_host_is_a_front_door_to_every_sandbox() {
     rt.block_on(async {
         wait_for(&a.unix(), &[("a", "up"), ("b", "up")], 30).await;
         let ids = common::create(&b.unix(), "mini", 2).await;
+        // Claimed before the fork answered: A finds them at once.
+        for id in &ids {
+            let (s, v) = call(&a.unix(), Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+            assert_eq!((s, v["host"].as_str()), (StatusCode::OK, Some("b")), "{v}");
+        }
         let row = |id: &String, status: &str| (id.clone(), "b".to_owned(), status.to_owned());
         let running: Vec<_> = ids.iter().map(|id| row(id, "running")).collect();
         // Both hosts list the cluster's sandboxes, each with its host.

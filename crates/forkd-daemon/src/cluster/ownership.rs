@@ -102,6 +102,44 @@ impl Cluster {
         })
     }
 
+    /// Claims the new sandboxes `records` for this host before their fork answers, so
+    /// that every host finds them at once: a transaction per few dozen (each fails
+    /// whole if any id is held; those are then claimed one by one).
+    pub async fn claim_all(&self, records: &[(String, OwnerRecord)]) -> Result<(), ClusterError> {
+        // etcd takes at most 128 operations in a transaction by default: two per id.
+        for chunk in records.chunks(50) {
+            let compares: Vec<Compare> = chunk
+                .iter()
+                .map(|(id, _)| Compare::create_revision(keys::sandbox(id), CompareOp::Equal, 0))
+                .collect();
+            let puts: Vec<TxnOp> = chunk
+                .iter()
+                .flat_map(|(id, r)| {
+                    let value = serde_json::to_vec(r).expect("records serialize");
+                    [
+                        TxnOp::put(keys::sandbox(id), value.clone(), None),
+                        TxnOp::put(keys::owned(self.host_name(), id), value, None),
+                    ]
+                })
+                .collect();
+            let txn = Txn::new().when(compares).and_then(puts);
+            let answer = self
+                .request(|mut c| {
+                    let txn = txn.clone();
+                    async move { c.txn(txn).await }
+                })
+                .await?;
+            if !answer.succeeded() {
+                for (id, r) in chunk {
+                    if let Claimed::Other(host) = self.claim(id, r).await? {
+                        tracing::error!(%id, %host, "the new sandbox's id is claimed by another host");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Releases this host's claim on `id` (nothing if it holds none).
     pub async fn release(&self, id: &str) -> Result<(), ClusterError> {
         let mine = keys::owned(self.host_name(), id);

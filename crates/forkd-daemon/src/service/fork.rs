@@ -207,10 +207,30 @@ fn launch(
         if let Ok(o) = &r {
             app.metrics.forks.inc_by(o.entries.len() as u64);
             app.metrics.fork_seconds.observe(t.elapsed().as_secs_f64());
+            claim(&app, o).await;
         }
         r
     });
     Ok(Fork { op_id, task })
+}
+
+/// On a host of a cluster, claims the fork's children before it answers, so that any
+/// host finds them at once. Without etcd they are claimed by the reconciliation.
+async fn claim(app: &App, outcome: &CreateOutcome) {
+    let Some(cluster) = app.cluster.as_deref() else {
+        return;
+    };
+    let records: Vec<_> = outcome
+        .entries
+        .iter()
+        .map(|e| {
+            let record = crate::cluster::ownership::record_of(cluster, &e.row);
+            (e.row.id.clone(), record)
+        })
+        .collect();
+    if let Err(e) = cluster.claim_all(&records).await {
+        tracing::warn!("the fork's children are claimed in the cluster later: {e}");
+    }
 }
 
 impl Fork {
