@@ -233,6 +233,38 @@ impl Cluster {
         }
     }
 
+    /// Runs the transaction `txn`.
+    pub(crate) async fn txn(
+        &self,
+        txn: etcd_client::Txn,
+    ) -> Result<etcd_client::TxnResponse, ClusterError> {
+        self.request(|mut c| {
+            let txn = txn.clone();
+            async move { c.txn(txn).await }
+        })
+        .await
+    }
+
+    /// The records of type `T` under `prefix` (or at the key `prefix` alone, if not
+    /// `with_prefix`), by what follows `under` in their keys.
+    pub(crate) async fn records<T: serde::de::DeserializeOwned>(
+        &self,
+        prefix: &str,
+        under: &str,
+        with_prefix: bool,
+    ) -> Result<BTreeMap<String, T>, ClusterError> {
+        let options = || with_prefix.then(|| GetOptions::new().with_prefix());
+        let answer = self
+            .request(|mut c| async move { c.get(prefix, options()).await })
+            .await?;
+        let mut out = BTreeMap::new();
+        for kv in answer.kvs() {
+            let (name, record) = decode::<T>(kv, under)?;
+            out.insert(name, record);
+        }
+        Ok(out)
+    }
+
     /// An error of a request to etcd.
     fn unavailable(&self, e: impl std::fmt::Display) -> ClusterError {
         ClusterError::Unavailable {
@@ -243,35 +275,20 @@ impl Cluster {
 
     /// What host `name` says of itself, if it lives.
     pub async fn live(&self, name: &str) -> Result<Option<HostLive>, ClusterError> {
-        let answer = self
-            .request(|mut c| async move { c.get(keys::alive(name), None).await })
-            .await?;
-        answer
-            .kvs()
-            .first()
-            .map(|kv| decode::<HostLive>(kv, keys::ALIVE).map(|(_, live)| live))
-            .transpose()
+        let key = keys::alive(name);
+        Ok(self.records(&key, keys::ALIVE, false).await?.remove(name))
     }
 
     /// Every host that ever registered, with whether it lives now.
     pub async fn hosts(&self) -> Result<Vec<HostView>, ClusterError> {
-        let prefix = || Some(GetOptions::new().with_prefix());
         // One read of the records and one of the leases; a host that registers in
         // between is shown unreachable until the next read, never missing.
-        let records = self
-            .request(|mut c| async move { c.get(keys::HOSTS, prefix()).await })
-            .await?;
-        let alive = self
-            .request(|mut c| async move { c.get(keys::ALIVE, prefix()).await })
-            .await?;
-        let mut live: BTreeMap<String, HostLive> = BTreeMap::new();
-        for kv in alive.kvs() {
-            let (name, value) = decode::<HostLive>(kv, keys::ALIVE)?;
-            live.insert(name, value);
-        }
+        let records: BTreeMap<String, HostRecord> =
+            self.records(keys::HOSTS, keys::HOSTS, true).await?;
+        let mut live: BTreeMap<String, HostLive> =
+            self.records(keys::ALIVE, keys::ALIVE, true).await?;
         let mut hosts = Vec::new();
-        for kv in records.kvs() {
-            let (name, record) = decode::<HostRecord>(kv, keys::HOSTS)?;
+        for (name, record) in records {
             let live = live.remove(&name);
             hosts.push(HostView {
                 state: if live.is_some() {

@@ -12,7 +12,7 @@
 use super::keys;
 use super::{Cluster, ClusterError};
 use crate::api::App;
-use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, Txn, TxnOp};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -82,12 +82,7 @@ impl Cluster {
                 TxnOp::put(keys::owned(self.host_name(), id), value, None),
             ])
             .or_else([TxnOp::get(key.clone(), None)]);
-        let answer = self
-            .request(|mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let answer = self.txn(txn).await?;
         if answer.succeeded() {
             return Ok(Claimed::Mine);
         }
@@ -123,12 +118,7 @@ impl Cluster {
                 })
                 .collect();
             let txn = Txn::new().when(compares).and_then(puts);
-            let answer = self
-                .request(|mut c| {
-                    let txn = txn.clone();
-                    async move { c.txn(txn).await }
-                })
-                .await?;
+            let answer = self.txn(txn).await?;
             if !answer.succeeded() {
                 for (id, r) in chunk {
                     if let Claimed::Other(host) = self.claim(id, r).await? {
@@ -153,11 +143,7 @@ impl Cluster {
                 TxnOp::delete(keys::sandbox(id), None),
                 TxnOp::delete(mine, None),
             ]);
-        self.request(|mut c| {
-            let txn = txn.clone();
-            async move { c.txn(txn).await }
-        })
-        .await?;
+        self.txn(txn).await?;
         Ok(())
     }
 
@@ -177,12 +163,7 @@ impl Cluster {
                 TxnOp::put(keys::parked(id), value, None),
                 TxnOp::delete(mine, None),
             ]);
-        let answer = self
-            .request(|mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let answer = self.txn(txn).await?;
         Ok(answer.succeeded())
     }
 
@@ -205,12 +186,7 @@ impl Cluster {
                 TxnOp::put(keys::sandbox(id), value.clone(), None),
                 TxnOp::put(keys::owned(self.host_name(), id), value, None),
             ]);
-        let answer = self
-            .request(|mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let answer = self.txn(txn).await?;
         if answer.succeeded() {
             return Ok(Claimed::Mine);
         }
@@ -234,12 +210,7 @@ impl Cluster {
                 TxnOp::delete(keys::parked(id), None),
                 TxnOp::delete(keys::sandbox(id), None),
             ]);
-        let answer = self
-            .request(|mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let answer = self.txn(txn).await?;
         Ok(answer.succeeded())
     }
 
@@ -267,50 +238,19 @@ impl Cluster {
                 0,
             )])
             .and_then(ops);
-        let answer = self
-            .request(|mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let answer = self.txn(txn).await?;
         Ok(answer.succeeded())
     }
 
     /// The sandboxes that wait for a host, by id.
     pub async fn parked(&self) -> Result<BTreeMap<String, OwnerRecord>, ClusterError> {
-        let answer = self
-            .request(|mut c| async move {
-                c.get(keys::PARKED, Some(GetOptions::new().with_prefix()))
-                    .await
-            })
-            .await?;
-        let mut out = BTreeMap::new();
-        for kv in answer.kvs() {
-            let (id, record) = super::decode::<OwnerRecord>(kv, keys::PARKED)?;
-            out.insert(id, record);
-        }
-        Ok(out)
+        self.records(keys::PARKED, keys::PARKED, true).await
     }
 
     /// The owner of sandbox `id`, if a host claimed it.
     pub async fn owner(&self, id: &str) -> Result<Option<OwnerRecord>, ClusterError> {
         let key = keys::sandbox(id);
-        let answer = self
-            .request(|mut c| {
-                let key = key.clone();
-                async move { c.get(key, None).await }
-            })
-            .await?;
-        answer
-            .kvs()
-            .first()
-            .map(|kv| {
-                serde_json::from_slice(kv.value()).map_err(|e| ClusterError::Record {
-                    key: key.clone(),
-                    detail: e.to_string(),
-                })
-            })
-            .transpose()
+        Ok(self.records(&key, keys::SANDBOXES, false).await?.remove(id))
     }
 
     /// The sandboxes host `host` claimed, by id.
@@ -319,18 +259,7 @@ impl Cluster {
         host: &str,
     ) -> Result<BTreeMap<String, OwnerRecord>, ClusterError> {
         let prefix = keys::owned(host, "");
-        let answer = self
-            .request(|mut c| {
-                let prefix = prefix.clone();
-                async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
-            })
-            .await?;
-        let mut out = BTreeMap::new();
-        for kv in answer.kvs() {
-            let (id, record) = super::decode::<OwnerRecord>(kv, &prefix)?;
-            out.insert(id, record);
-        }
-        Ok(out)
+        self.records(&prefix, &prefix, true).await
     }
 
     /// Makes this host's claims those of `local`: claims what is missing, releases what

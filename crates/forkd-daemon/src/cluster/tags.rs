@@ -7,7 +7,7 @@
 //! reconciliation (those made while etcd was down).
 
 use super::{keys, Cluster, ClusterError};
-use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, Txn, TxnOp};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -45,12 +45,7 @@ impl Cluster {
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
             .and_then([TxnOp::put(key.clone(), value, None)])
             .or_else([TxnOp::get(key.clone(), None)]);
-        let answer = self
-            .request(|mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let answer = self.txn(txn).await?;
         if answer.succeeded() {
             return Ok(TagClaim::Same);
         }
@@ -75,44 +70,22 @@ impl Cluster {
         let txn = Txn::new()
             .when([Compare::value(key.clone(), CompareOp::Equal, value)])
             .and_then([TxnOp::delete(key.clone(), None)]);
-        self.request(|mut c| {
-            let txn = txn.clone();
-            async move { c.txn(txn).await }
-        })
-        .await?;
+        self.txn(txn).await?;
         Ok(())
     }
 
     /// What `tag` names in the cluster, if a host claimed it.
     pub async fn tag(&self, tag: &str) -> Result<Option<TagRecord>, ClusterError> {
         let key = keys::snapshot(tag);
-        let answer = self
-            .request(|mut c| {
-                let key = key.clone();
-                async move { c.get(key, None).await }
-            })
-            .await?;
-        answer
-            .kvs()
-            .first()
-            .map(|kv| super::decode::<TagRecord>(kv, keys::SNAPSHOTS).map(|(_, r)| r))
-            .transpose()
+        Ok(self
+            .records(&key, keys::SNAPSHOTS, false)
+            .await?
+            .remove(tag))
     }
 
     /// Every tag the cluster knows, with what it names.
     pub async fn tags(&self) -> Result<BTreeMap<String, TagRecord>, ClusterError> {
-        let answer = self
-            .request(|mut c| async move {
-                c.get(keys::SNAPSHOTS, Some(GetOptions::new().with_prefix()))
-                    .await
-            })
-            .await?;
-        let mut out = BTreeMap::new();
-        for kv in answer.kvs() {
-            let (tag, record) = super::decode::<TagRecord>(kv, keys::SNAPSHOTS)?;
-            out.insert(tag, record);
-        }
-        Ok(out)
+        self.records(keys::SNAPSHOTS, keys::SNAPSHOTS, true).await
     }
 }
 
