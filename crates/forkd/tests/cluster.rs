@@ -46,6 +46,13 @@ fn host_args(etcd: &Etcd, name: &str, port: &str, zone: &str) -> Vec<String> {
     .collect()
 }
 
+/// The cluster's registry, on loopback, and the repository its snapshots go to.
+fn registry() -> (common::Registry, String) {
+    let registry = common::Registry::start();
+    let repo = format!("{}/forkd/snapshots", registry.addr);
+    (registry, repo)
+}
+
 /// A host's daemon (see [`host_args`]) with `extra` arguments.
 fn start_host(etcd: &Etcd, name: &str, zone: &str, extra: &[&str]) -> Daemon {
     let port = free_port().rsplit_once(':').unwrap().1.to_owned();
@@ -144,8 +151,7 @@ async fn wait_for(c: &Client, want: &[(&str, &str)], secs: u64) -> Value {
 #[test]
 fn a_cluster_places_forwards_and_survives_losing_a_host_and_etcd_members() {
     let mut etcd = Etcd::start(3);
-    let registry = common::Registry::start();
-    let repo = format!("{}/forkd/snapshots", registry.addr);
+    let (_registry, repo) = registry();
     let start = |name: &str, zone: &str| {
         start_host(
             &etcd,
@@ -621,8 +627,7 @@ fn any_host_is_a_front_door_to_every_sandbox() {
 #[test]
 fn a_fork_is_placed_across_the_hosts_that_have_room() {
     let etcd = Etcd::start(1);
-    let registry = common::Registry::start();
-    let repo = format!("{}/forkd/snapshots", registry.addr);
+    let (_registry, repo) = registry();
     let start = |name: &str, zone: &str| {
         start_host(
             &etcd,
@@ -759,8 +764,7 @@ fn a_daemon_in_no_cluster_refuses_cluster_requests() {
 #[test]
 fn a_drained_hosts_sandbox_resumes_on_another_host_at_its_next_use() {
     let etcd = Etcd::start(1);
-    let registry = common::Registry::start();
-    let repo = format!("{}/forkd/snapshots", registry.addr);
+    let (_registry, repo) = registry();
     let start = |name: &str| start_host(&etcd, name, "z1", &["--registry", &repo]);
     let (mut a, b) = (start("a"), start("b"));
     a.link_snapshot("minimal", "mini");
