@@ -11,6 +11,10 @@
 //! - The latency a forwarded exec adds: a child on `b`, `exec true` sent to `b` itself
 //!   and through `a`, interleaved; p50 of each and their ratio.
 //!
+//! - A drain: children on `c`, `c` drained (each paused, branched into a link, pushed
+//!   and parked), then each child's next exec through `a`, which takes it (pull,
+//!   install, resume) before running it, and the exec after that.
+//!
 //! The hosts share this machine's cores, so the cluster's fork measures what placing
 //! and forwarding cost, not more cores.
 
@@ -55,6 +59,13 @@ struct ClusterReport {
     direct_exec_p50_ms: f64,
     forwarded_exec_p50_ms: f64,
     forwarded_over_direct: f64,
+    /// Children on `c` moved by its drain, and the drain's request to answer.
+    drained: u32,
+    drain_ms: f64,
+    /// Medians over the moved children: the first exec through `a` (taken: pulled,
+    /// installed, resumed), and the next one.
+    moved_first_exec_ms: f64,
+    moved_next_exec_ms: f64,
 }
 
 /// An etcd member of the benchmark's own on loopback, stopped when dropped.
@@ -285,6 +296,38 @@ pub async fn run(home: &Home, args: ClusterArgs) -> Result<()> {
     }
     delete_all(a, &ids).await?;
 
+    // A drain of c, and its children's next execs through a.
+    let drained = 3;
+    settle().await;
+    let (ids, _) = fork(a, &on("c", drained)).await?;
+    for id in &ids {
+        exec_true(a, id).await?;
+    }
+    let t = Instant::now();
+    let v: Value = a
+        .json(Method::POST, "/v1/cluster/hosts/c/drain", None)
+        .await?;
+    let drain = t.elapsed();
+    let moved = v["moved"].as_array().map_or(0, Vec::len);
+    if moved != ids.len() {
+        bail!("the drain moved {moved} of {} children: {v}", ids.len());
+    }
+    say(&format!(
+        "c drained: {moved} children parked in {:.0} ms",
+        ms(drain)
+    ));
+    let (mut moved_first, mut moved_next) = (Vec::new(), Vec::new());
+    for id in &ids {
+        moved_first.push(ms(exec_true(a, id).await?));
+    }
+    for id in &ids {
+        moved_next.push(ms(exec_true(a, id).await?));
+    }
+    delete_all(a, &ids).await?;
+    let _: Value = a
+        .json(Method::DELETE, "/v1/cluster/hosts/c/drain", None)
+        .await?;
+
     let report = ClusterReport {
         hosts: 3,
         n: args.n,
@@ -295,6 +338,10 @@ pub async fn run(home: &Home, args: ClusterArgs) -> Result<()> {
         direct_exec_p50_ms: median(direct),
         forwarded_exec_p50_ms: median(forwarded),
         forwarded_over_direct: 0.0,
+        drained,
+        drain_ms: ms(drain),
+        moved_first_exec_ms: median(moved_first),
+        moved_next_exec_ms: median(moved_next),
     };
     let report = ClusterReport {
         cluster_over_one_host: report.cluster_fork_ms / report.one_host_fork_ms,
@@ -320,6 +367,10 @@ pub async fn run(home: &Home, args: ClusterArgs) -> Result<()> {
         println!(
             "a fork of 1 on b and on c, each pulling the snapshot: {:.0} ms in all",
             report.first_forks_with_pull_ms
+        );
+        println!(
+            "drain of a host with {} children: {:.0} ms; a moved child's first exec (taken: pulled, installed, resumed) {:.0} ms, its next {:.1} ms (medians)",
+            report.drained, report.drain_ms, report.moved_first_exec_ms, report.moved_next_exec_ms
         );
     }
     drop(hosts);
