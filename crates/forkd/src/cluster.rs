@@ -117,6 +117,13 @@ pub async fn drain(client: &Client, args: DrainArgs) -> Result<i32> {
     } else {
         Method::POST
     };
+    if !args.undo && !args.json {
+        // The answer comes once every sandbox moved: say what takes the time.
+        eprintln!(
+            "draining host {}: each of its sandboxes is paused, branched and pushed to the cluster's registry (seconds each)...",
+            args.host
+        );
+    }
     let v: Value = client.json(method, &path, None).await?;
     let strings = |k: &str| -> Vec<Value> { v[k].as_array().cloned().unwrap_or_default() };
     let kept = strings("kept");
