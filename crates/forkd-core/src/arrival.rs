@@ -79,7 +79,7 @@ pub async fn install(
         stall_ms: 0.0,
         transferred: 0,
         pages: 0,
-        diff_bytes: 0,
+        diff_bytes: empty.len() as u64,
         state_bytes,
         timeout_left_s: arrival.timeout_left_s,
         keeps: PauseKeeps::Memory,
