@@ -6,13 +6,11 @@ use super::types::{
     BuildSnapshotBody, ChainBody, CompactBody, SnapshotInfo, SnapshotList, Verified,
 };
 use super::{ApiError, App, JsonBody, PathParams, QueryParams};
-use crate::registry::RegistryError;
 use crate::state::OperationRow;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 use forkd_core::template::{self, Recipe};
-use forkd_core::SandboxError;
 use forkd_storage::snapshot::{chain, Snapshot, SnapshotError, Tag};
 use serde::Deserialize;
 
@@ -157,34 +155,9 @@ pub async fn delete(
         }
     }
     for t in &doomed {
-        remove_one(&app, &Tag::parse(t)?, q.force).await?;
+        crate::service::snapshot::remove(&app, &Tag::parse(t)?, q.force).await?;
     }
     Ok(StatusCode::NO_CONTENT)
-}
-
-/// Removes one snapshot (its children first with `force`).
-async fn remove_one(app: &App, tag: &Tag, force: bool) -> Result<(), ApiError> {
-    if force {
-        for id in app.registry.children_of(tag.as_str()) {
-            // One that went away meanwhile (deleted, timed out) is as good as stopped.
-            match app.registry.delete(&id).await {
-                Ok(()) | Err(RegistryError::Sandbox(SandboxError::NotFound { .. })) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-    }
-    // Its pool members hold its files open: they go first (and come back if the
-    // snapshot stays).
-    let store = app.registry.store();
-    let digest = crate::service::tags::digest_of(app, tag);
-    app.registry.drain_pool(tag.as_str()).await;
-    let removed = store.remove(tag, &app.registry.users_of(tag.as_str()));
-    app.registry.reopen_pool(tag.as_str(), removed.is_ok());
-    removed?;
-    if let Some(digest) = digest {
-        crate::service::tags::release_removed(app, tag, &digest).await;
-    }
-    Ok(())
 }
 
 /// Writes a standalone copy of a chain link: its memory image and device state copied,

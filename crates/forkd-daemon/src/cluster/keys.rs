@@ -111,3 +111,10 @@ pub struct HostLive {
     /// When it wrote this (RFC 3339).
     pub updated_at: String,
 }
+
+impl HostLive {
+    /// Its free slots, as it last said.
+    pub fn free_slots(&self) -> usize {
+        self.max_sandboxes.saturating_sub(self.running)
+    }
+}

@@ -326,6 +326,8 @@ pub async fn run(cluster: std::sync::Arc<Cluster>, app: App) {
     let mut tick = tokio::time::interval(RECONCILE_EVERY);
     let changes =
         [EventKind::Created, EventKind::Killed, EventKind::TimedOut].map(EventKind::as_str);
+    // Snapshot tags change with builds and pulls, not with sandboxes: on a timer alone.
+    let mut tags_tick = tokio::time::interval(RECONCILE_EVERY);
     let mut reported = BTreeSet::new();
     loop {
         tokio::select! {
@@ -335,6 +337,8 @@ pub async fn run(cluster: std::sync::Arc<Cluster>, app: App) {
                     Ok((claimed, released)) => tracing::debug!(claimed, released, "cluster claims reconciled"),
                     Err(e) => tracing::debug!("cluster claims not reconciled: {e}"),
                 }
+            }
+            _ = tags_tick.tick() => {
                 match super::tags::reconcile(&cluster, &app, &mut reported).await {
                     Ok(0) => {}
                     Ok(claimed) => tracing::debug!(claimed, "snapshot tags claimed in the cluster"),

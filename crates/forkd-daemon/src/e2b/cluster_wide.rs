@@ -189,8 +189,7 @@ pub(super) async fn create_elsewhere(
         .app
         .registry
         .store()
-        .open(&forkd_storage::snapshot::Tag::parse(tag)?)
-        .is_ok();
+        .exists(&forkd_storage::snapshot::Tag::parse(tag)?);
     if here && !cluster.is_draining() && crate::service::placement::free_here(&e2b.app) > 0 {
         return Ok(None);
     }
@@ -203,17 +202,13 @@ pub(super) async fn create_elsewhere(
         }
         Err(e) => return Err(e.into()),
     };
-    Ok(hosts
-        .iter()
-        .filter(|h| h.name != cluster.host_name() && h.state == HostState::Up)
-        .filter_map(|h| {
-            let live = h.live.as_ref()?;
-            let free = live.max_sandboxes.saturating_sub(live.running);
-            let fits = !live.draining && free > 0 && live.snapshots.contains_key(tag);
-            Some((free, h.name.clone(), live.e2b_address.clone()?)).filter(|_| fits)
-        })
-        .max_by_key(|(free, _, _)| *free)
-        .map(|(_, name, address)| (name, address)))
+    let holds = |l: &crate::cluster::keys::HostLive| {
+        l.e2b_address.is_some() && l.snapshots.contains_key(tag)
+    };
+    Ok(
+        crate::service::placement::roomiest_other(cluster, &hosts, holds)
+            .and_then(|(h, l)| Some((h.name.clone(), l.e2b_address.clone()?))),
+    )
 }
 
 /// Sends the create `body` to host `name`'s E2B listener at `address` and answers with

@@ -27,6 +27,7 @@ mod process;
 mod watch;
 
 use crate::api::App;
+use crate::service::cluster::{locate, Asked, Located, FORWARDED_BY};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode, Uri};
 use axum::middleware::Next;
@@ -261,11 +262,10 @@ async fn route(State(e2b): State<Shared>, mut req: Request, next: Next) -> Respo
         let refusal = (StatusCode::UNAUTHORIZED, m).into_response();
         return crate::server::refused_authentication(&e2b.failures, &req, refusal);
     }
-    if let Some(remote) = elsewhere(&e2b, &target.id, req.headers()).await {
-        return match remote {
-            Ok(r) => forward_e2b(&e2b, &target.id, r, req).await,
-            Err(e) => e.into_response(),
-        };
+    match served_at(&e2b, &target.id, req.headers(), false).await {
+        Ok(Located::Here | Located::Removed) => {}
+        Ok(Located::Remote(r)) => return forward_e2b(&e2b, &target.id, r, req).await,
+        Err(e) => return e.into_response(),
     }
     let prefix = match target.port {
         ENVD_PORT => "/_envd",
@@ -304,48 +304,33 @@ fn control_sandbox(path: &str) -> Option<&str> {
     rest.split('/').next().filter(|id| !id.is_empty())
 }
 
-/// In a cluster, the host that owns sandbox `id` when it is not this one (an error when
-/// it cannot be told or reached); none when the request is served here (it was
-/// forwarded already, or the sandbox is here or nowhere).
-async fn elsewhere(
+/// Where a request for sandbox `id` is served ([`locate`]): here outside a cluster.
+async fn served_at(
     e2b: &E2b,
     id: &str,
     headers: &HeaderMap,
-) -> Option<Result<crate::cluster::Remote, crate::api::ApiError>> {
-    use crate::service::cluster::{locate, Located, FORWARDED_BY};
-    let cluster = e2b.app.cluster.as_deref()?;
-    // Served here if forwarded, unless it moved off this host meanwhile.
-    if headers.contains_key(FORWARDED_BY) && !cluster.was_moved(id) {
-        return None;
+    removal: bool,
+) -> Result<Located, crate::api::ApiError> {
+    if e2b.app.cluster.is_none() {
+        return Ok(Located::Here);
     }
-    match locate(&e2b.app, id).await {
-        Ok(Located::Here) => None,
-        Ok(Located::Remote(r)) => Some(Ok(r)),
-        Err(e) => Some(Err(e)),
-    }
+    let asked = Asked {
+        forwarded: headers.contains_key(FORWARDED_BY),
+        removal,
+    };
+    locate(&e2b.app, id, asked).await
 }
 
 /// Serves a control-plane request for sandbox `id` here, or at its owner's.
 async fn to_owner(e2b: &E2b, id: &str, req: Request, next: Next) -> Response {
-    // A kill of a sandbox that waits for a host needs no host.
-    if req.method() == axum::http::Method::DELETE
-        && control_sandbox(req.uri().path()).is_some()
-        && req
-            .uri()
-            .path()
-            .trim_end_matches('/')
-            .ends_with(&format!("/sandboxes/{id}"))
-    {
-        match crate::service::moving::remove_if_parked(&e2b.app, id).await {
-            Ok(true) => return StatusCode::NO_CONTENT.into_response(),
-            Ok(false) => {}
-            Err(e) => return control::error(e.status, e.message),
-        }
-    }
-    match elsewhere(e2b, id, req.headers()).await {
-        None => next.run(req).await,
-        Some(Ok(r)) => forward_e2b(e2b, id, r, req).await,
-        Some(Err(e)) => control::error(e.status, e.message),
+    // A kill (`DELETE /sandboxes/{id}`) of a parked sandbox needs no host.
+    let removal = req.method() == axum::http::Method::DELETE
+        && req.uri().path().trim_end_matches('/') == format!("/sandboxes/{id}");
+    match served_at(e2b, id, req.headers(), removal).await {
+        Ok(Located::Here) => next.run(req).await,
+        Ok(Located::Remote(r)) => forward_e2b(e2b, id, r, req).await,
+        Ok(Located::Removed) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => control::error(e.status, e.message),
     }
 }
 

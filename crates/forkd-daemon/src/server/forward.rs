@@ -5,7 +5,7 @@
 //! ([`crate::service::cluster::locate`]).
 
 use crate::api::{ApiError, App};
-use crate::service::cluster::{locate, unreachable, Located, FORWARDED_BY};
+use crate::service::cluster::{locate, unreachable, Asked, Located, FORWARDED_BY};
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
@@ -22,30 +22,21 @@ fn sandbox_of(path: &str) -> Option<&str> {
 
 /// Serves the request here, or forwards it to the host that owns its sandbox.
 pub async fn to_owner(State(app): State<App>, req: Request, next: Next) -> Response {
-    let Some(cluster) = app.cluster.as_deref() else {
+    if app.cluster.is_none() {
         return next.run(req).await;
-    };
+    }
     let Some(id) = sandbox_of(req.uri().path()).map(str::to_owned) else {
         return next.run(req).await;
     };
-    // A forwarded request is served here, unless its sandbox moved off this host since
-    // the forwarding host learnt where it was: then it is passed on.
-    if req.headers().contains_key(FORWARDED_BY) && !cluster.was_moved(&id) {
-        return next.run(req).await;
-    }
-    // The removal of a sandbox that waits for a host needs no host.
-    if req.method() == axum::http::Method::DELETE
-        && req.uri().path().trim_end_matches('/') == format!("/v1/sandboxes/{id}")
-    {
-        match crate::service::moving::remove_if_parked(&app, &id).await {
-            Ok(true) => return StatusCode::NO_CONTENT.into_response(),
-            Ok(false) => {}
-            Err(e) => return e.into_response(),
-        }
-    }
-    match locate(&app, &id).await {
+    let asked = Asked {
+        forwarded: req.headers().contains_key(FORWARDED_BY),
+        removal: req.method() == axum::http::Method::DELETE
+            && req.uri().path().trim_end_matches('/') == format!("/v1/sandboxes/{id}"),
+    };
+    match locate(&app, &id, asked).await {
         Ok(Located::Here) => next.run(req).await,
         Ok(Located::Remote(r)) => forward(&app, &id, &r.host, Hop::Rest(&r.address), req).await,
+        Ok(Located::Removed) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e.into_response(),
     }
 }

@@ -21,15 +21,33 @@ pub enum Located {
     Here,
     /// On another host of the cluster.
     Remote(Remote),
+    /// It was parked (moved off its host, waiting for one) and the request removed it:
+    /// answered 204 where it arrived.
+    Removed,
 }
 
-/// Where the sandbox `id` lives. Sandboxes of this host are found without asking etcd,
-/// and so are those found on another host before (until it stops answering there);
-/// another host's answers 503 naming it when it is unreachable, and when etcd is.
-pub async fn locate(app: &App, id: &str) -> Result<Located, ApiError> {
+/// What a front door asks of the sandbox a request names.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Asked {
+    /// Another host forwarded the request here.
+    pub forwarded: bool,
+    /// The request removes the sandbox.
+    pub removal: bool,
+}
+
+/// Where a request for the sandbox `id` is served. Sandboxes of this host are found
+/// without asking etcd, and so are those found on another host before (until it stops
+/// answering there); another host's answers 503 naming it when it is unreachable, and
+/// when etcd is. A request another host forwarded is served here, unless the sandbox
+/// moved off this host since that host learnt where it was (then it is passed on). A
+/// parked sandbox is removed by a removal, and taken by a host for any other request.
+pub async fn locate(app: &App, id: &str, asked: Asked) -> Result<Located, ApiError> {
     let Some(cluster) = app.cluster.as_deref() else {
         return Ok(Located::Here);
     };
+    if asked.forwarded && !cluster.was_moved(id) {
+        return Ok(Located::Here);
+    }
     if app.registry.describe(id).is_ok() {
         return Ok(Located::Here);
     }
@@ -41,8 +59,16 @@ pub async fn locate(app: &App, id: &str) -> Result<Located, ApiError> {
         return Ok(Located::Here);
     };
     if owner.parked.is_some() {
-        // Moved off its host: taken by a host now, for this request.
-        return super::moving::take(app, cluster, id).await;
+        if !asked.removal {
+            // Moved off its host: taken by a host now, for this request.
+            return super::moving::take(app, cluster, id).await;
+        }
+        if cluster.remove_parked(id).await? {
+            tracing::info!(%id, "a parked sandbox was removed");
+            return Ok(Located::Removed);
+        }
+        // Taken meanwhile: where it is now.
+        return Box::pin(locate(app, id, asked)).await;
     }
     if owner.host == cluster.host_name() {
         return Ok(Located::Here);

@@ -17,6 +17,7 @@ pub mod moving;
 pub mod pause;
 pub mod placement;
 pub mod sandbox;
+pub mod snapshot;
 pub mod tags;
 
 pub use crate::api::ApiError;

@@ -21,7 +21,7 @@ use super::cluster::{peer, Located};
 use super::ApiError;
 use crate::api::App;
 use crate::cluster::ownership::{record_of, Claimed, OwnerRecord, Parked};
-use crate::cluster::{Cluster, HostState, Remote};
+use crate::cluster::{Cluster, Remote};
 use crate::state::SandboxRow;
 use axum::http::StatusCode;
 use forkd_core::lifecycle::SandboxState;
@@ -159,18 +159,10 @@ async fn park(app: &App, cluster: &Cluster, id: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Removes the snapshot `tag` of this host if nothing uses it (and its tag from the
-/// cluster if no other host holds it).
+/// Removes the snapshot `tag` of this host if nothing uses it.
 async fn remove_snapshot(app: &App, tag: &Tag) {
-    let users = app.registry.users_of(tag.as_str());
-    let digest = super::tags::digest_of(app, tag);
-    match app.registry.store().remove(tag, &users) {
-        Ok(()) => {
-            if let Some(digest) = digest {
-                super::tags::release_removed(app, tag, &digest).await;
-            }
-        }
-        Err(e) => tracing::warn!(%tag, "removing the snapshot: {e}"),
+    if let Err(e) = super::snapshot::remove(app, tag, false).await {
+        tracing::warn!(%tag, "removing the snapshot: {}", e.message);
     }
 }
 
@@ -184,22 +176,6 @@ pub async fn removed(app: &App, id: &str, snapshot: &str) {
     }
 }
 
-/// Removes sandbox `id` if it is parked (not on this host, waiting for one), without
-/// bringing it to a host first. True if it was.
-pub async fn remove_if_parked(app: &App, id: &str) -> Result<bool, ApiError> {
-    let Some(cluster) = app.cluster.as_deref() else {
-        return Ok(false);
-    };
-    if app.registry.describe(id).is_ok() {
-        return Ok(false);
-    }
-    let removed = cluster.remove_parked(id).await?;
-    if removed {
-        tracing::info!(%id, "a parked sandbox was removed");
-    }
-    Ok(removed)
-}
-
 /// Has the parked sandbox `id` taken by a host: this one if it can run it, else the
 /// living host with the most free slots. Returns where it is now.
 pub async fn take(app: &App, cluster: &Cluster, id: &str) -> Result<Located, ApiError> {
@@ -208,16 +184,7 @@ pub async fn take(app: &App, cluster: &Cluster, id: &str) -> Result<Located, Api
         return Ok(Located::Here);
     }
     let hosts = cluster.hosts().await?;
-    let best = hosts
-        .iter()
-        .filter(|h| h.state == HostState::Up && h.name != cluster.host_name())
-        .filter_map(|h| {
-            let live = h.live.as_ref()?;
-            let free = live.max_sandboxes.saturating_sub(live.running);
-            (!live.draining && free > 0).then_some((free, h, live))
-        })
-        .max_by_key(|(free, _, _)| *free);
-    let Some((_, host, live)) = best else {
+    let Some((host, live)) = super::placement::roomiest_other(cluster, &hosts, |_| true) else {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "at_capacity",
@@ -319,11 +286,10 @@ pub async fn take_here(app: &App, id: &str) -> Result<(), ApiError> {
             Ok(())
         }
         Ok(Claimed::Other(host)) => {
-            // Another host took it first: this copy goes.
+            // Another host took it first: this copy goes (and its link with it).
             if let Err(e) = super::sandbox::delete(app, id).await {
                 tracing::warn!(%id, "removing a copy another host took: {}", e.message);
             }
-            removed(app, id, tag.as_str()).await;
             Err(ApiError::conflict(format!(
                 "the sandbox {id} was taken by host {host} meanwhile"
             )))

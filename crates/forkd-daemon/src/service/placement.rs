@@ -15,6 +15,7 @@ use super::cluster::{peer, FORWARDED_BY};
 use super::ApiError;
 use crate::api::types::{CreateSandboxes, CreatedSandboxes, SandboxInfo};
 use crate::api::App;
+use crate::cluster::keys::HostLive;
 use crate::cluster::{Cluster, HostState, HostView};
 use axum::http::StatusCode;
 use forkd_storage::snapshot::Tag;
@@ -132,6 +133,21 @@ pub(crate) fn free_here(app: &App) -> usize {
         .saturating_sub(app.registry.running())
 }
 
+/// The living, undrained host other than this one with the most free slots among
+/// those `fits` lets through, with what it last said of itself.
+pub(crate) fn roomiest_other<'a>(
+    cluster: &Cluster,
+    hosts: &'a [HostView],
+    fits: impl Fn(&HostLive) -> bool,
+) -> Option<(&'a HostView, &'a HostLive)> {
+    hosts
+        .iter()
+        .filter(|h| h.state == HostState::Up && h.name != cluster.host_name())
+        .filter_map(|h| Some((h, h.live.as_ref()?)))
+        .filter(|(_, l)| !l.draining && l.free_slots() > 0 && fits(l))
+        .max_by_key(|(_, l)| l.free_slots())
+}
+
 /// Forks `req` (whose JSON is `raw`) across the cluster of `app`; answers as a single
 /// fork does, each child with its host. A host without the snapshot hands the whole
 /// fork to one that holds it (unless it was `handed` one itself). While etcd cannot be
@@ -151,13 +167,13 @@ pub async fn fork(
         && !cluster.is_draining()
         && matches(&cluster.config().labels, &placement.labels)
         && free_here(app) >= req.n as usize
-        && local_digest(app, &tag).is_some()
+        && app.registry.store().exists(&tag)
     {
         return super::fork::create_here(app, req).await;
     }
     let hosts = match cluster.hosts().await {
         Ok(h) => h,
-        Err(e) if req.placement.is_none() && local_digest(app, &tag).is_some() => {
+        Err(e) if req.placement.is_none() && app.registry.store().exists(&tag) => {
             tracing::warn!(%tag, "forking on this host alone: {e}");
             return super::fork::create_here(app, req).await;
         }
@@ -190,7 +206,7 @@ pub async fn fork(
             let free = if here {
                 free_here(app)
             } else {
-                live.max_sandboxes.saturating_sub(live.running)
+                live.free_slots()
             };
             Some(Candidate {
                 name: h.name.clone(),

@@ -43,7 +43,13 @@ pub async fn resume_if_paused(app: &App, id: &str) -> Result<(), ApiError> {
 
 /// Stops the sandbox `id` and removes its files and its record.
 pub async fn delete(app: &App, id: &str) -> Result<(), ApiError> {
-    let snapshot = app.registry.describe(id).map(|l| l.row.snapshot).ok();
+    // A link that brought a sandbox from another host goes with it (in a cluster only:
+    // elsewhere no sandbox arrives so).
+    let snapshot = app
+        .cluster
+        .as_ref()
+        .and_then(|_| app.registry.describe(id).ok())
+        .map(|l| l.row.snapshot);
     app.registry.delete(id).await?;
     if let Some(snapshot) = snapshot {
         super::moving::removed(app, id, &snapshot).await;

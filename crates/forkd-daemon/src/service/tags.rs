@@ -24,8 +24,7 @@ pub async fn claim_made(app: &App, tags: &[String]) -> Result<(), ApiError> {
         match cluster.claim_tag(tag, &digest).await {
             Ok(TagClaim::Same) => {}
             Ok(TagClaim::Other(held)) => {
-                let users = app.registry.users_of(tag);
-                let removed = app.registry.store().remove(&t, &users).is_ok();
+                let removed = super::snapshot::remove(app, &t, false).await.is_ok();
                 return Err(ApiError::conflict(format!(
                     "the tag {tag} names another snapshot in the cluster (digest {}, first made on host {}): {}; pull that one, or give this one another tag",
                     held.digest,
