@@ -25,11 +25,11 @@ const CREDENTIALS: [&str; 2] = ["x-api-key", "authorization"];
 const MAX_PAGES: usize = 1000;
 
 /// The sandboxes of the cluster beyond this host's, as E2B lists them, filtered by
-/// `filters` (the request's `metadata` and `state` query pairs, as they came).
+/// the request's `filter`.
 pub(super) async fn elsewhere(
     e2b: &E2b,
     headers: &HeaderMap,
-    filters: &[(String, String)],
+    filter: &super::control::ListFilter,
 ) -> Result<Vec<Value>, ApiError> {
     let Some(cluster) = e2b.app.cluster.as_deref() else {
         return Ok(Vec::new());
@@ -37,7 +37,7 @@ pub(super) async fn elsewhere(
     let me = cluster.host_name();
     let hosts = cluster.hosts().await?;
     let query = form_urlencoded::Serializer::new(String::new())
-        .extend_pairs(filters)
+        .extend_pairs(&filter.pairs)
         .finish();
     let lists = hosts
         .iter()
@@ -56,10 +56,10 @@ pub(super) async fn elsewhere(
         all.extend(listed.unwrap_or_default());
     }
     let parked = cluster.parked().await?;
-    let wanted = Wanted::of(filters);
     all.extend(
         parked
             .into_iter()
+            .filter(|(_, r)| filter.allows(&r.labels, "paused"))
             .map(|(id, r)| {
                 json!({
                     "templateID": r.snapshot,
@@ -74,8 +74,7 @@ pub(super) async fn elsewhere(
                     "envdVersion": super::ENVD_VERSION,
                     "metadata": r.labels,
                 })
-            })
-            .filter(|v| wanted.matches(v)),
+            }),
     );
     Ok(all)
 }
@@ -115,40 +114,6 @@ async fn host_list(
         }
     }
     anyhow::bail!("more than {MAX_PAGES} pages")
-}
-
-/// The `metadata` and `state` filters of a list, for records the hosts do not filter.
-struct Wanted {
-    metadata: Vec<(String, String)>,
-    states: Option<Vec<String>>,
-}
-
-impl Wanted {
-    fn of(filters: &[(String, String)]) -> Wanted {
-        let mut w = Wanted {
-            metadata: Vec::new(),
-            states: None,
-        };
-        for (k, v) in filters {
-            match k.as_str() {
-                "metadata" => w.metadata = super::control::metadata_filter(v),
-                "state" => w.states = Some(v.split(',').map(str::to_owned).collect()),
-                _ => {}
-            }
-        }
-        w
-    }
-
-    fn matches(&self, item: &Value) -> bool {
-        let state = item["state"].as_str().unwrap_or("");
-        self.states
-            .as_ref()
-            .is_none_or(|s| s.iter().any(|s| s == state))
-            && self
-                .metadata
-                .iter()
-                .all(|(k, v)| item["metadata"][k].as_str() == Some(v.as_str()))
-    }
 }
 
 /// A request to another host's E2B listener on behalf of a client: its credentials,

@@ -429,17 +429,11 @@ async fn list(
     headers: axum::http::HeaderMap,
     RawQuery(q): RawQuery,
 ) -> Result<Response, E2bError> {
-    let mut metadata = Vec::new();
-    let mut filters = Vec::new();
-    let mut states: Option<Vec<String>> = None;
+    let mut filter = ListFilter::default();
     let (mut limit, mut offset) = (MAX_PAGE, 0usize);
     for (k, v) in crate::api::form_pairs(q.as_deref().unwrap_or("")) {
-        if matches!(k.as_str(), "metadata" | "state") {
-            filters.push((k.clone(), v.clone()));
-        }
         match k.as_str() {
-            "metadata" => metadata = metadata_filter(&v),
-            "state" => states = Some(v.split(',').map(str::to_owned).collect()),
+            "metadata" | "state" => filter.add(k, v),
             "limit" => {
                 limit = v
                     .parse::<usize>()
@@ -460,20 +454,12 @@ async fn list(
         .registry
         .list()
         .into_iter()
-        .filter(|e| {
-            metadata
-                .iter()
-                .all(|(k, v)| e.row.labels.get(k).is_some_and(|have| have == v))
-        })
-        .filter(|e| {
-            let state = e2b_state(e.row.state);
-            states.as_ref().is_none_or(|s| s.iter().any(|s| s == state))
-        })
+        .filter(|e| filter.allows(&e.row.labels, e2b_state(e.row.state)))
         .collect();
     let cluster_wide =
         e2b.app.cluster.is_some() && !headers.contains_key(crate::service::cluster::FORWARDED_BY);
     let elsewhere = if cluster_wide {
-        super::cluster_wide::elsewhere(&e2b, &headers, &filters).await?
+        super::cluster_wide::elsewhere(&e2b, &headers, &filter).await?
     } else {
         Vec::new()
     };
@@ -509,9 +495,41 @@ async fn list(
     Ok(r)
 }
 
+/// A list's `metadata` and `state` filters, with the query pairs they came as (passed
+/// on to the other hosts of a cluster).
+#[derive(Default)]
+pub(super) struct ListFilter {
+    metadata: Vec<(String, String)>,
+    states: Option<Vec<String>>,
+    /// The query pairs, as they came.
+    pub(super) pairs: Vec<(String, String)>,
+}
+
+impl ListFilter {
+    /// Takes the query pair `k=v` (`metadata` or `state`).
+    fn add(&mut self, k: String, v: String) {
+        match k.as_str() {
+            "metadata" => self.metadata = metadata_filter(&v),
+            _ => self.states = Some(v.split(',').map(str::to_owned).collect()),
+        }
+        self.pairs.push((k, v));
+    }
+
+    /// Whether a sandbox with `labels`, in E2B's `state`, is listed.
+    pub(super) fn allows(&self, labels: &BTreeMap<String, String>, state: &str) -> bool {
+        self.metadata
+            .iter()
+            .all(|(k, v)| labels.get(k).is_some_and(|have| have == v))
+            && self
+                .states
+                .as_ref()
+                .is_none_or(|s| s.iter().any(|s| s == state))
+    }
+}
+
 /// The metadata filter: the SDKs quote each key and value, join them as a query string
 /// and send that as one query value, so each part is decoded once more here.
-pub(super) fn metadata_filter(v: &str) -> Vec<(String, String)> {
+fn metadata_filter(v: &str) -> Vec<(String, String)> {
     crate::api::form_pairs(v)
         .into_iter()
         .map(|(k, v)| {
