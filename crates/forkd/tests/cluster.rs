@@ -789,6 +789,17 @@ fn a_drained_hosts_sandbox_resumes_on_another_host_at_its_next_use() {
         let v = common::exec(&b.unix(), &id, set_up).await;
         assert_eq!(stdout(&v).trim(), "started", "{v}");
 
+        // Bad input: a host the cluster does not know, a take of a sandbox that is not
+        // parked.
+        let out = b.forkd().args(["drain", "nosuch"]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("no host nosuch"),
+            "{err}"
+        );
+        let take = format!("/v1/cluster/sandboxes/{id}/take");
+        let (s, v) = call(&b.unix(), Method::POST, &take, None).await;
+        assert_eq!(s, StatusCode::CONFLICT, "{v}");
         let out = b.forkd().args(["drain", "a", "--json"]).output().unwrap();
         let report: Value = serde_json::from_slice(&out.stdout)
             .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
